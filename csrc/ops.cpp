@@ -1,0 +1,34 @@
+// Op schemas of pagedgen._C: each op is defined once here and implemented per device in
+// csrc/cpu/*.cpp (CPU) and csrc/cuda/*.cu (CUDA). Python reaches them as torch.ops.pagedgen.*
+// through pagedgen/ops/, which also holds the plain PyTorch reference of every op.
+//
+// Layouts shared by all ops (one layer's cache):
+//   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
+//   slot_mapping:           [num_tokens] int64, slot = block_id * block_size + offset; < 0 = padding
+//   block_tables:           [num_seqs, max_blocks_per_seq] int32, logical block -> physical block
+//   seq_lens:               [num_seqs] int32, tokens of context each query attends over
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(pagedgen, m) {
+  // Write key/value [num_tokens, num_kv_heads, head_size] into their cache slots.
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  // Decode attention: out/query [num_seqs, num_heads, head_size]; each query attends over the first
+  // seq_lens[i] tokens reached through block_tables[i]. num_heads % num_kv_heads == 0 (GQA).
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  // Copy whole blocks inside one layer's cache: block_mapping [num_pairs, 2] int64 (src, dst).
+  m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()");
+  // Copy whole blocks between two caches of the same shape on different devices (swap out / in):
+  // block_mapping [num_pairs, 2] int64 (src block in src, dst block in dst).
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+}
+
+// A bare module init so that `import pagedgen._C` loads the library (and runs the registrations).
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

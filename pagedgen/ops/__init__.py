@@ -1,0 +1,74 @@
+"""The one door to pagedgen's ops: torch.ops.pagedgen.* from the compiled extension when it is built
+and has a kernel for the tensors' device, otherwise the PyTorch reference in ``reference.py``
+(with one warning). See csrc/ops.cpp for the schemas and layouts.
+"""
+import functools
+import warnings
+
+import torch
+
+from pagedgen.ops import reference
+
+try:
+    from pagedgen import _C  # noqa: F401  (loading the library registers torch.ops.pagedgen.*)
+
+    _IMPORT_ERROR = None
+except ImportError as exc:  # the extension was not built
+    _IMPORT_ERROR = exc
+
+__all__ = ["extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks"]
+
+_OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")
+
+
+def extension_available(device: str = "cpu") -> bool:
+    """True when pagedgen._C is loaded and has kernels for ``device`` ("cpu" or "cuda")."""
+    if _IMPORT_ERROR is not None:
+        return False
+    key = "CUDA" if str(device).startswith("cuda") else "CPU"
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedgen::{op}", key) for op in _OPS)
+
+
+def extension_error(device: str = "cpu") -> str:
+    """Why the extension cannot serve ``device`` (empty string when it can)."""
+    if _IMPORT_ERROR is not None:
+        return f"pagedgen._C could not be imported ({_IMPORT_ERROR}); build it with scripts/setup.sh"
+    if not extension_available(device):
+        return f"pagedgen._C was built without kernels for {device!r}"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(device_type: str) -> None:
+    warnings.warn(
+        f"{extension_error(device_type)}; using the slow PyTorch reference ops instead", RuntimeWarning, stacklevel=3
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _impl(name: str, device_type: str):
+    if extension_available(device_type):
+        return getattr(torch.ops.pagedgen, name)
+    _warn_fallback(device_type)
+    return getattr(reference, name)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """See :func:`pagedgen.ops.reference.reshape_and_cache`."""
+    _impl("reshape_and_cache", key_cache.device.type)(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale: float) -> None:
+    """See :func:`pagedgen.ops.reference.paged_attention`."""
+    _impl("paged_attention", query.device.type)(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def copy_blocks(key_cache, value_cache, block_mapping) -> None:
+    """See :func:`pagedgen.ops.reference.copy_blocks`."""
+    _impl("copy_blocks", key_cache.device.type)(key_cache, value_cache, block_mapping)
+
+
+def swap_blocks(src, dst, block_mapping) -> None:
+    """See :func:`pagedgen.ops.reference.swap_blocks`. Dispatches on the GPU side when there is one."""
+    device_type = "cuda" if "cuda" in (src.device.type, dst.device.type) else "cpu"
+    _impl("swap_blocks", device_type)(src, dst, block_mapping)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set-up: makes .venv, installs the pinned dependencies (requirements.txt) and builds the extension
+# pagedgen._C. Idempotent: each step runs only when what it depends on has changed.
+# Facts behind the flags: ../shared/ENVIRONMENT.md (torch 2.14.1 CUDA 13.0 build, CUDA_HOME, -g0).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${PAGEDGEN_VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+req_hash=$(sha256sum requirements.txt | cut -c1-16)
+if [ "$(cat "$VENV/.pagedgen-req" 2>/dev/null)" != "$req_hash" ]; then
+  echo "[setup] installing pinned dependencies (first time: a few minutes)"
+  "$PY" -m pip install -q --upgrade pip setuptools wheel
+  "$PY" -m pip install -q -r requirements.txt
+  echo "$req_hash" > "$VENV/.pagedgen-req"
+fi
+
+# CUDA toolkit for compiling csrc/cuda/*.cu (the wrapper nvcc on PATH lives elsewhere).
+if [ -z "${CUDA_HOME:-}" ]; then
+  for d in /usr/local/cuda /usr/local/cuda-13.0; do
+    if [ -x "$d/bin/nvcc" ]; then export CUDA_HOME="$d"; break; fi
+  done
+fi
+export MAX_JOBS=${MAX_JOBS:-2}
+
+src_hash=$(cat setup.py pyproject.toml csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh 2>/dev/null | sha256sum | cut -c1-16)
+if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedgen/_C*.so >/dev/null 2>&1; then
+  echo "[setup] building the extension pagedgen._C (CUDA_HOME=${CUDA_HOME:-none}; a few minutes)"
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+  echo "$src_hash" > "$VENV/.pagedgen-ext"
+fi
+"$PY" -c "import pagedgen.ops as o; assert o.extension_available('cpu'), o.extension_error('cpu'); print('[setup] ok: pagedgen._C loaded')"
