@@ -3,6 +3,7 @@ and has a kernel for the tensors' device, otherwise the PyTorch reference in ``r
 (with one warning). See csrc/ops.cpp for the schemas and layouts.
 """
 import functools
+import importlib
 import warnings
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from pagedgen.ops import reference
 
 try:
-    from pagedgen import _C  # noqa: F401  (loading the library registers torch.ops.pagedgen.*)
+    importlib.import_module("pagedgen._C")  # loading the library registers torch.ops.pagedgen.*
 
     _IMPORT_ERROR = None
 except ImportError as exc:  # the extension was not built

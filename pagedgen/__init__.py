@@ -1,0 +1,12 @@
+"""pagedgen: offline batch generation with LLMs over a paged KV cache (PagedAttention).
+
+The API follows vLLM's offline one, so switching is one import::
+
+    from pagedgen import LLM, SamplingParams
+"""
+from pagedgen.llm import LLM
+from pagedgen.outputs import CompletionOutput, RequestOutput
+from pagedgen.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,66 @@
+"""Frozen configuration of one engine, built and validated once by ``LLM`` and passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-architecture decoder (read from a Hugging Face config.json).
+
+    Attributes:
+        vocab_size, hidden_size, intermediate_size, num_layers: as in ``LlamaConfig``.
+        num_heads, num_kv_heads, head_dim: query heads, key/value heads (grouped-query attention),
+            size of one head (any size, 8 included).
+        rms_norm_eps: epsilon of RMSNorm.
+        max_position_embeddings: the model's context length (tokens).
+        tie_word_embeddings: lm_head shares the input embedding matrix.
+        dtype: torch dtype of weights, activations and the KV cache.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes over all layers (keys and values)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens, shared by all sequences."""
+
+    block_size: int
+    num_blocks: int
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the whole cache."""
+        return self.block_size * self.num_blocks
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduler step.
+
+    Attributes:
+        max_num_seqs: most sequences running at once (decode batch size).
+        max_num_batched_tokens: most tokens computed in one model step (prefill chunks + decodes).
+        max_model_len: most tokens (prompt + output) of one sequence.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int

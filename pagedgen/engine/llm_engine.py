@@ -1,0 +1,129 @@
+"""The step loop: schedule, run the model, append tokens, retire finished sequences.
+
+Tensor-free apart from the model runner it drives. One ``LLMEngine`` serves many ``generate`` calls;
+after an error every unfinished sequence is aborted so that the next call starts from a clean pool.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from pagedgen.config import CacheConfig, SchedulerConfig
+from pagedgen.engine.block_manager import BlockManager
+from pagedgen.engine.model_runner import ModelRunner
+from pagedgen.engine.scheduler import Scheduler
+from pagedgen.engine.sequence import Sequence
+from pagedgen.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """KV-cache and scheduling figures since the engine was made (``LLM.get_stats()``).
+
+    ``kv_utilization_mean`` is the mean, over steps, of slots holding real tokens / slots allocated
+    (the PagedAttention paper's figure 2 measure); ``kv_utilization`` is the last step's value.
+    """
+
+    num_steps: int
+    num_preemptions: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_generated_tokens: int
+    num_kv_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    block_size: int
+    kv_utilization: float
+    kv_utilization_mean: float
+    peak_used_blocks: int
+
+
+class LLMEngine:
+    """Drives scheduler, block manager and model runner over a set of sequences.
+
+    Args:
+        cache_config, scheduler_config: frozen limits (validated by ``LLM``).
+        model_runner: tensors and the model; shares ``cache_config``.
+        eos_token_ids: tokens that end a sequence unless its request sets ignore_eos.
+    """
+
+    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, model_runner: ModelRunner, eos_token_ids: frozenset[int]) -> None:
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.model_runner = model_runner
+        self.eos_token_ids = eos_token_ids
+        self._seq_ids = itertools.count()
+        self._num_generated = 0
+        self._util_sum = 0.0
+        self._last_util = 1.0
+        self._peak_blocks = 0
+
+    def add_sequence(self, request_index: int, prompt_token_ids: list[int], params: SamplingParams, generator=None) -> Sequence:
+        """Queue one sequence (inputs already validated)."""
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_index=request_index,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.scheduler_config.max_model_len,
+            generator=generator,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Run one model step. Returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            raise RuntimeError("scheduler planned an empty step with work pending (a request cannot fit the KV cache)")
+        bm = self.block_manager
+        self._last_util = bm.utilization()
+        self._util_sum += self._last_util
+        self._peak_blocks = max(self._peak_blocks, bm.num_used_blocks)
+        sampled_seqs, tokens = self.model_runner.execute(batch, bm)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        finished = [seq for seq, tok in zip(sampled_seqs, tokens) if seq.append_token(tok)]
+        self._num_generated += len(tokens)
+        self.scheduler.finish_many(finished)
+        return finished
+
+    def run(self, on_finished: Optional[Callable[[list[Sequence], int], None]] = None) -> None:
+        """Step until every queued sequence has finished; after any error, abort them all.
+
+        ``on_finished(finished_seqs, num_tokens_generated_in_step)`` is called after each step.
+        """
+        try:
+            while self.has_unfinished():
+                before = self._num_generated
+                finished = self.step()
+                if on_finished is not None:
+                    on_finished(finished, self._num_generated - before)
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler.stats, self.block_manager
+        return EngineStats(
+            num_steps=s.num_steps,
+            num_preemptions=s.num_preemptions,
+            num_prefill_tokens=s.num_prefill_tokens,
+            num_decode_tokens=s.num_decode_tokens,
+            num_generated_tokens=self._num_generated,
+            num_kv_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            block_size=bm.block_size,
+            kv_utilization=self._last_util,
+            kv_utilization_mean=self._util_sum / s.num_steps if s.num_steps else 1.0,
+            peak_used_blocks=self._peak_blocks,
+        )

@@ -1,0 +1,292 @@
+"""``LLM``: the offline batch-generation API, with the names of vLLM's ``vllm.LLM``.
+
+    from pagedgen import LLM, SamplingParams
+    llm = LLM("../shared/models/stories260K")
+    outputs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional, Sequence as Seq, Union
+
+import torch
+
+from pagedgen import ops
+from pagedgen.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedgen.engine.block_manager import cdiv
+from pagedgen.engine.llm_engine import EngineStats, LLMEngine
+from pagedgen.engine.model_runner import ModelRunner
+from pagedgen.engine.sampler import Sampler
+from pagedgen.engine.sequence import Sequence
+from pagedgen.model import loader
+from pagedgen.model.llama import LlamaForCausalLM, rope_cos_sin
+from pagedgen.outputs import CompletionOutput, RequestOutput
+from pagedgen.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedgen")
+
+#: Share of the memory that is available when ``LLM`` is built that the KV cache takes by default
+#: (capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can ever use).
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
+
+PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"LLM {name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"LLM {name} must be >= 1, got {value}")
+
+
+class LLM:
+    """Loads a Hugging Face Llama checkpoint and generates completions for lists of prompts.
+
+    Args:
+        model: path of a checkpoint folder (config.json, model.safetensors or a sharded
+            model.safetensors.index.json, tokenizer files, optional generation_config.json).
+        tokenizer: tokenizer folder, if not the model folder.
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+        block_size: tokens per KV block (16 by default).
+        num_kv_blocks: size the KV cache in blocks; overrides ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: size the KV cache in bytes (all layers, keys and values). Default:
+            ``DEFAULT_KV_CACHE_MEMORY_FRACTION`` of the available memory, capped at what
+            ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens in one step; longer prompts are prefilled in chunks.
+            Default max(4096, max_num_seqs).
+        max_model_len: most tokens (prompt + output) per sequence; default and upper bound the
+            model's ``max_position_embeddings``. Lowered to the KV cache's size when that is smaller.
+        seed: seed of the sampler's generator (requests without their own seed).
+        enforce_extension: raise instead of falling back to the PyTorch reference ops when the
+            compiled extension ``pagedgen._C`` is missing.
+
+    Raises:
+        FileNotFoundError: the folder, config.json or the safetensors weights are missing.
+        ValueError: unsupported architecture, a bad argument value, or a KV cache under one block.
+        TypeError: an argument of the wrong type.
+        RuntimeError: ``enforce_extension=True`` and the extension is not available.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: Optional[str] = None,
+        dtype: Union[str, torch.dtype] = "auto",
+        block_size: int = 16,
+        num_kv_blocks: Optional[int] = None,
+        kv_cache_memory_bytes: Optional[int] = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: Optional[int] = None,
+        max_model_len: Optional[int] = None,
+        seed: int = 0,
+        enforce_extension: bool = False,
+    ) -> None:
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"LLM model must be a folder path, got {type(model).__name__}")
+        for name, value, opt in (
+            ("block_size", block_size, False),
+            ("num_kv_blocks", num_kv_blocks, True),
+            ("kv_cache_memory_bytes", kv_cache_memory_bytes, True),
+            ("max_num_seqs", max_num_seqs, False),
+            ("max_num_batched_tokens", max_num_batched_tokens, True),
+            ("max_model_len", max_model_len, True),
+        ):
+            _check_positive_int(name, value, opt)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
+        device = torch.device("cpu")
+        if enforce_extension and not ops.extension_available(device.type):
+            raise RuntimeError(ops.extension_error(device.type))
+
+        model = os.fspath(model)
+        hf_config = loader.load_hf_config(model)
+        model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
+        if max_model_len is None:
+            max_model_len = model_config.max_position_embeddings
+        elif max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"LLM max_model_len must be <= the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings}), got {max_model_len}"
+            )
+
+        from transformers import AutoTokenizer
+
+        tok_path = os.fspath(tokenizer) if tokenizer is not None else model
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
+
+        num_blocks = self._num_kv_blocks(model_config, block_size, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs, max_model_len)
+        cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+        if cache_config.num_slots < max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens, fewer than max_model_len=%d: max_model_len lowered to %d",
+                cache_config.num_slots, max_model_len, cache_config.num_slots,
+            )
+            max_model_len = cache_config.num_slots
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(4096, max_num_seqs),
+            max_model_len=max_model_len,
+        )
+
+        weights = loader.load_safetensors(model, model_config.dtype)
+        cos, sin = rope_cos_sin(hf_config, model_config.head_dim, max_model_len)
+        self.model = LlamaForCausalLM(model_config, weights, cos, sin, device)
+        del weights
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        runner = ModelRunner(self.model, cache_config, Sampler(seed))
+        self.engine = LLMEngine(cache_config, scheduler_config, runner, self.eos_token_ids)
+        self._seed = seed
+
+    @staticmethod
+    def _num_kv_blocks(cfg: ModelConfig, block_size, num_kv_blocks, kv_bytes, max_num_seqs, max_model_len) -> int:
+        block_bytes = cfg.kv_bytes_per_token() * block_size
+        if num_kv_blocks is not None:
+            return num_kv_blocks
+        if kv_bytes is None:
+            import psutil
+
+            kv_bytes = int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_MEMORY_FRACTION)
+            cap = max_num_seqs * cdiv(max_model_len, block_size)
+            return max(1, min(kv_bytes // block_bytes, cap))
+        if kv_bytes < block_bytes:
+            raise ValueError(f"LLM kv_cache_memory_bytes must hold at least one block ({block_bytes} bytes), got {kv_bytes}")
+        return kv_bytes // block_bytes
+
+    # ----- inputs ----------------------------------------------------------------------------------
+    def _tokenize(self, prompts: PromptsType) -> tuple[list[Optional[str]], list[list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
+        if not prompts:
+            return [], []
+        first_is_text = isinstance(prompts[0], str)
+        for i, p in enumerate(prompts):
+            if first_is_text and not isinstance(p, str):
+                raise TypeError(f"prompts[{i}] is a {type(p).__name__}, but prompts[0] is a str: do not mix prompt types")
+            if not first_is_text:
+                if isinstance(p, str):
+                    raise TypeError(f"prompts[{i}] is a str, but prompts[0] is a token-id list: do not mix prompt types")
+                if not isinstance(p, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise TypeError(f"prompts[{i}] must be a list of int token ids, got {type(p).__name__}")
+        vocab = self.model_config.vocab_size
+        if first_is_text:
+            texts = list(prompts)
+            ids = [list(x) for x in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        else:
+            texts = [None] * len(prompts)
+            ids = [list(p) for p in prompts]
+            for i, p in enumerate(ids):
+                bad = [t for t in p if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"prompts[{i}] has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bos = self.tokenizer.bos_token_id
+        for i, p in enumerate(ids):
+            if not p:
+                if bos is None:
+                    raise ValueError(f"prompts[{i}] is empty and the tokenizer has no BOS token to start from")
+                p.append(bos)
+        return texts, ids
+
+    def _validate(self, prompts: PromptsType, sampling_params) -> tuple[list[Optional[str]], list[list[int]], list[SamplingParams]]:
+        texts, ids = self._tokenize(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(ids)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(ids)
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(ids):
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(ids)} prompts: give one or one per prompt")
+            for i, p in enumerate(sampling_params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            params = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+        limit = self.scheduler_config.max_model_len
+        for i, p in enumerate(ids):
+            if len(p) + 1 > limit:
+                raise ValueError(
+                    f"prompts[{i}] has {len(p)} tokens; prompt + 1 generated token must fit max_model_len={limit} "
+                    f"(allowed prompt length: 1 to {limit - 1} tokens)"
+                )
+        return texts, ids, params
+
+    # ----- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for every prompt; results in the order of ``prompts``.
+
+        Args:
+            prompts: a str, a list of str, or a list of token-id lists (not mixed).
+            sampling_params: one SamplingParams for all prompts, or one per prompt (default: vLLM's
+                defaults, i.e. temperature 1.0 and max_tokens 16).
+            use_tqdm: show a progress bar of finished requests with output tokens/s.
+
+        Returns:
+            one RequestOutput per prompt. An empty list gives [].
+
+        Raises:
+            TypeError / ValueError: bad prompts or parameters (naming the index and the allowed
+                range), raised before any work starts; the LLM stays usable.
+        """
+        texts, ids, params = self._validate(prompts, sampling_params)
+        if not ids:
+            return []
+        seqs: list[Sequence] = []
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            generator = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+            seqs.append(self.engine.add_sequence(i, p, sp, generator))
+        self._run(seqs, use_tqdm)
+        return [self._request_output(i, texts[i], seq) for i, seq in enumerate(seqs)]
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
+        if not use_tqdm:
+            self.engine.run()
+            return
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+
+        def on_step(finished: list[Sequence], num_tokens: int) -> None:
+            nonlocal generated
+            generated += num_tokens
+            if finished:
+                bar.update(len(finished))
+                bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)
+
+        try:
+            self.engine.run(on_step)
+        finally:
+            bar.close()
+
+    def _request_output(self, index: int, text: Optional[str], seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        completion = CompletionOutput(
+            index=0,
+            text=self.tokenizer.decode(out_ids, skip_special_tokens=True),
+            token_ids=out_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=str(index),
+            prompt=text,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+        )
+
+    def get_stats(self) -> EngineStats:
+        """KV cache and scheduling counters since this LLM was made (see ``EngineStats``)."""
+        return self.engine.stats()
