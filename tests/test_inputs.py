@@ -1,0 +1,168 @@
+"""Bad input gives a clear error before any work starts, and the same LLM keeps working after it."""
+import json
+import os
+import shutil
+
+import pytest
+
+from pagedgen import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def _assert_clean_and_working(llm: LLM, expected: list[int]) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    out = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    return llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompts, sampling_params, error, match",
+    [
+        (["ok", "word " * 600], GREEDY, ValueError, r"prompts\[1\] has \d+ tokens.*max_model_len=512"),
+        ([[1, 2], [5] * 600], GREEDY, ValueError, r"prompts\[1\].*max_model_len"),
+        (["a story", [1, 5, 6]], GREEDY, TypeError, r"prompts\[1\].*do not mix"),
+        ([[1, 5], "a story"], GREEDY, TypeError, r"prompts\[1\].*do not mix"),
+        ([[1, 5], [1, "x"]], GREEDY, TypeError, r"prompts\[1\] must be a list of int"),
+        ([[1, 5], [1, 9999]], GREEDY, ValueError, r"prompts\[1\] has token id 9999 outside the vocabulary \[0, 512\)"),
+        (123, GREEDY, TypeError, r"prompts must be"),
+        (["a", "b"], [GREEDY], ValueError, r"sampling_params has 1 entries for 2 prompts"),
+        (["a", "b"], [GREEDY, {"temperature": 0}], TypeError, r"sampling_params\[1\] must be a SamplingParams"),
+        (["a"], {"temperature": 0}, TypeError, r"sampling_params must be"),
+    ],
+)
+def test_bad_generate_input(llm, expected, prompts, sampling_params, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, sampling_params, use_tqdm=False)
+    _assert_clean_and_working(llm, expected)
+
+
+def test_empty_list_and_empty_prompt(llm, expected):
+    assert llm.generate([], GREEDY) == []
+    out = llm.generate([""], GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [llm.tokenizer.bos_token_id]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text
+    out_ids = llm.generate([[]], GREEDY, use_tqdm=False)[0]
+    assert out_ids.prompt_token_ids == [llm.tokenizer.bos_token_id]
+    _assert_clean_and_working(llm, expected)
+
+
+def test_error_during_a_step_frees_everything(llm, expected, monkeypatch):
+    runner = llm.engine.model_runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def failing(batch, bm):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(batch, bm)
+
+    monkeypatch.setattr(runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(["Once upon a time"] * 4, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(runner, "execute", real)
+    _assert_clean_and_working(llm, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(temperature=-0.5), ValueError, r"temperature must be in \[0, inf\)"),
+        (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-3), ValueError, r"top_k must be"),
+        (dict(max_tokens=0), ValueError, r"max_tokens must be at least 1"),
+        (dict(temperature="hot"), TypeError, r"temperature must be a number"),
+        (dict(seed=1.5), TypeError, r"seed must be an int"),
+        (dict(stop_token_ids=[-1]), ValueError, r"stop_token_ids must be non-negative"),
+        (dict(stop_token_ids="2"), TypeError, r"stop_token_ids must be a list of int"),
+        (dict(ignore_eos="yes"), TypeError, r"ignore_eos must be a bool"),
+    ],
+)
+def test_bad_sampling_params(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.ignore_eos) == (1.0, 1.0, 0, 16, None, False)
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def _copy_model(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_missing_config(stories_path, tmp_path):
+    path = _copy_model(stories_path, str(tmp_path / "m"))
+    os.remove(os.path.join(path, "config.json"))
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        LLM(path)
+
+
+def test_missing_weights(stories_path, tmp_path):
+    path = _copy_model(stories_path, str(tmp_path / "m"))
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin"))
+    with pytest.raises(FileNotFoundError, match=r"weights are missing.*pytorch_model.bin.*only safetensors"):
+        LLM(path)
+
+
+def test_unsupported_architecture(stories_path, tmp_path):
+    path = _copy_model(stories_path, str(tmp_path / "m"))
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="unsupported architecture.*GPTNeoXForCausalLM"):
+        LLM(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(block_size=0), ValueError, "block_size must be >= 1"),
+        (dict(max_num_seqs="8"), TypeError, "max_num_seqs must be an int"),
+        (dict(max_model_len=4096), ValueError, "max_model_len must be <= .*512"),
+        (dict(dtype="int8"), ValueError, "dtype must be one of"),
+        (dict(kv_cache_memory_bytes=10), ValueError, "kv_cache_memory_bytes must hold at least one block"),
+    ],
+)
+def test_bad_llm_arguments(stories_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LLM(stories_path, **kwargs)
+
+
+def test_sharded_checkpoint_loads(stories_path, tmp_path, expected):
+    """A model.safetensors.index.json with two shards gives the same output as one file."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_model(stories_path, str(tmp_path / "m"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, os.path.join(path, shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in keys})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    llm = LLM(path, num_kv_blocks=64)
+    assert llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected

@@ -1,0 +1,105 @@
+"""Scheduler without a model: admission order, limits, chunked prefill and preemption."""
+from pagedgen.config import SchedulerConfig
+from pagedgen.engine.block_manager import BlockManager
+from pagedgen.engine.scheduler import Scheduler
+from pagedgen.engine.sequence import Sequence, SequenceStatus
+from pagedgen.sampling_params import SamplingParams
+
+
+def _seq(i: int, prompt_len: int, max_tokens: int = 100) -> Sequence:
+    return Sequence(
+        seq_id=i,
+        request_index=i,
+        token_ids=list(range(3, 3 + prompt_len)),
+        num_prompt_tokens=prompt_len,
+        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
+        eos_token_ids=frozenset([2]),
+        max_model_len=1000,
+    )
+
+
+def _make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, 1000), bm), bm
+
+
+def _advance(sched: Scheduler, out, token: int = 7) -> list[Sequence]:
+    """What the engine does after a step: count computed tokens, append a token, retire finished."""
+    finished = []
+    for seq, n in zip(out.seqs, out.num_new_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens and seq.append_token(token):
+            finished.append(seq)
+    sched.finish_many(finished)
+    return finished
+
+
+def test_fcfs_admission_respects_max_num_seqs():
+    sched, _ = _make(max_num_seqs=3)
+    seqs = [_seq(i, 5) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs] == [0, 1, 2]
+    assert [s.seq_id for s in sched.waiting] == [3, 4]
+
+
+def test_token_budget_chunks_long_prompts():
+    sched, bm = _make(budget=4)
+    seq = _seq(0, 10)
+    sched.add(seq)
+    chunks = []
+    while seq.num_output_tokens == 0:
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 4
+        chunks.append(out.num_new_tokens[0])
+        _advance(sched, out)
+    assert chunks == [4, 4, 2]
+    assert bm.num_tokens(0) == 10
+    assert sched.stats.num_prefill_tokens == 10
+
+
+def test_running_decodes_come_before_new_prefills():
+    sched, _ = _make(budget=6)
+    a, b = _seq(0, 5), _seq(1, 8)
+    sched.add(a)
+    _advance(sched, sched.schedule())  # a prefilled, sampled one token
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs[0] is a and out.num_new_tokens[0] == 1  # a's decode first
+    assert out.seqs[1] is b and out.num_new_tokens[1] == 5  # b gets what is left of the budget
+
+
+def test_preemption_evicts_newest_and_requeues_it_first():
+    # 6 blocks of 4 tokens; three sequences of 8-token prompts fill 2 blocks each: the pool is full.
+    sched, bm = _make(num_blocks=6, block_size=4)
+    seqs = [_seq(i, 8) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    _advance(sched, sched.schedule())  # all prefilled, each now has 9 tokens: the 9th needs a new block
+    assert bm.num_free_blocks == 0
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == [2]  # the newest
+    assert seqs[2].status is SequenceStatus.WAITING and seqs[2].num_computed_tokens == 0
+    assert sched.waiting[0] is seqs[2]
+    assert [s.seq_id for s in out.seqs] == [0, 1]  # the two freed blocks serve the older two
+    assert sched.stats.num_preemptions == 1
+    assert bm.block_table(2) == []
+
+
+def test_everything_finishes_and_pool_refills():
+    sched, bm = _make(num_blocks=10, block_size=4, max_num_seqs=4, budget=16)
+    seqs = [_seq(i, 3 + i % 5, max_tokens=5 + i) for i in range(12)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(1000):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        assert out.seqs, "empty step with work pending"
+        assert len(sched.running) <= 4
+        _advance(sched, out)
+    assert not sched.has_unfinished()
+    assert all(s.status is SequenceStatus.FINISHED and s.finish_reason == "length" for s in seqs)
+    assert [s.num_output_tokens for s in seqs] == [5 + i for i in range(12)]
+    assert bm.num_free_blocks == 10
