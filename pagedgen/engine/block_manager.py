@@ -12,16 +12,38 @@ logical blocks, in token order, to physical blocks anywhere in the pool:
 
 A new physical block is taken only when the last one is full, so at most ``block_size - 1`` slots
 per sequence are ever reserved but empty; a finished or preempted sequence returns all its blocks.
-Reference counts say how many block tables hold each block (here always 0 or 1; sharing builds
-on them).
+
+Sharing (paper sections 4.3-4.4):
+- **Reference counts.** A block may sit in several block tables (``fork``: parallel samples, beams);
+  it returns to the pool when its count drops to 0.
+- **Copy-on-write.** Full blocks are never written again, so only a sequence's last, partly filled
+  block can be written while shared. ``allocate`` then gives the writer a fresh block and records a
+  (src, dst) copy, which the model runner performs with the ``copy_blocks`` op before the step.
+- **Prefix caching** (``enable_prefix_caching``). A full block is named by a hash of its parent's
+  hash and its token ids, so equal prefixes give equal hash chains. ``match_prefix`` finds the
+  cached full blocks of a new sequence's tokens; they are shared instead of recomputed. At most
+  ``len(tokens) - 1`` tokens can hit: the last token is always computed, since its logits are needed
+  to sample (a prompt that is an exact multiple of the block size recomputes its last block).
+  Blocks whose count drops to 0 keep their hash and stay findable until the pool needs them:
+  the free queue hands out the least recently freed block first and forgets its hash then (LRU).
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Optional, Sequence
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def hash_block(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
+    """Name of a full block: sha256 over the parent block's name and this block's token ids."""
+    h = hashlib.sha256(parent or b"root")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,26 +51,39 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    """Allocates physical KV blocks to sequences.
+    """Allocates physical KV blocks to sequences, with reference counts, copy-on-write and an
+    optional prefix cache.
 
     Args:
         num_blocks: blocks in the pool (>= 1).
         block_size: token slots per block (>= 1).
+        enable_prefix_caching: name full blocks by their token prefix and reuse them.
 
-    Invariants (checked by the property tests): every block is either free (ref count 0, in the
-    free pool exactly once) or held by >= 1 block table; a block is never handed to two owners
-    unless shared on purpose; freeing every sequence leaves the pool full.
+    Invariants (checked by the property tests): a block with reference count 0 is in the free
+    queue exactly once, a block with count c > 0 is in exactly c block tables and not in the free
+    queue; no block is lost; freeing every sequence leaves the pool full.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._ref_counts = [0] * num_blocks
+        self._filled = [0] * num_blocks  # slots of each physical block that hold tokens
         self._tables: dict[int, list[int]] = {}
-        self._num_tokens: dict[int, int] = {}  # slots of each sequence that hold (or will hold) tokens
+        self._num_tokens: dict[int, int] = {}  # tokens of each sequence in its blocks
+        self._hashes: dict[int, list[bytes]] = {}  # names of each sequence's full blocks, in order
+        self._cached: dict[bytes, int] = {}  # prefix cache: block name -> physical block
+        self._block_hash: list[Optional[bytes]] = [None] * num_blocks
+        self._pending_copies: list[tuple[int, int]] = []
+        self._used_slots = 0  # sum of _filled over blocks in use
+        self._logical_blocks = 0  # sum of block-table lengths
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found
+        self.num_copies = 0  # copy-on-write block copies
 
     # ----- queries -------------------------------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
@@ -56,18 +91,24 @@ class BlockManager:
         return self._tables.get(seq_id, [])
 
     def num_tokens(self, seq_id: int) -> int:
-        """Token slots of the sequence that hold tokens."""
+        """Tokens of the sequence held in its blocks."""
         return self._num_tokens.get(seq_id, 0)
 
-    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
-        """How many new blocks the sequence needs to hold ``num_tokens`` tokens in all."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(self.block_table(seq_id)))
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
 
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+    def free_block_ids(self) -> list[int]:
+        """Blocks in the free queue (reference count 0), least recently freed first."""
+        return list(self._free)
+
+    def is_cached(self, block_id: int) -> bool:
+        """True when the block is findable in the prefix cache."""
+        h = self._block_hash[block_id]
+        return h is not None and self._cached.get(h) == block_id
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, or cached with no owner)."""
         return len(self._free)
 
     @property
@@ -76,48 +117,189 @@ class BlockManager:
 
     @property
     def num_used_slots(self) -> int:
-        """Token slots holding real tokens, over all sequences."""
-        return sum(self._num_tokens.values())
+        """Token slots holding real tokens, over all blocks in use (a shared slot counts once)."""
+        return self._used_slots
 
     @property
     def num_allocated_slots(self) -> int:
         """Token slots in blocks that are in use."""
         return self.num_used_blocks * self.block_size
 
+    @property
+    def num_logical_blocks(self) -> int:
+        """Blocks the block tables would take if nothing were shared."""
+        return self._logical_blocks
+
     def utilization(self) -> float:
         """Slots holding real tokens / slots allocated (the paper's KV utilisation; 1.0 when idle)."""
         allocated = self.num_allocated_slots
-        return self.num_used_slots / allocated if allocated else 1.0
+        return self._used_slots / allocated if allocated else 1.0
 
-    def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
+    def sharing_savings(self) -> float:
+        """1 - physical blocks used / blocks unshared tables would need (0.0 when idle)."""
+        return 1.0 - self.num_used_blocks / self._logical_blocks if self._logical_blocks else 0.0
 
-    def free_block_ids(self) -> list[int]:
-        return list(self._free)
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached full blocks holding a prefix of ``token_ids[:-1]``, in order (changes nothing)."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks: list[int] = []
+        parent = None
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def blocks_needed(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> int:
+        """Free blocks that ``allocate(seq_id, num_tokens, ..., prefix_blocks)`` would take."""
+        table = self._tables.get(seq_id, [])
+        have = len(table) + len(prefix_blocks)
+        needed = max(0, cdiv(num_tokens, self.block_size) - have)
+        needed += sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)  # revived from the free queue
+        if self._needs_copy(seq_id, num_tokens):
+            needed += 1
+        return needed
+
+    def can_allocate(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
+        return self.blocks_needed(seq_id, num_tokens, prefix_blocks) <= len(self._free)
 
     # ----- changes -------------------------------------------------------------------------------
-    def allocate(self, seq_id: int, num_tokens: int) -> None:
-        """Grow the sequence's block table so that it holds ``num_tokens`` tokens in all.
+    def allocate(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        token_ids: Optional[Sequence[int]] = None,
+        prefix_blocks: Sequence[int] = (),
+    ) -> None:
+        """Grow the sequence's blocks so that they hold ``num_tokens`` tokens in all.
 
-        Takes new blocks only for slots past the last block's end. Shrinking is not allowed.
-        Raises NoFreeBlocksError (and changes nothing) when the pool is too small.
+        Args:
+            num_tokens: the sequence's token count after this step (never less than now).
+            token_ids: the sequence's tokens (at least ``num_tokens``); needed with prefix caching
+                to name the blocks that become full.
+            prefix_blocks: cached blocks from ``match_prefix`` that start an empty block table.
+
+        Takes new blocks only for slots past the last block's end, plus one copy-on-write block when
+        the last block is shared and partly filled. Raises NoFreeBlocksError (changing nothing)
+        when the pool is too small.
         """
-        if num_tokens < self.num_tokens(seq_id):
-            raise ValueError(f"sequence {seq_id} cannot shrink from {self.num_tokens(seq_id)} to {num_tokens} tokens")
-        needed = self.blocks_needed(seq_id, num_tokens)
+        old = self.num_tokens(seq_id)
+        if num_tokens < old:
+            raise ValueError(f"sequence {seq_id} cannot shrink from {old} to {num_tokens} tokens")
+        if prefix_blocks and self._tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds blocks: prefix blocks start a table")
+        needed = self.blocks_needed(seq_id, num_tokens, prefix_blocks)
         if needed > len(self._free):
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {len(self._free)} free")
+        bs = self.block_size
         table = self._tables.setdefault(seq_id, [])
-        for _ in range(needed):
-            block = self._free.popleft()
-            self._ref_counts[block] = 1
+        hashes = self._hashes.setdefault(seq_id, [])
+        before = len(table)
+        for block in prefix_blocks:
+            self._share(block)
             table.append(block)
+            hashes.append(self._block_hash[block])
+        if self._needs_copy(seq_id, num_tokens):
+            src, dst = table[-1], self._new_block()
+            self._ref_counts[src] -= 1  # still > 0: another table holds it
+            self._filled[dst] = self._filled[src]
+            self._used_slots += self._filled[dst]
+            table[-1] = dst
+            self._pending_copies.append((src, dst))
+            self.num_copies += 1
+        while len(table) < cdiv(num_tokens, bs):
+            table.append(self._new_block())
+        self._logical_blocks += len(table) - before
+        for i in range(old // bs, cdiv(num_tokens, bs)):  # slots that now hold tokens
+            block, fill = table[i], min(bs, num_tokens - i * bs)
+            if fill > self._filled[block]:
+                self._used_slots += fill - self._filled[block]
+                self._filled[block] = fill
         self._num_tokens[seq_id] = num_tokens
+        if self.enable_prefix_caching and token_ids is not None:
+            self._name_full_blocks(seq_id, num_tokens, token_ids)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give ``child_id`` the same blocks as ``parent_id`` (reference counts + 1; no copy yet)."""
+        if self._tables.get(child_id):
+            raise ValueError(f"sequence {child_id} already holds blocks")
+        table = list(self.block_table(parent_id))
+        for block in table:
+            self._ref_counts[block] += 1
+        self._tables[child_id] = table
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
+        self._num_tokens[child_id] = self.num_tokens(parent_id)
+        self._logical_blocks += len(table)
 
     def free(self, seq_id: int) -> None:
-        """Return every block of the sequence to the pool (a no-op for an unknown sequence)."""
-        for block in self._tables.pop(seq_id, []):
+        """Drop the sequence's claim on its blocks (a no-op for an unknown sequence).
+
+        Blocks whose count reaches 0 go to the back of the free queue, the sequence's last block
+        first, so that with prefix caching the shared beginnings of prompts are evicted last.
+        A cached block keeps its tokens (findable by ``match_prefix``) until it is handed out again.
+        """
+        table = self._tables.pop(seq_id, [])
+        self._logical_blocks -= len(table)
+        for block in reversed(table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._used_slots -= self._filled[block]
+                if not self.is_cached(block):
+                    self._filled[block] = 0
+                self._free[block] = None
         self._num_tokens.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) copy-on-write copies recorded since the last call, to run before the step."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a prefix-cache lookup of ``num_tokens`` tokens of which ``num_hit_tokens`` hit."""
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += num_hit_tokens
+
+    # ----- internals -----------------------------------------------------------------------------
+    def _needs_copy(self, seq_id: int, num_tokens: int) -> bool:
+        """True when the next write lands in a shared, partly filled last block."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return False
+        old = self._num_tokens.get(seq_id, 0)
+        return num_tokens > old and old % self.block_size != 0 and self._ref_counts[table[-1]] > 1
+
+    def _share(self, block: int) -> None:
+        """One more owner for an existing (cached) block, reviving it from the free queue if idle."""
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+            self._used_slots += self._filled[block]
+        self._ref_counts[block] += 1
+
+    def _new_block(self) -> int:
+        """An empty block for one owner: the least recently freed, forgotten by the prefix cache."""
+        block, _ = self._free.popitem(last=False)
+        name = self._block_hash[block]
+        if name is not None:
+            if self._cached.get(name) == block:
+                del self._cached[name]
+            self._block_hash[block] = None
+        self._filled[block] = 0
+        self._ref_counts[block] = 1
+        return block
+
+    def _name_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
+        """Name the sequence's blocks that are now full and offer them to the prefix cache."""
+        table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            name = hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(name)
+            block = table[i]
+            if self._block_hash[block] is None and name not in self._cached:
+                self._block_hash[block] = name
+                self._cached[name] = block
