@@ -40,10 +40,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens, shared by all sequences."""
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens, shared by all sequences.
+
+    Attributes:
+        enable_prefix_caching: reuse cached full blocks of equal token prefixes.
+        num_cpu_blocks: blocks of CPU swap space for swap preemption (0: none).
+    """
 
     block_size: int
     num_blocks: int
+    enable_prefix_caching: bool = False
+    num_cpu_blocks: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -59,8 +66,11 @@ class SchedulerConfig:
         max_num_seqs: most sequences running at once (decode batch size).
         max_num_batched_tokens: most tokens computed in one model step (prefill chunks + decodes).
         max_model_len: most tokens (prompt + output) of one sequence.
+        preemption_mode: "recompute" (free the blocks, prefill again later) or "swap" (copy the
+            blocks to CPU swap space and back); swap falls back to recompute when swap space is full.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    preemption_mode: str = "recompute"

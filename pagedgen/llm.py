@@ -65,6 +65,11 @@ class LLM:
         seed: seed of the sampler's generator (requests without their own seed).
         enforce_extension: raise instead of falling back to the PyTorch reference ops when the
             compiled extension ``pagedgen._C`` is missing.
+        enable_prefix_caching: share the cached full blocks of equal prompt prefixes between
+            requests (and across ``generate`` calls) instead of recomputing them.
+        preemption_mode: "recompute" (free a preempted request's blocks, prefill it again later) or
+            "swap" (copy its blocks to CPU swap space and back).
+        swap_space_bytes: CPU swap space for "swap" (default: min(4 GiB, the KV cache's size)).
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -87,6 +92,9 @@ class LLM:
         max_model_len: Optional[int] = None,
         seed: int = 0,
         enforce_extension: bool = False,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        swap_space_bytes: Optional[int] = None,
     ) -> None:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"LLM model must be a folder path, got {type(model).__name__}")
@@ -97,10 +105,15 @@ class LLM:
             ("max_num_seqs", max_num_seqs, False),
             ("max_num_batched_tokens", max_num_batched_tokens, True),
             ("max_model_len", max_model_len, True),
+            ("swap_space_bytes", swap_space_bytes, True),
         ):
             _check_positive_int(name, value, opt)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"LLM preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError("LLM enable_prefix_caching must be a bool")
         device = torch.device("cpu")
         if enforce_extension and not ops.extension_available(device.type):
             raise RuntimeError(ops.extension_error(device.type))
@@ -123,7 +136,19 @@ class LLM:
         self.eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
         num_blocks = self._num_kv_blocks(model_config, block_size, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs, max_model_len)
-        cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+        block_bytes = model_config.kv_bytes_per_token() * block_size
+        num_cpu_blocks = 0
+        if preemption_mode == "swap":
+            swap_bytes = swap_space_bytes if swap_space_bytes is not None else min(4 << 30, num_blocks * block_bytes)
+            num_cpu_blocks = swap_bytes // block_bytes
+            if num_cpu_blocks < 1:
+                raise ValueError(f"LLM swap_space_bytes must hold at least one block ({block_bytes} bytes), got {swap_bytes}")
+        cache_config = CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+        )
         if cache_config.num_slots < max_model_len:
             logger.warning(
                 "KV cache holds %d tokens, fewer than max_model_len=%d: max_model_len lowered to %d",
@@ -134,6 +159,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(4096, max_num_seqs),
             max_model_len=max_model_len,
+            preemption_mode=preemption_mode,
         )
 
         weights = loader.load_safetensors(model, model_config.dtype)
@@ -285,6 +311,7 @@ class LLM:
             prompt_token_ids=seq.prompt_token_ids,
             outputs=[completion],
             finished=True,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     def get_stats(self) -> EngineStats:

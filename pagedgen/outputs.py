@@ -37,6 +37,7 @@ class RequestOutput:
         prompt_token_ids: the prompt's token ids as fed to the model.
         outputs: the completions.
         finished: True once every completion has finished.
+        num_cached_tokens: prompt tokens found in the prefix cache (not recomputed).
     """
 
     request_id: str
@@ -44,3 +45,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0

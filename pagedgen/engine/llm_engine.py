@@ -23,10 +23,15 @@ class EngineStats:
 
     ``kv_utilization_mean`` is the mean, over steps, of slots holding real tokens / slots allocated
     (the PagedAttention paper's figure 2 measure); ``kv_utilization`` is the last step's value.
+    ``sharing_savings_*``: 1 - physical blocks used / blocks the same block tables would need
+    unshared (paper section 6.3-6.4).
     """
 
     num_steps: int
     num_preemptions: int
+    num_recomputes: int
+    num_swaps_out: int
+    num_swaps_in: int
     num_prefill_tokens: int
     num_decode_tokens: int
     num_generated_tokens: int
@@ -37,6 +42,11 @@ class EngineStats:
     kv_utilization: float
     kv_utilization_mean: float
     peak_used_blocks: int
+    prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / tokens looked up
+    num_cached_tokens: int  # tokens not recomputed thanks to the prefix cache
+    sharing_savings_mean: float  # mean over steps of 1 - physical blocks / blocks unshared tables need
+    peak_sharing_savings: float
+    num_copy_on_write: int  # blocks copied because a shared block was written
 
 
 class LLMEngine:
@@ -51,8 +61,9 @@ class LLMEngine:
     def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, model_runner: ModelRunner, eos_token_ids: frozenset[int]) -> None:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
-        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        cpu_blocks = BlockManager(cache_config.num_cpu_blocks, cache_config.block_size) if cache_config.num_cpu_blocks else None
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, cpu_blocks)
         self.model_runner = model_runner
         self.eos_token_ids = eos_token_ids
         self._seq_ids = itertools.count()
@@ -60,6 +71,8 @@ class LLMEngine:
         self._util_sum = 0.0
         self._last_util = 1.0
         self._peak_blocks = 0
+        self._savings_sum = 0.0
+        self._peak_savings = 0.0
 
     def add_sequence(self, request_index: int, prompt_token_ids: list[int], params: SamplingParams, generator=None) -> Sequence:
         """Queue one sequence (inputs already validated)."""
@@ -88,6 +101,9 @@ class LLMEngine:
         self._last_util = bm.utilization()
         self._util_sum += self._last_util
         self._peak_blocks = max(self._peak_blocks, bm.num_used_blocks)
+        savings = bm.sharing_savings()
+        self._savings_sum += savings
+        self._peak_savings = max(self._peak_savings, savings)
         sampled_seqs, tokens = self.model_runner.execute(batch, bm)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -116,6 +132,9 @@ class LLMEngine:
         return EngineStats(
             num_steps=s.num_steps,
             num_preemptions=s.num_preemptions,
+            num_recomputes=s.num_recomputes,
+            num_swaps_out=s.num_swaps_out,
+            num_swaps_in=s.num_swaps_in,
             num_prefill_tokens=s.num_prefill_tokens,
             num_decode_tokens=s.num_decode_tokens,
             num_generated_tokens=self._num_generated,
@@ -126,4 +145,9 @@ class LLMEngine:
             kv_utilization=self._last_util,
             kv_utilization_mean=self._util_sum / s.num_steps if s.num_steps else 1.0,
             peak_used_blocks=self._peak_blocks,
+            prefix_cache_hit_rate=bm.num_prefix_hits / bm.num_prefix_queries if bm.num_prefix_queries else 0.0,
+            num_cached_tokens=bm.num_prefix_hits,
+            sharing_savings_mean=self._savings_sum / s.num_steps if s.num_steps else 0.0,
+            peak_sharing_savings=self._peak_savings,
+            num_copy_on_write=bm.num_copies,
         )

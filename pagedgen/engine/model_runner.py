@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedgen import ops
 from pagedgen.config import CacheConfig
 from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.sampler import Sampler
@@ -45,6 +46,13 @@ class ModelRunner:
         self.kv_caches = [
             (torch.empty(shape, dtype=cfg.dtype, device=model.device), torch.empty(shape, dtype=cfg.dtype, device=model.device))
             for _ in range(cfg.num_layers)
+        ]
+        # CPU swap space for swap preemption, same layout: [num_cpu_blocks, block_size, num_kv_heads, head_dim]
+        cpu_shape = (cache_config.num_cpu_blocks,) + shape[1:]
+        pin = model.device.type == "cuda"
+        self.cpu_caches = [
+            (torch.empty(cpu_shape, dtype=cfg.dtype, pin_memory=pin), torch.empty(cpu_shape, dtype=cfg.dtype, pin_memory=pin))
+            for _ in range(cfg.num_layers if cache_config.num_cpu_blocks else 0)
         ]
 
     def kv_cache_bytes(self) -> int:
@@ -100,8 +108,28 @@ class ModelRunner:
         )
         return tensors, sampling
 
+    def move_blocks(self, batch: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write copies, in every layer (before the step's forward:
+        a block freed by a swap-out may be written by this very step)."""
+        for pairs, direction in ((batch.blocks_to_swap_out, "out"), (batch.blocks_to_swap_in, "in")):
+            if not pairs:
+                continue
+            mapping = torch.tensor(pairs, dtype=torch.int64)  # [N, 2] (src, dst)
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                if direction == "out":
+                    ops.swap_blocks(k, ck, mapping)
+                    ops.swap_blocks(v, cv, mapping)
+                else:
+                    ops.swap_blocks(ck, k, mapping)
+                    ops.swap_blocks(cv, v, mapping)
+        if batch.blocks_to_copy:
+            mapping = torch.tensor(batch.blocks_to_copy, dtype=torch.int64).to(self.model.device)  # [N, 2]
+            for k, v in self.kv_caches:
+                ops.copy_blocks(k, v, mapping)
+
     def execute(self, batch: SchedulerOutput, block_manager: BlockManager) -> tuple[list[Sequence], list[int]]:
         """Run one step. Returns the sequences that sampled and their new token ids (same order)."""
+        self.move_blocks(batch)
         (input_ids, positions, attn, logits_indices), sampling = self.prepare(batch, block_manager)
         logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices)
         if not sampling:

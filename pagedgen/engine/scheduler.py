@@ -2,19 +2,23 @@
 
 Every call to ``schedule`` plans one model step (Orca, OSDI 2022; PagedAttention paper, section 4.5):
 finished sequences have already left, running sequences get their next token (or their next prefill
-chunk), and waiting sequences join while the token budget, ``max_num_seqs`` and free blocks allow.
-A prompt longer than what is left of the token budget is prefilled in chunks over several steps.
+chunk), swapped-out sequences come back, and waiting sequences join while the token budget,
+``max_num_seqs`` and free blocks allow. A prompt longer than what is left of the token budget is
+prefilled in chunks over several steps. A waiting sequence first takes whatever full blocks of its
+tokens the prefix cache holds and computes only the rest.
 
 When the running sequences need more blocks than are free, the most recently admitted running
-sequence is preempted, all or nothing: its blocks are freed and it goes back to the head of the
-waiting queue, to be recomputed (its prompt and the tokens it had generated are prefilled again)
-when blocks free up. Evicting the newest first keeps FCFS: the oldest requests, which hold the most
-work already done, finish first, and a request is never starved by later ones. No tensors here.
+sequence is preempted, all or nothing. *Recompute*: its blocks are freed and it goes back to the
+head of the waiting queue; its prompt and the tokens it had generated are prefilled again when it
+is readmitted. *Swap*: its blocks are copied to CPU swap space and freed; it comes back (copied
+in again) before any waiting sequence is admitted. Evicting the newest first keeps FCFS: the oldest
+requests, which hold the most work already done, finish first, and no request starves. No tensors.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from pagedgen.config import SchedulerConfig
 from pagedgen.engine.block_manager import BlockManager
@@ -24,11 +28,19 @@ from pagedgen.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class SchedulerOutput:
     """The plan of one step: ``seqs[i]`` computes ``num_new_tokens[i]`` tokens starting at its
-    ``num_computed_tokens``. A sequence samples a token when that reaches the end of its tokens."""
+    ``num_computed_tokens``; a sequence samples when that reaches the end of its tokens.
+
+    Block moves to run before the model step, in this order (each a list of (src, dst) block ids):
+    ``blocks_to_swap_out`` (device -> CPU swap space), ``blocks_to_swap_in`` (CPU -> device),
+    ``blocks_to_copy`` (copy-on-write, within the device cache).
+    """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -43,7 +55,10 @@ class SchedulerStats:
     """Counters since the scheduler was made."""
 
     num_steps: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # all preemptions (recompute + swap)
+    num_recomputes: int = 0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
     num_decode_tokens: int = 0  # tokens computed one at a time after the prompt
 
@@ -52,17 +67,22 @@ class Scheduler:
     """Decides, step by step, which sequences run and how many tokens each computes.
 
     Args:
-        config: limits of one step (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``).
-        block_manager: the KV block accounting this scheduler allocates from.
+        config: limits of one step and the preemption mode.
+        block_manager: the device KV block accounting this scheduler allocates from.
+        cpu_block_manager: the CPU swap space's blocks (needed for ``preemption_mode="swap"``).
 
     A sequence must fit the cache when alone (prompt + 1 <= max_model_len <= cache slots); callers
     reject those that cannot, so a lone running sequence never needs to preempt itself.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, cpu_block_manager: Optional[BlockManager] = None) -> None:
+        if config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}")
         self.config = config
         self.block_manager = block_manager
+        self.cpu_block_manager = cpu_block_manager
         self.waiting: deque[Sequence] = deque()
+        self.swapped: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.stats = SchedulerStats()
 
@@ -71,7 +91,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Allocates blocks for every planned token."""
@@ -84,79 +104,133 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # nothing to compute (a beam waiting for its group)
+                i += 1
+                continue
             while not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self.running.pop()  # the newest
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq.seq_id, seq.num_computed_tokens + n)
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
+                self._plan(seq, n, out)
                 budget -= n
                 i += 1
                 continue
             break  # seq itself was preempted: everything after it is gone too
 
-        # 2. Waiting sequences, first come first served; none while preemption is under way.
-        while (
-            self.waiting
-            and not out.preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            seq = self.waiting[0]
+        # 2. Swapped-out sequences come back first, oldest first; none while preemption is under way.
+        while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
+                break
+            self.swapped.popleft()
+            self._swap_in(seq, out)
+            self.running.append(seq)
+            if n:
+                self._plan(seq, n, out)
+                budget -= n
+
+        # 3. Waiting sequences, first come first served; none while others wait for swap-in.
+        while self.waiting and not self.swapped and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            cached = len(prefix) * bm.block_size
+            n = min(seq.num_tokens - max(cached, seq.num_computed_tokens), budget)
+            if not bm.can_allocate(seq.seq_id, max(cached, seq.num_computed_tokens) + n, prefix):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            bm.allocate(seq.seq_id, seq.num_computed_tokens + n)
+            if seq.num_computed_tokens == 0:
+                bm.record_prefix_lookup(seq.num_tokens, cached)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+                seq.num_computed_tokens = cached
+            bm.allocate(seq.seq_id, seq.num_computed_tokens, seq.token_ids, prefix)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            self._plan(seq, n, out)
             budget -= n
 
+        out.blocks_to_copy = bm.take_copies()
         self.stats.num_steps += 1
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1:
-                self.stats.num_decode_tokens += 1
-            else:
-                self.stats.num_prefill_tokens += n
         return out
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished sequence from the running set and free its blocks."""
-        seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
+    def _plan(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Allocate the slots of ``n`` more tokens of a running sequence and add it to the step."""
+        self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids)
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1:
+            self.stats.num_decode_tokens += 1
+        else:
+            self.stats.num_prefill_tokens += n
 
     def finish_many(self, seqs: list[Sequence]) -> None:
-        """``finish`` for several sequences at once (one pass over the running list)."""
+        """Retire finished (or dropped) sequences: out of every queue, blocks freed."""
         if not seqs:
             return
         done = set(id(s) for s in seqs)
         self.running = [s for s in self.running if id(s) not in done]
+        if any(s.status is not SequenceStatus.RUNNING for s in seqs):
+            self.waiting = deque(s for s in self.waiting if id(s) not in done)
+            self.swapped = deque(s for s in self.swapped if id(s) not in done)
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
-            self.block_manager.free(seq.seq_id)
+            self._release(seq)
+
+    def add_running(self, seq: Sequence, after: Sequence) -> None:
+        """Insert a forked sequence into ``after``'s queue, right behind it (same admission age)."""
+        seq.status = after.status
+        if after.status is SequenceStatus.RUNNING:
+            self.running.insert(self.running.index(after) + 1, seq)
+        elif after.status is SequenceStatus.SWAPPED:
+            self.swapped.insert(self.swapped.index(after) + 1, seq)
+        else:
+            self.waiting.insert(self.waiting.index(after) + 1, seq)
 
     def abort_all(self) -> list[Sequence]:
-        """Drop every waiting and running sequence and free their blocks (after an error)."""
-        dropped = list(self.running) + list(self.waiting)
+        """Drop every sequence and free their blocks (after an error)."""
+        dropped = list(self.running) + list(self.swapped) + list(self.waiting)
+        self.running, self.swapped, self.waiting = [], deque(), deque()
         for seq in dropped:
-            self.block_manager.free(seq.seq_id)
             seq.status = SequenceStatus.FINISHED
-        self.running.clear()
-        self.waiting.clear()
+            self._release(seq)
+        self.block_manager.take_copies()
         return dropped
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: free all blocks, forget the cache, requeue at the head."""
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        if self.cpu_block_manager is not None:
+            self.cpu_block_manager.free(seq.seq_id)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt a running sequence, all or nothing: swap it out if configured and there is
+        room in swap space, else free everything and requeue it at the head for recompute."""
+        bm, cpu = self.block_manager, self.cpu_block_manager
+        table = bm.block_table(seq.seq_id)
+        out.preempted.append(seq)
         seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and cpu is not None and table and cpu.can_allocate(seq.seq_id, bm.num_tokens(seq.seq_id)):
+            cpu.allocate(seq.seq_id, bm.num_tokens(seq.seq_id))
+            out.blocks_to_swap_out.extend(zip(table, cpu.block_table(seq.seq_id)))
+            bm.free(seq.seq_id)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            self.stats.num_swaps_out += 1
+            return
+        bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.stats.num_preemptions += 1
+        self.stats.num_recomputes += 1
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
+        cpu, bm = self.cpu_block_manager, self.block_manager
+        num_tokens = cpu.num_tokens(seq.seq_id)
+        bm.allocate(seq.seq_id, num_tokens)
+        out.blocks_to_swap_in.extend(zip(cpu.block_table(seq.seq_id), bm.block_table(seq.seq_id)))
+        cpu.free(seq.seq_id)
+        seq.status = SequenceStatus.RUNNING
+        self.stats.num_swaps_in += 1

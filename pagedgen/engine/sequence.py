@@ -1,8 +1,8 @@
 """The state of one sequence (one completion of one request) as it moves through the engine.
 
-Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (recompute: its
-blocks are freed, ``num_computed_tokens`` goes back to 0 and prompt + output so far are prefilled
-again when it is readmitted). Tensor-free: the scheduler and block manager only read ids and counts.
+Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> SWAPPED -> RUNNING on swap preemption
+and RUNNING -> WAITING on recompute preemption (its blocks are freed, ``num_computed_tokens`` goes
+back to 0 and prompt + output so far are prefilled again when it is readmitted). Tensor-free: the scheduler and block manager only read ids and counts.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pagedgen.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its KV blocks wait in CPU swap space
     FINISHED = "finished"
 
 
@@ -46,6 +47,7 @@ class Sequence:
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
     num_preemptions: int = 0
+    num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at admission
     extra: dict = field(default_factory=dict)
 
     @property
