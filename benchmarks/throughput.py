@@ -3,6 +3,8 @@
 Every system gets the same model, the same prompt token ids and the same per-request max_tokens
 (drawn once, seeded), greedy decoding, EOS ignored. Output tokens/s = useful output tokens / wall
 seconds of the generation call(s); model loading, KV cache allocation and warm-up are not timed.
+Each timed run of pagedgen and generate_batch starts from an empty KV cache (no prefix cache hits
+carried over from a warm-up or an earlier run).
 
     python benchmarks/throughput.py                                    # stories260K, 1,000 prompts, all systems
     python benchmarks/throughput.py --num-prompts 64 --static-batch-sizes 32 --dry-run
@@ -29,7 +31,6 @@ import gc
 import inspect
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -55,10 +56,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def asset(shared_rel: str, gpu_name: str) -> str:
-    """``../shared/<shared_rel>`` beside the checkout, else ``.gpu_assets/<gpu_name>`` inside it."""
+    """``.gpu_assets/<gpu_name>`` inside the checkout when it exists, else ``../shared/<shared_rel>``."""
     local = os.path.join(GPU_ASSETS, gpu_name)
-    shared = os.path.join(SHARED, shared_rel)
-    return shared if os.path.exists(shared) or not os.path.exists(local) else local
+    return local if os.path.exists(local) else os.path.join(SHARED, shared_rel)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,14 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.static_batch_sizes = [int(b) for b in args.static_batch_sizes.split(",")]
-    bad = [s for s in args.systems if s not in SYSTEMS]
-    if bad or not args.systems:
-        ap.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {bad or 'none'}")
-    if not 1 <= args.min_tokens <= args.max_tokens:
-        ap.error("need 1 <= --min-tokens <= --max-tokens")
-    for name in ("num_prompts", "repeats", "max_num_seqs"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.systems or not set(args.systems) <= set(SYSTEMS):
+        ap.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {args.systems}")
+    if not 1 <= args.min_tokens <= args.max_tokens or min(args.num_prompts, args.repeats, args.max_num_seqs) < 1:
+        ap.error("need 1 <= --min-tokens <= --max-tokens, and --num-prompts, --repeats, --max-num-seqs >= 1")
     return args
 
 
@@ -115,8 +111,7 @@ def model_info(args) -> dict:
     dtype = dtype if args.dtype == "auto" else args.dtype
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    # keys + values of every layer, per token
-    kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)  # K and V, all layers
     return dict(tokenizer=tokenizer, dtype=dtype, max_model_len=cfg["max_position_embeddings"],
                 kv_bytes_per_token=kv_bytes_per_token)
 
@@ -124,19 +119,14 @@ def model_info(args) -> dict:
 def build_random_model(name: str, tokenizer_dir: str, dtype: str, folder: str) -> None:
     """Save a random-weight Llama of shape RANDOM_MODELS[name] and the tokenizer to ``folder``."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=RANDOM_MAX_LEN, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                          **RANDOM_MODELS[name])
     torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))  # build in the target dtype: half the memory of fp32 then cast
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # built in dtype, no fp32 copy
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
 
@@ -156,9 +146,7 @@ def load_workload(args, tokenizer, max_model_len: int) -> tuple[list[list[int]],
     else:
         # (prefill, decode) token counts of ShareGPT conversations; output clipped to [min, max]-tokens,
         # prompt then cut so that prompt + output <= max_model_len; prompts are random non-special token ids.
-        path = os.path.join(GPU_ASSETS, "sharegpt_lengths.csv")
-        if not os.path.exists(path):
-            path = os.path.join(SHARED, "data", "sharegpt_lengths_sarathi", "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+        path = asset("data/sharegpt_lengths_sarathi/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", "sharegpt_lengths.csv")
         with open(path) as f:
             rows = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)]
         special = set(tokenizer.all_special_ids)
@@ -182,11 +170,23 @@ def default_kv_blocks(args, info: dict, longest: int) -> int:
 
 
 # ----- the three systems -----------------------------------------------------------------------------
-def sync(device: str) -> None:
-    if device == "cuda":
-        import torch
+def timed(fn, device: str):
+    """(wall seconds, result) of ``fn()``, the device synchronised on both sides."""
+    sync = __import__("torch").cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - start, out
 
-        torch.cuda.synchronize()
+
+def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    return [p[::-1] for p in prompts[:8]]  # reversed: no prefix in common with the timed prompts
+
+
+def check_lengths(system: str, outputs: list[list[int]], max_tokens: list[int]) -> None:
+    if [len(o) for o in outputs] != max_tokens:  # ignore_eos must hold in every system
+        raise RuntimeError(f"{system}: some requests did not produce exactly max_tokens tokens")
 
 
 def run_pagedgen(args, model_path, prompts, max_tokens, kv_blocks) -> dict:
@@ -196,37 +196,31 @@ def run_pagedgen(args, model_path, prompts, max_tokens, kv_blocks) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
     if args.device != "cpu":
         kwargs["device"] = args.device
-    llm = LLM(model_path, **kwargs)
-    llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    before = llm.get_stats()
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     seconds = []
-    for _ in range(args.repeats):
-        sync(args.device)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        sync(args.device)
-        seconds.append(time.perf_counter() - start)
-    after = llm.get_stats()
-    tokens = [o.outputs[0].token_ids for o in outs]
-    if [len(t) for t in tokens] != max_tokens:
-        raise RuntimeError("pagedgen: some requests did not produce exactly max_tokens tokens")
+    for _ in range(args.repeats):  # a fresh LLM per run: no prefix cache left over from the run before
+        llm = LLM(model_path, **kwargs)
+        llm.generate(warmup_prompts(prompts), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        before = llm.get_stats()
+        t, outs = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.device)
+        after = llm.get_stats()
+        seconds.append(t)
+        del llm
+    outputs = [o.outputs[0].token_ids for o in outs]
+    check_lengths("pagedgen", outputs, max_tokens)
     steps = after.num_steps - before.num_steps
-    # kv_utilization_mean is a mean over steps: take the timed runs' share only
+    # kv_utilization_mean is a mean over steps: keep the timed run's share only
     util = (after.kv_utilization_mean * after.num_steps - before.kv_utilization_mean * before.num_steps) / max(steps, 1)
-    ops_kind = "compiled pagedgen._C" if ops.extension_available(args.device) else "PyTorch reference ops (pagedgen._C missing)"
-    del llm
-    gc.collect()
-    return dict(seconds=seconds, useful_tokens=sum(max_tokens), computed_tokens=sum(max_tokens), outputs=tokens,
+    ops_kind = "compiled pagedgen._C" if ops.extension_available(args.device) else "PyTorch reference ops (no pagedgen._C)"
+    return dict(seconds=seconds, useful_tokens=sum(max_tokens), computed_tokens=sum(max_tokens), outputs=outputs,
                 kv_utilization_mean=util, preemptions=after.num_preemptions - before.num_preemptions,
-                steps_per_run=steps // args.repeats, kv_blocks=kv_blocks, ops=ops_kind)
+                steps_per_run=steps, kv_blocks=kv_blocks, ops=ops_kind)
 
 
 def load_hf(model_path, args, attn: str):
     from transformers import AutoModelForCausalLM
 
-    dtype = "auto" if args.dtype == "auto" else args.dtype
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn).to(args.device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype, attn_implementation=attn).to(args.device).eval()
 
 
 def run_static(args, model_path, tokenizer, prompts, max_tokens) -> dict:
@@ -239,34 +233,28 @@ def run_static(args, model_path, tokenizer, prompts, max_tokens) -> dict:
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=args.device)  # [B, width], left-padded
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)  # [B, width]
-        # eos_token_id=None as a keyword turns EOS off; inside a GenerationConfig, None means "unset" and the
-        # model's generation_config.eos_token_id would be used again.
+        # eos_token_id=None as a keyword turns EOS off; inside a GenerationConfig None means "unset", and
+        # generate would take the model's generation_config.eos_token_id again.
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                              eos_token_id=None, pad_token_id=pad)  # [B, width + new_tokens]
         if out.shape[1] != width + new_tokens:
             raise RuntimeError(f"static: generate stopped after {out.shape[1] - width} of {new_tokens} tokens")
         return out[:, width:].tolist()
 
+    per_size = {}
     with torch.no_grad():
-        generate(prompts[:8], 4)  # warm-up
-        per_size = {}
+        generate(warmup_prompts(prompts), 4)
         for bs in args.static_batch_sizes:
-            seconds, outputs, computed = [], [], 0
+            batches = [(prompts[s: s + bs], max_tokens[s: s + bs]) for s in range(0, len(prompts), bs)]
+            seconds = []
             for _ in range(args.repeats):
-                total, outputs, computed = 0.0, [], 0
-                for s in range(0, len(prompts), bs):
-                    batch, limits = prompts[s: s + bs], max_tokens[s: s + bs]
-                    sync(args.device)
-                    start = time.perf_counter()
-                    out = generate(batch, max(limits))
-                    sync(args.device)
-                    total += time.perf_counter() - start
-                    outputs += [row[:m] for row, m in zip(out, limits)]  # useful: own first max_tokens
-                    computed += len(batch) * max(limits)
-                seconds.append(total)
-            per_size[bs] = dict(seconds=seconds, useful_tokens=sum(max_tokens), computed_tokens=computed, outputs=outputs)
-    del model
-    gc.collect()
+                runs = [timed(lambda: generate(b, max(m)), args.device) for b, m in batches]
+                seconds.append(sum(t for t, _ in runs))
+            # useful: each request's own first max_tokens; computed: all rows run to the batch's largest
+            outputs = [row[:m] for (_, out), (_, ms) in zip(runs, batches) for row, m in zip(out, ms)]
+            check_lengths("static", outputs, max_tokens)
+            per_size[bs] = dict(seconds=seconds, useful_tokens=sum(max_tokens), outputs=outputs,
+                                computed_tokens=sum(len(b) * max(m) for b, m in batches))
     best = min(per_size, key=lambda b: statistics.median(per_size[b]["seconds"]))
     return dict(per_size[best], batch_size=best, per_batch_size=per_size)
 
@@ -276,12 +264,11 @@ def run_generate_batch(args, model_path, prompts, max_tokens, kv_blocks) -> dict
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = load_hf(model_path, args, args.cb_attn)
-    # eos_token_id=-1 disables EOS (None would be replaced by the model's EOS)
+    # eos_token_id=-1 turns EOS off (None would be replaced by the model's EOS)
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=-1)
-    cb_config = ContinuousBatchingConfig(
-        page_size=BLOCK_SIZE, num_blocks=kv_blocks, max_requests_per_batch=args.max_num_seqs,
-        max_batch_tokens=args.max_num_batched_tokens or max(4096, args.max_num_seqs),
-    )  # without num_blocks it sizes its cache from 90% of the machine's RAM on CPU
+    # without num_blocks it sizes its cache from 90% of the machine's RAM on CPU
+    cb_config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=kv_blocks, max_requests_per_batch=args.max_num_seqs,
+                                         max_batch_tokens=args.max_num_batched_tokens or max(4096, args.max_num_seqs))
 
     def collect(manager, tag: str, batch: list[list[int]], limits: list[int]) -> list[list[int]]:
         for i, (p, m) in enumerate(zip(batch, limits)):
@@ -297,23 +284,16 @@ def run_generate_batch(args, model_path, prompts, max_tokens, kv_blocks) -> dict
                 results[r.request_id] = r.generated_tokens
         return [results[f"{tag}-{i}"] for i in range(len(batch))]
 
-    seconds = []
-    with torch.no_grad(), model.continuous_batching_context_manager(
-        generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=5
-    ) as manager:
-        collect(manager, "warmup", prompts[:8], [4] * min(8, len(prompts)))
-        for r in range(args.repeats):
-            sync(args.device)
-            start = time.perf_counter()
-            outputs = collect(manager, f"run{r}", prompts, max_tokens)
-            sync(args.device)
-            seconds.append(time.perf_counter() - start)
-    if [len(o) for o in outputs] != max_tokens:
-        raise RuntimeError("generate_batch: some requests did not produce exactly max_tokens tokens")
-    del model
-    gc.collect()
-    return dict(seconds=seconds, useful_tokens=sum(max_tokens), computed_tokens=sum(max_tokens), outputs=outputs,
-                attn_implementation=args.cb_attn, kv_blocks=kv_blocks)
+    runs = []
+    for _ in range(args.repeats):  # a fresh manager (and KV cache) per run, as for pagedgen
+        with torch.no_grad(), model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=5
+        ) as manager:
+            collect(manager, "warmup", warmup_prompts(prompts), [4] * len(warmup_prompts(prompts)))
+            runs.append(timed(lambda: collect(manager, "run", prompts, max_tokens), args.device))
+    check_lengths("generate_batch", runs[-1][1], max_tokens)
+    return dict(seconds=[t for t, _ in runs], useful_tokens=sum(max_tokens), computed_tokens=sum(max_tokens),
+                outputs=runs[-1][1], attn_implementation=args.cb_attn, kv_blocks=kv_blocks)
 
 
 # ----- report ---------------------------------------------------------------------------------------
@@ -321,27 +301,18 @@ def tok_per_s(result: dict) -> float:
     return result["useful_tokens"] / statistics.median(result["seconds"])
 
 
-def same_outputs(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of requests whose greedy outputs are identical in both systems."""
-    return sum(x == y for x, y in zip(a, b)) / len(a)
-
-
 def report(args, results: dict, say) -> dict:
-    say("")
-    say(f"{'system':<34}{'output tok/s':>14}{'seconds':>10}{'useful tok':>12}{'computed tok':>14}")
-    rows = []
-    if "pagedgen" in results:
-        rows.append(("pagedgen", results["pagedgen"]))
-    if "static" in results:
-        for bs, r in results["static"]["per_batch_size"].items():
-            rows.append((f"static, batch {bs}" + (" (best)" if bs == results["static"]["batch_size"] else ""), r))
-    if "generate_batch" in results:
-        rows.append((f"generate_batch ({args.cb_attn})", results["generate_batch"]))
+    say(f"\n{'system':<34}{'output tok/s':>14}{'seconds':>10}{'useful tok':>12}{'computed tok':>14}")
+    rows = [("pagedgen", results["pagedgen"])] if "pagedgen" in results else []
+    for bs, r in results.get("static", {}).get("per_batch_size", {}).items():
+        rows.append((f"static, batch {bs}" + (" (best)" if bs == results["static"]["batch_size"] else ""), r))
+    rows += [(f"generate_batch ({args.cb_attn})", results["generate_batch"])] if "generate_batch" in results else []
     for name, r in rows:
         say(f"{name:<34}{tok_per_s(r):>14,.0f}{statistics.median(r['seconds']):>10.2f}{r['useful_tokens']:>12,}{r['computed_tokens']:>14,}")
     say("useful tok: each request's own first max_tokens output tokens. static batching runs every request of a batch")
     say("to the batch's largest max_tokens (computed tok); the tokens beyond a request's own limit are wasted, like padding.")
     summary = {name: tok_per_s(r) for name, r in results.items()}
+    summary.update({f"static_batch_{bs}": tok_per_s(r) for bs, r in results.get("static", {}).get("per_batch_size", {}).items()})
     if "pagedgen" in results:
         p = results["pagedgen"]
         say(f"pagedgen: {p['ops']}; KV cache {p['kv_blocks']} blocks of {BLOCK_SIZE}, utilisation mean "
@@ -355,9 +326,9 @@ def report(args, results: dict, say) -> dict:
     names = [n for n in SYSTEMS if n in results]
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            say(f"identical greedy outputs, {a} vs {b}: {same_outputs(results[a]['outputs'], results[b]['outputs']):.1%} of requests")
-    if args.repeats > 1:
-        say(f"median of {args.repeats} runs per system")
+            same = sum(x == y for x, y in zip(results[a]["outputs"], results[b]["outputs"])) / len(results[a]["outputs"])
+            say(f"identical greedy outputs, {a} vs {b}: {same:.1%} of requests")
+    say(f"median of {args.repeats} runs per system" if args.repeats > 1 else "one run per system")
     return summary
 
 
@@ -369,11 +340,9 @@ def main(argv=None) -> None:
         print(line, flush=True)
         lines.append(line)
 
-    if "pagedgen" in args.systems and args.device != "cpu":
-        from pagedgen import LLM
-
-        if "device" not in inspect.signature(LLM.__init__).parameters:
-            raise SystemExit(f"pagedgen's LLM does not accept device= yet: cannot run pagedgen on {args.device}")
+    llm_params = inspect.signature(__import__("pagedgen").LLM).parameters if "pagedgen" in args.systems else {}
+    if args.device != "cpu" and "pagedgen" in args.systems and "device" not in llm_params:
+        raise SystemExit(f"pagedgen's LLM does not accept device= yet: cannot run pagedgen on {args.device}")
     info = model_info(args)
     from transformers import AutoTokenizer
 
@@ -387,7 +356,7 @@ def main(argv=None) -> None:
 
     say(f"model {args.model} ({info['dtype']}, max_model_len {info['max_model_len']}) on {args.device}; "
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
+        f"{os.cpu_count()} CPUs")
     say(f"workload {args.workload}: {len(prompts)} requests, seed {args.seed}, greedy, ignore_eos")
     say(f"  prompt tokens min/mean/max {min(plens)}/{statistics.mean(plens):.1f}/{max(plens)}, total {sum(plens):,}")
     say(f"  max_tokens    min/mean/max {min(max_tokens)}/{statistics.mean(max_tokens):.1f}/{max(max_tokens)}, "
@@ -405,30 +374,20 @@ def main(argv=None) -> None:
             build_random_model(args.model, info["tokenizer"], info["dtype"], tmp)
             model_path = tmp
             say(f"built {args.model} (random weights) in {time.perf_counter() - start:.1f} s")
+        runners = dict(pagedgen=lambda: run_pagedgen(args, model_path, prompts, max_tokens, kv_blocks),
+                       static=lambda: run_static(args, model_path, tokenizer, prompts, max_tokens),
+                       generate_batch=lambda: run_generate_batch(args, model_path, prompts, max_tokens, kv_blocks))
         results = {}
-        for system in SYSTEMS:
-            if system not in args.systems:
-                continue
+        for system in (s for s in SYSTEMS if s in args.systems):
             say(f"running {system} ...")
-            if system == "pagedgen":
-                results[system] = run_pagedgen(args, model_path, prompts, max_tokens, kv_blocks)
-            elif system == "static":
-                results[system] = run_static(args, model_path, tokenizer, prompts, max_tokens)
-            else:
-                results[system] = run_generate_batch(args, model_path, prompts, max_tokens, kv_blocks)
+            results[system] = runners[system]()
+            gc.collect()  # the model of one system is gone before the next loads
     summary = report(args, results, say)
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        strip = lambda r: {k: v for k, v in r.items() if k not in ("outputs", "per_batch_size")}  # noqa: E731
-        data = dict(
-            command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]) if argv is None else argv,
-            args={k: v for k, v in vars(args).items()}, tokens_per_s=summary,
-            results={n: dict(strip(r), output_tokens_per_s=tok_per_s(r)) for n, r in results.items()},
-        )
-        if "static" in results:
-            data["results"]["static"]["per_batch_size"] = {
-                bs: dict(strip(r), output_tokens_per_s=tok_per_s(r)) for bs, r in results["static"]["per_batch_size"].items()}
+        public = {n: {k: v for k, v in r.items() if k not in ("outputs", "per_batch_size")} for n, r in results.items()}
+        data = dict(command=sys.argv, args=vars(args), tokens_per_s=summary, results=public)
         with open(os.path.join(args.out, "throughput.json"), "w") as f:
             json.dump(data, f, indent=2)
         with open(os.path.join(args.out, "throughput.txt"), "w") as f:
