@@ -17,9 +17,10 @@ import torch
 from pagedgen import ops
 from pagedgen.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedgen.engine.block_manager import cdiv
+from pagedgen.engine.detokenizer import Detokenizer
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
 from pagedgen.engine.model_runner import ModelRunner
-from pagedgen.engine.sampler import Sampler
+from pagedgen.engine.sampler import Sampler, make_generator
 from pagedgen.engine.sequence import Sequence
 from pagedgen.model import loader
 from pagedgen.model.llama import LlamaForCausalLM, rope_cos_sin
@@ -33,6 +34,7 @@ logger = logging.getLogger("pagedgen")
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
+ChatMessage = dict  # {"role": str, "content": str}
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -133,6 +135,7 @@ class LLM:
 
         tok_path = os.fspath(tokenizer) if tokenizer is not None else model
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
         num_blocks = self._num_kv_blocks(model_config, block_size, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs, max_model_len)
@@ -216,16 +219,20 @@ class LLM:
                 bad = [t for t in p if not 0 <= t < vocab]
                 if bad:
                     raise ValueError(f"prompts[{i}] has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        return texts, self._fill_empty(ids)
+
+    def _fill_empty(self, ids: list[list[int]]) -> list[list[int]]:
+        """An empty prompt starts from the BOS token."""
         bos = self.tokenizer.bos_token_id
         for i, p in enumerate(ids):
             if not p:
                 if bos is None:
                     raise ValueError(f"prompts[{i}] is empty and the tokenizer has no BOS token to start from")
                 p.append(bos)
-        return texts, ids
+        return ids
 
-    def _validate(self, prompts: PromptsType, sampling_params) -> tuple[list[Optional[str]], list[list[int]], list[SamplingParams]]:
-        texts, ids = self._tokenize(prompts)
+    def _check_params(self, ids: list[list[int]], sampling_params) -> list[SamplingParams]:
+        """One SamplingParams per prompt, checked against the vocabulary and max_model_len."""
         if sampling_params is None:
             params = [SamplingParams()] * len(ids)
         elif isinstance(sampling_params, SamplingParams):
@@ -246,7 +253,17 @@ class LLM:
                     f"prompts[{i}] has {len(p)} tokens; prompt + 1 generated token must fit max_model_len={limit} "
                     f"(allowed prompt length: 1 to {limit - 1} tokens)"
                 )
-        return texts, ids, params
+        vocab = self.model_config.vocab_size
+        for sp in {id(sp): sp for sp in params}.values():
+            for name, token_ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ())):
+                bad = [t for t in token_ids if t >= vocab]
+                if bad:
+                    raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+            for name in ("logprobs", "prompt_logprobs"):
+                k = getattr(sp, name)
+                if k is not None and k > vocab:
+                    raise ValueError(f"SamplingParams.{name} must be in [0, {vocab}] (the vocabulary size), got {k}")
+        return params
 
     # ----- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -256,24 +273,98 @@ class LLM:
             prompts: a str, a list of str, or a list of token-id lists (not mixed).
             sampling_params: one SamplingParams for all prompts, or one per prompt (default: vLLM's
                 defaults, i.e. temperature 1.0 and max_tokens 16).
-            use_tqdm: show a progress bar of finished requests with output tokens/s.
+            use_tqdm: show a progress bar of finished sequences (n per prompt) with output tokens/s.
 
         Returns:
-            one RequestOutput per prompt. An empty list gives [].
+            one RequestOutput per prompt, holding its ``n`` completions ordered by index. An empty
+            list gives [].
 
         Raises:
             TypeError / ValueError: bad prompts or parameters (naming the index and the allowed
                 range), raised before any work starts; the LLM stays usable.
         """
-        texts, ids, params = self._validate(prompts, sampling_params)
+        texts, ids = self._tokenize(prompts)
+        params = self._check_params(ids, sampling_params)
+        return self._generate(texts, ids, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Seq[ChatMessage], Seq[Seq[ChatMessage]]],
+        sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+        *,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template.
+
+        Args:
+            messages: one conversation (a list of {"role": str, "content": str}) or a list of them.
+            sampling_params: as in ``generate``: one, or one per conversation.
+            chat_template: a Jinja template to use instead of the tokenizer's.
+            add_generation_prompt: end the prompt with the template's cue for the assistant's turn.
+            continue_final_message: let the reply continue the last message (no end-of-turn after
+                it); not together with ``add_generation_prompt``.
+            use_tqdm: show a progress bar.
+
+        Returns:
+            one RequestOutput per conversation; ``prompt`` is the rendered text. The rendered text
+            is tokenized without adding special tokens (the template writes BOS if it wants one).
+
+        Raises:
+            ValueError: no chat template (the tokenizer has none and none was given), a message
+                without a str role and content, or both add_generation_prompt and
+                continue_final_message.
+            TypeError: messages of the wrong shape.
+        """
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
+            conversations = list(messages)
+        else:
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of conversations")
+        for i, conv in enumerate(conversations):
+            for j, m in enumerate(conv):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError(f"conversation {i}, message {j} must be a dict with str 'role' and 'content', got {m!r}")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template: pass chat_template=... (a Jinja template string) to LLM.chat, "
+                "or use LLM.generate with plain prompts"
+            )
+        if not conversations:
+            return []
+        texts = [
+            self.tokenizer.apply_chat_template(
+                list(conv),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+            )
+            for conv in conversations
+        ]
+        ids = self._fill_empty([list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]])
+        params = self._check_params(ids, sampling_params)
+        return self._generate(texts, ids, params, use_tqdm)
+
+    def _generate(self, texts: list[Optional[str]], ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue n sequences per prompt, run them all, gather them per prompt."""
         if not ids:
             return []
         seqs: list[Sequence] = []
         for i, (p, sp) in enumerate(zip(ids, params)):
-            generator = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-            seqs.append(self.engine.add_sequence(i, p, sp, generator))
+            for j in range(sp.n):
+                stream = self.detokenizer.stream(sp) if sp.stop else None
+                seqs.append(self.engine.add_sequence(i, p, sp, make_generator(sp.seed, j), index=j, detokenizer=stream))
         self._run(seqs, use_tqdm)
-        return [self._request_output(i, texts[i], seq) for i, seq in enumerate(seqs)]
+        by_request: list[list[Sequence]] = [[] for _ in ids]
+        for seq in seqs:  # added in index order
+            by_request[seq.request_index].append(seq)
+        return [self._request_output(i, texts[i], group) for i, group in enumerate(by_request)]
 
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
         if not use_tqdm:
@@ -296,23 +387,43 @@ class LLM:
         finally:
             bar.close()
 
-    def _request_output(self, index: int, text: Optional[str], seq: Sequence) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        completion = CompletionOutput(
-            index=0,
-            text=self.tokenizer.decode(out_ids, skip_special_tokens=True),
-            token_ids=out_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+    def _request_output(self, index: int, text: Optional[str], seqs: list[Sequence]) -> RequestOutput:
+        first = seqs[0]
         return RequestOutput(
             request_id=str(index),
             prompt=text,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=self._decoded(first.prompt_logprobs, first.sampling_params),
+            outputs=[self._completion(seq) for seq in seqs],
             finished=True,
-            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_cached_tokens=first.num_cached_tokens or 0,
         )
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        sp = seq.sampling_params
+        if not sp.detokenize:
+            text = ""
+        elif seq.detokenizer is not None:
+            text = seq.detokenizer.text
+        else:
+            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop")
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=seq.output_token_ids,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=self._decoded(seq.logprobs, sp),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _decoded(self, logprobs: Optional[list], sp: SamplingParams) -> Optional[list]:
+        """Fill ``Logprob.decoded_token`` (with ``detokenize``)."""
+        if logprobs is not None and sp.detokenize:
+            for entry in logprobs:
+                for token_id, lp in (entry or {}).items():
+                    lp.decoded_token = self.detokenizer.token_text(token_id)
+        return logprobs
 
     def get_stats(self) -> EngineStats:
         """KV cache and scheduling counters since this LLM was made (see ``EngineStats``)."""

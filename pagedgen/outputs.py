@@ -1,8 +1,31 @@
-"""What ``LLM.generate`` returns, with vLLM's class and field names (``vllm.outputs``)."""
+"""What ``LLM.generate`` and ``LLM.chat`` return, with vLLM's class and field names
+(``vllm.outputs``, ``vllm.logprobs``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position.
+
+    Attributes:
+        logprob: natural log of the token's probability under the raw model distribution
+            (log-softmax of the logits, before penalties, temperature and top-k/top-p/min-p).
+        rank: 1-based rank of the token in that distribution (1 = most likely).
+        decoded_token: the token's text, or None with ``detokenize=False``.
+    """
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+#: Per generated token: {token id: Logprob} holding the sampled token and the top-k tokens.
+SampleLogprobs = list[dict[int, Logprob]]
+#: Per prompt token: None for the first token (nothing predicts it), then as ``SampleLogprobs``.
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
@@ -10,18 +33,25 @@ class CompletionOutput:
     """One completion of a prompt.
 
     Attributes:
-        index: which of the prompt's completions this is (0 for n=1).
-        text: the generated text, detokenized (without the prompt).
+        index: which of the prompt's ``n`` completions this is (0 .. n-1).
+        text: the generated text, detokenized (without the prompt); cut before a stop string, and
+            without the text of an EOS/stop token, unless ``include_stop_str_in_output``.
         token_ids: the generated token ids (an EOS or stop token that ended it is included).
-        finish_reason: "stop" (EOS or a stop token) or "length" (max_tokens or max_model_len reached).
-        stop_reason: the stop token id that ended it, None for EOS or length.
+        cumulative_logprob: sum of the sampled tokens' logprobs; None unless ``logprobs`` was set.
+        logprobs: per generated token, {token id: Logprob} (sampled token + top-k); None unless
+            ``logprobs`` was set.
+        finish_reason: "stop" (EOS, a stop token or a stop string) or "length" (max_tokens or
+            max_model_len reached).
+        stop_reason: the stop token id or stop string that ended it; None for EOS or length.
     """
 
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[SampleLogprobs] = None
     finish_reason: Optional[str] = None
-    stop_reason: Optional[int] = None
+    stop_reason: Union[int, str, None] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -35,7 +65,9 @@ class RequestOutput:
         request_id: the request's id (its index in the ``generate`` call, as a string).
         prompt: the prompt text (None when token ids were given).
         prompt_token_ids: the prompt's token ids as fed to the model.
-        outputs: the completions.
+        prompt_logprobs: per prompt token, {token id: Logprob} (the prompt token + top-k); the
+            first entry is None. None unless ``prompt_logprobs`` was set.
+        outputs: the completions, ordered by ``index``.
         finished: True once every completion has finished.
         num_cached_tokens: prompt tokens found in the prefix cache (not recomputed).
     """
@@ -43,6 +75,7 @@ class RequestOutput:
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
+    prompt_logprobs: Optional[PromptLogprobs] = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0

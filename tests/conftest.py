@@ -53,3 +53,15 @@ def llm(stories_path):
     from pagedgen import LLM
 
     return LLM(stories_path, enforce_extension=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module: the reference ops run many tiny kernels, and on a shared
+    CPU several threads each spin and wait on the others (a step gets tens of times slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -74,8 +74,21 @@ class LLMEngine:
         self._savings_sum = 0.0
         self._peak_savings = 0.0
 
-    def add_sequence(self, request_index: int, prompt_token_ids: list[int], params: SamplingParams, generator=None) -> Sequence:
-        """Queue one sequence (inputs already validated)."""
+    def add_sequence(
+        self,
+        request_index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator=None,
+        *,
+        index: int = 0,
+        detokenizer=None,
+    ) -> Sequence:
+        """Queue one sequence (inputs already validated): completion ``index`` of its request.
+
+        ``detokenizer``: its ``IncrementalDetokenizer`` when the request has stop strings. Prompt
+        logprobs are collected by completion 0 only (they are the same for all n).
+        """
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_index=request_index,
@@ -85,6 +98,11 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.scheduler_config.max_model_len,
             generator=generator,
+            index=index,
+            detokenizer=detokenizer,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
         )
         self.scheduler.add(seq)
         return seq
@@ -104,11 +122,17 @@ class LLMEngine:
         savings = bm.sharing_savings()
         self._savings_sum += savings
         self._peak_savings = max(self._peak_savings, savings)
-        sampled_seqs, tokens = self.model_runner.execute(batch, bm)
+        out = self.model_runner.execute(batch, bm)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-        finished = [seq for seq, tok in zip(sampled_seqs, tokens) if seq.append_token(tok)]
-        self._num_generated += len(tokens)
+        for seq, position, entries in out.prompt_logprobs:
+            seq.add_prompt_logprobs(position, entries)
+        if out.logprobs is not None:
+            for seq, tok, entry in zip(out.seqs, out.token_ids, out.logprobs):
+                if entry is not None:
+                    seq.add_logprobs(entry, tok)
+        finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
+        self._num_generated += len(out.token_ids)
         self.scheduler.finish_many(finished)
         return finished
 

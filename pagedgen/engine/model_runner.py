@@ -12,19 +12,75 @@ One step's inputs, for the scheduled sequences s_0..s_{n-1} computing tokens [c_
     slot_mapping [T]            block_table[p // block_size] * block_size + p % block_size
     block_tables [T, max_blocks] each token's sequence's block table (padded with 0, never read)
     seq_lens     [T]            position + 1: each token attends over itself and all before it
-    logits_indices [S]          the last token of each sequence that samples this step
+    logits_indices [S + R]      the last token of each of the S sequences that sample this step,
+                                then the R prompt positions whose logits give prompt logprobs
+
+Prompt logprobs: a sequence that asks for them gets logits at every prompt position p it computes
+in this step with p + 1 < prompt length, since position p predicts prompt token p + 1 (the first
+prompt token has no logprob). Prefill chunks fill them in order; positions already recorded (a
+recompute after preemption) are not computed twice.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from pagedgen import ops
 from pagedgen.config import CacheConfig
 from pagedgen.engine.block_manager import BlockManager
+from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler import SchedulerOutput
 from pagedgen.engine.sequence import Sequence
 from pagedgen.model.llama import AttentionMetadata, LlamaForCausalLM
+from pagedgen.outputs import Logprob
+
+
+@dataclass
+class PromptLogprobsPlan:
+    """The prompt positions of one step whose logits give prompt logprobs.
+
+    ``seqs[i]`` gets ``num_rows[i]`` rows for positions ``first_positions[i] ..``; row r predicts
+    ``target_ids[r]`` (the next prompt token) and keeps ``num_logprobs[r]`` top tokens.
+    """
+
+    rows: list[int] = field(default_factory=list)  # flat token index of each row in the step
+    target_ids: list[int] = field(default_factory=list)
+    num_logprobs: list[int] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
+    first_positions: list[int] = field(default_factory=list)
+    num_rows: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, start: int, end: int, base: int) -> None:
+        """``seq`` computes positions [start, end), the first at flat index ``base``."""
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        last = min(end, seq.num_prompt_tokens - 1)  # exclusive
+        if last <= first:
+            return
+        self.rows.extend(range(base + first - start, base + last - start))
+        self.target_ids.extend(seq.token_ids[first + 1 : last + 1])
+        self.num_logprobs.extend([seq.sampling_params.prompt_logprobs] * (last - first))
+        self.seqs.append(seq)
+        self.first_positions.append(first)
+        self.num_rows.append(last - first)
+
+
+@dataclass
+class StepOutput:
+    """What one model step produced.
+
+    Attributes:
+        seqs: the sequences that sampled a token, and ``token_ids`` their new tokens (same order).
+        logprobs: None when no sequence asked, else per sampled sequence {token id: Logprob} or None.
+        prompt_logprobs: (sequence, first position, entries) for prompt logprobs computed this step.
+    """
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -61,7 +117,8 @@ class ModelRunner:
 
     def prepare(self, batch: SchedulerOutput, block_manager: BlockManager):
         """Host-side lists -> the step's tensors (see the module docstring). Also returns the
-        sequences that sample a token this step, in ``logits_indices`` order."""
+        sequences that sample a token this step, in ``logits_indices`` order, and the prompt
+        positions whose logits are wanted for prompt logprobs (after those in ``logits_indices``)."""
         bs = self.cache_config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -70,11 +127,14 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling: list[Sequence] = []
+        prompt_plan = PromptLogprobsPlan()
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
             table = block_manager.block_table(seq.seq_id)
             tables.append(table)
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                prompt_plan.add(seq, start, end, len(input_ids))
             if n == 1:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -104,9 +164,9 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
             positions_t.to(device, non_blocking=True),
             attn,
-            torch.tensor(logits_indices, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(logits_indices + prompt_plan.rows, dtype=torch.int64).to(device, non_blocking=True),
         )
-        return tensors, sampling
+        return tensors, sampling, prompt_plan
 
     def move_blocks(self, batch: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies, in every layer (before the step's forward:
@@ -127,11 +187,24 @@ class ModelRunner:
             for k, v in self.kv_caches:
                 ops.copy_blocks(k, v, mapping)
 
-    def execute(self, batch: SchedulerOutput, block_manager: BlockManager) -> tuple[list[Sequence], list[int]]:
-        """Run one step. Returns the sequences that sampled and their new token ids (same order)."""
+    def execute(self, batch: SchedulerOutput, block_manager: BlockManager) -> StepOutput:
+        """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs."""
         self.move_blocks(batch)
-        (input_ids, positions, attn, logits_indices), sampling = self.prepare(batch, block_manager)
-        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices)
-        if not sampling:
-            return [], []
-        return sampling, self.sampler(logits.cpu(), sampling)
+        (input_ids, positions, attn, logits_indices), sampling, prompt_plan = self.prepare(batch, block_manager)
+        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + R, vocab]
+        num_sampling = len(sampling)
+        out = StepOutput(sampling, [])
+        if sampling:
+            sampled = self.sampler(logits[:num_sampling], sampling)
+            out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
+        if prompt_plan.rows:
+            dicts = logprob_dicts(
+                logits[num_sampling:].log_softmax(dim=-1),
+                torch.tensor(prompt_plan.target_ids, dtype=torch.int64),
+                prompt_plan.num_logprobs,
+            )
+            offset = 0
+            for seq, first, count in zip(prompt_plan.seqs, prompt_plan.first_positions, prompt_plan.num_rows):
+                out.prompt_logprobs.append((seq, first, dicts[offset : offset + count]))
+                offset += count
+        return out

@@ -135,7 +135,9 @@ class Scheduler:
         # 3. Waiting sequences, first come first served; none while others wait for swap-in.
         while self.waiting and not self.swapped and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            # prompt logprobs need the logits of every prompt position: no prefix-cache hits then
+            wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
+            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 and not wants_prompt_logprobs else []
             cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - max(cached, seq.num_computed_tokens), budget)
             if not bm.can_allocate(seq.seq_id, max(cached, seq.num_computed_tokens) + n, prefix):

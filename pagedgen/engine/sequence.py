@@ -2,13 +2,18 @@
 
 Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> SWAPPED -> RUNNING on swap preemption
 and RUNNING -> WAITING on recompute preemption (its blocks are freed, ``num_computed_tokens`` goes
-back to 0 and prompt + output so far are prefilled again when it is readmitted). Tensor-free: the scheduler and block manager only read ids and counts.
+back to 0 and prompt + output so far are prefilled again when it is readmitted).
+Tensor-free: the scheduler and block manager only read ids and counts.
+
+Finishing follows vLLM's stop checker, in this order: EOS (unless ignore_eos), a stop token id, a
+stop string in the text, then length (max_tokens, max_model_len). No stop of the first three kinds
+happens before ``min_tokens`` tokens are generated (the sampler also bans EOS and stop tokens then).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pagedgen.sampling_params import SamplingParams
 
@@ -32,6 +37,14 @@ class Sequence:
         num_computed_tokens: tokens whose keys and values are in the KV cache.
         sampling_params: how to sample; ``eos_token_ids``: ids that end it unless ignore_eos.
         generator: this sequence's own torch.Generator when its request has a seed (else None).
+        index: which of its request's ``n`` completions this is.
+        detokenizer: an ``IncrementalDetokenizer`` when the request has stop strings (else None:
+            the text is decoded once at the end).
+        logprobs, cumulative_logprob: per generated token {token id: Logprob}, and the sum of the
+            sampled tokens' logprobs; None unless the request asks for logprobs.
+        prompt_logprobs: per prompt token {token id: Logprob}, the first None; filled as prefill
+            chunks are computed. None unless the request asks (and for completions other than 0).
+        stop_reason: the stop token id or stop string that ended it.
     """
 
     seq_id: int
@@ -42,10 +55,15 @@ class Sequence:
     eos_token_ids: frozenset[int]
     max_model_len: int
     generator: Optional[Any] = None
+    index: int = 0
+    detokenizer: Optional[Any] = None
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+    prompt_logprobs: Optional[list] = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     finish_reason: Optional[str] = None
-    stop_reason: Optional[int] = None
+    stop_reason: Union[int, str, None] = None
     num_preemptions: int = 0
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at admission
     extra: dict = field(default_factory=dict)
@@ -74,12 +92,38 @@ class Sequence:
         """Add a sampled token and decide whether the sequence ends here. Returns True if it does."""
         self.token_ids.append(token_id)
         params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            self.finish_reason = "stop"
-        elif token_id in params.stop_token_ids:
-            self.finish_reason, self.stop_reason = "stop", token_id
-        elif params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
-            self.finish_reason = "length"
-        elif self.num_tokens >= self.max_model_len:
-            self.finish_reason = "length"
-        return self.finish_reason is not None
+        detok = self.detokenizer
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return self._finish("stop", None, token_id)
+            if token_id in params.stop_token_ids:
+                return self._finish("stop", token_id, token_id)
+        if detok is not None and detok.append(token_id) is not None:
+            return self._finish("stop", detok.stop_reason)
+        if (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens) or self.num_tokens >= self.max_model_len:
+            return self._finish("length", None)
+        return False
+
+    def _finish(self, reason: str, stop_reason: Union[int, str, None], stop_token: Optional[int] = None) -> bool:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        detok = self.detokenizer
+        if detok is not None:
+            if stop_token is not None and self.sampling_params.include_stop_str_in_output:
+                detok.append(stop_token)
+            detok.finish()  # decodes what was held back; a stop string found there wins
+            if detok.stop_reason is not None:
+                self.finish_reason, self.stop_reason = "stop", detok.stop_reason
+        return True
+
+    def add_logprobs(self, entry: dict, token_id: int) -> None:
+        """Record the logprobs of the token sampled this step (before ``append_token``)."""
+        self.logprobs.append(entry)
+        self.cumulative_logprob += entry[token_id].logprob
+
+    def add_prompt_logprobs(self, position: int, entries: list) -> None:
+        """Record the logprobs of prompt tokens ``position + 1 ..`` (predicted from ``position ..``).
+        Positions skipped (none today; a prefix-cache hit would skip some) are left None."""
+        missing = position + 1 - len(self.prompt_logprobs)
+        if missing > 0:
+            self.prompt_logprobs.extend([None] * missing)
+        self.prompt_logprobs.extend(entries)

@@ -1,0 +1,37 @@
+"""Log-probabilities of chosen tokens plus the top k, as vLLM's ``Logprob`` dictionaries.
+
+Convention (vLLM v1's default ``logprobs_mode="raw_logprobs"``): the log-softmax of the model's raw
+logits, before penalties, logit bias, temperature and top-k/top-p/min-p. So logprobs do not change
+with the sampling settings, and a prompt token's logprob at position i is log_softmax(logits at
+position i - 1)[token i] (the model's prediction from the tokens before it).
+
+Ranks follow vLLM: the chosen token's rank is the number of tokens at least as likely as it (1 for
+the most likely); the top-k tokens get ranks 1..k in order.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedgen.outputs import Logprob
+
+
+def logprob_dicts(
+    logprobs: torch.Tensor,  # [R, V] float32, log-softmax of the raw logits
+    token_ids: torch.Tensor,  # [R] int64, the chosen token of each row
+    num_logprobs: list[int],  # R entries: top-k size of each row (0: only the chosen token)
+) -> list[dict[int, Logprob]]:
+    """One {token id: Logprob} per row: the chosen token first, then the row's top k."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [R]
+    k_max = max(num_logprobs, default=0)
+    top_lp, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)  # [R, k_max], descending
+    out = []
+    chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), token_ids.tolist()
+    top_lp_l = top_lp.tolist() if k_max else None
+    top_ids_l = top_ids.tolist() if k_max else None
+    for r, k in enumerate(num_logprobs):
+        d = {ids_l[r]: Logprob(chosen_l[r], ranks_l[r])}
+        for j in range(k):
+            d[top_ids_l[r][j]] = Logprob(top_lp_l[r][j], j + 1)
+        out.append(d)
+    return out

@@ -1,0 +1,102 @@
+"""Logprobs and prompt logprobs equal the log-softmax of transformers' logits for the same tokens
+(stories260K, fp32, atol 1e-4), also when prompts are prefilled in chunks and sequences preempted."""
+import math
+
+import pytest
+import torch
+
+from conftest import story_openings
+from pagedgen import LLM, SamplingParams
+
+ATOL = 1e-4
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return story_openings(4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(hf_model):
+    """token ids -> [len, vocab] float32 log-softmax of transformers' logits (row i predicts i + 1)."""
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf_model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+    return run
+
+
+PARAMS = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=11, max_tokens=12, logprobs=3, prompt_logprobs=2)
+
+
+def _check_entry(entry: dict, token: int, ref: torch.Tensor, k: int) -> None:
+    """One position: the chosen token with its rank, and the top k with ranks 1..k."""
+    assert token in entry and len(entry) in (k, k + 1)
+    assert entry[token].logprob == pytest.approx(ref[token].item(), abs=ATOL)
+    lo = int((ref > ref[token] + ATOL).sum()) + 1  # rank bounds that tolerate float noise
+    hi = int((ref >= ref[token] - ATOL).sum())
+    assert lo <= entry[token].rank <= hi
+    top = sorted((lp.rank, tid) for tid, lp in entry.items() if tid != token or lp.rank <= k)
+    ref_top = ref.topk(k).values
+    for (rank, tid), ref_value in zip([t for t in top if t[0] <= k], ref_top.tolist()):
+        assert entry[tid].logprob == pytest.approx(ref_value, abs=ATOL)
+    assert sorted(r for r, _ in top if r <= k) == list(range(1, k + 1))
+    for tid, lp in entry.items():
+        assert lp.logprob == pytest.approx(ref[tid].item(), abs=ATOL)
+        assert lp.decoded_token is not None
+
+
+def _check_request(out, hf_logprobs, k_sample: int = 3, k_prompt: int = 2) -> None:
+    prompt, completion = out.prompt_token_ids, out.outputs[0]
+    ref = hf_logprobs(prompt + completion.token_ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        _check_entry(out.prompt_logprobs[i], prompt[i], ref[i - 1], k_prompt)
+    assert len(completion.logprobs) == len(completion.token_ids)
+    for t, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        _check_entry(entry, token, ref[len(prompt) - 1 + t], k_sample)
+    expected_sum = sum(ref[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(completion.token_ids))
+    assert completion.cumulative_logprob == pytest.approx(expected_sum, abs=ATOL * len(completion.token_ids))
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(llm, prompts, hf_logprobs):
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    for out in outs:
+        _check_request(out, hf_logprobs)
+
+
+def test_chunked_prefill_and_preemption_give_the_same_logprobs(stories_path, llm, prompts, hf_logprobs):
+    """A token budget of 5 splits every prompt over several steps; 16 blocks of 8 slots for 4
+    sequences force recompute preemptions (prompt logprobs must not be recorded twice)."""
+    small = LLM(stories_path, block_size=8, num_kv_blocks=16, max_num_batched_tokens=5)
+    outs = small.generate(prompts, PARAMS.clone(max_tokens=16), use_tqdm=False)
+    assert small.get_stats().num_preemptions > 0
+    for out in outs:
+        _check_request(out, hf_logprobs)
+
+
+def test_logprobs_off_and_zero(llm, prompts):
+    off = llm.generate(prompts[:1], SamplingParams(max_tokens=4, seed=1), use_tqdm=False)[0]
+    assert off.prompt_logprobs is None
+    assert off.outputs[0].logprobs is None and off.outputs[0].cumulative_logprob is None
+    zero = llm.generate(prompts[:1], SamplingParams(max_tokens=4, seed=1, logprobs=0, prompt_logprobs=0), use_tqdm=False)[0]
+    assert zero.outputs[0].token_ids == off.outputs[0].token_ids  # asking for logprobs changes nothing
+    for tok, entry in zip(zero.outputs[0].token_ids, zero.outputs[0].logprobs):
+        assert list(entry) == [tok]
+    for tok, entry in zip(zero.prompt_token_ids[1:], zero.prompt_logprobs[1:]):
+        assert list(entry) == [tok]
+    assert math.isclose(zero.outputs[0].cumulative_logprob, sum(e[t].logprob for t, e in zip(zero.outputs[0].token_ids, zero.outputs[0].logprobs)))
+
+
+def test_logprobs_are_of_the_raw_distribution(llm, prompts):
+    """Temperature, penalties and top-k do not change the reported logprobs (raw model output)."""
+    greedy = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0].outputs[0]
+    forced = SamplingParams(temperature=0.3, top_k=1, repetition_penalty=1.0, max_tokens=6, logprobs=2)
+    other = llm.generate(prompts[:1], forced, use_tqdm=False)[0].outputs[0]
+    assert other.token_ids == greedy.token_ids  # top_k=1 is greedy
+    for a, b in zip(greedy.logprobs, other.logprobs):
+        assert a.keys() == b.keys()
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-6) for t in a)
