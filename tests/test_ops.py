@@ -7,6 +7,8 @@ polynomial exp (~1e-7 relative), so float32 must agree to 1e-5. In bf16/fp16 tha
 then rounded to the output dtype, where the two can land one unit in the last place apart:
 2^-8 relative for bf16, 2^-11 for fp16; the tolerances below allow about two such units.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -26,6 +28,18 @@ TOL = {
     torch.float16: dict(atol=1e-3, rtol=2e-3),
 }
 UNUSED_BLOCK = 1 << 30  # block-table entries past a sequence's length: must never be read
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Runs the reference ops on one thread: their many tiny ATen calls only pay for a thread team
+    (and wait for a second core on a busy machine). The kernels keep the default thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,7 +74,8 @@ def check_attention(seq_lens, num_heads, num_kv_heads, head_size, block_size, dt
     out = torch.full_like(query, float("nan"))  # every element must be written
     torch.ops.pagedgen.paged_attention(out, query, key_cache, value_cache, block_tables, lens, scale)
     expected = torch.empty_like(query)
-    reference.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, scale)
+    with single_thread():
+        reference.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, scale)
     torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
 
 
@@ -116,7 +131,8 @@ def test_paged_attention_zero_length_rows_are_zero():
     torch.ops.pagedgen.paged_attention(out, query, key_cache, value_cache, block_tables, lens, 0.3)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
     expected = torch.empty_like(query)
-    reference.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, 0.3)
+    with single_thread():
+        reference.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, 0.3)
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
@@ -127,7 +143,8 @@ def test_paged_attention_strided_query_and_out():
         [1, 17, 64, 100, 250], num_heads, num_kv_heads, head_size, 16, torch.float32
     )
     expected = torch.empty_like(query)
-    reference.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, 0.3)
+    with single_thread():
+        reference.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, 0.3)
     # query: the first num_heads * head_size columns of a [num_seqs, (num_heads + 2 * num_kv_heads) * head_size] qkv
     qkv = torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_size)
     qkv[:, : num_heads * head_size] = query.reshape(num_seqs, -1)
@@ -157,7 +174,8 @@ def test_paged_attention_prefill_rows_with_expanded_table():
     expanded = rows_table[0]  # a stride-0 table, passed as is
     torch.ops.pagedgen.paged_attention(out[:150], q[:150], key_cache, value_cache, expanded, lens[:150], 0.35)
     torch.ops.pagedgen.paged_attention(out, q, key_cache, value_cache, torch.cat(rows_table), lens, 0.35)
-    reference.paged_attention(expected, q, key_cache, value_cache, torch.cat(rows_table), lens, 0.35)
+    with single_thread():
+        reference.paged_attention(expected, q, key_cache, value_cache, torch.cat(rows_table), lens, 0.35)
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
@@ -222,7 +240,8 @@ def test_reshape_and_cache(block_size, num_kv_heads, head_size, dtype):
     value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
     slots = random_slots(num_tokens, num_blocks * block_size, 7, gen)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    with single_thread():
+        reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
     before_k = key_cache.clone()
     torch.ops.pagedgen.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
@@ -244,7 +263,8 @@ def test_reshape_and_cache_strided_and_converted_inputs():
     value_cache = torch.zeros_like(key_cache)
     slots = random_slots(num_tokens, 4 * block_size, 3, gen)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    with single_thread():
+        reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
     torch.ops.pagedgen.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
@@ -276,7 +296,8 @@ def test_copy_blocks(dtype):
     key_cache, value_cache = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
     mapping = random_pairs(12, 12, 5, gen, disjoint=True)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    reference.copy_blocks(expected_k, expected_v, mapping)
+    with single_thread():
+        reference.copy_blocks(expected_k, expected_v, mapping)
     torch.ops.pagedgen.copy_blocks(key_cache, value_cache, mapping)
     assert not torch.equal(expected_k, key_cache.clone().random_())  # sanity: the comparison can fail
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
@@ -291,7 +312,8 @@ def test_swap_blocks(dtype):
     dst = torch.randn(7, 8, 2, 64, generator=gen).to(dtype)  # e.g. the CPU swap space
     mapping = random_pairs(10, 7, 4, gen)
     expected = dst.clone()
-    reference.swap_blocks(src, expected, mapping)
+    with single_thread():
+        reference.swap_blocks(src, expected, mapping)
     torch.ops.pagedgen.swap_blocks(src, dst, mapping)
     assert torch.equal(dst, expected)
     ops.swap_blocks(dst, src, mapping.flip(1))  # and back, through pagedgen.ops (CPU tensors only)

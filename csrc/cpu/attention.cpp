@@ -161,9 +161,13 @@ bool attend_one(const Params<scalar_t>& p, int64_t seq, int64_t kv_head, float* 
 }
 
 template <typename scalar_t, int kHeadSize>
-void attend_all(const Params<scalar_t>& p) {
+void attend_all(const Params<scalar_t>& p, int64_t work) {
   const int64_t num_items = p.num_seqs * p.num_kv_heads;  // item = seq * num_kv_heads + kv_head
-  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)));
+  // One thread per kMinWorkPerThread multiply-adds at most: a small call is done before a team of
+  // threads would have woken up (and on a loaded machine, waiting for a second core costs far more).
+  constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
+  const int num_threads = static_cast<int>(std::clamp<int64_t>(
+      std::min<int64_t>(work / kMinWorkPerThread, num_items), 1, std::max(1, at::get_num_threads())));
   const int64_t chunk = std::max<int64_t>(1, num_items / (num_threads * 16));
   const int64_t per_thread = scratch_floats(p.group, p.head_size);
   std::vector<float> scratch(per_thread * num_threads);
@@ -185,15 +189,15 @@ void attend_all(const Params<scalar_t>& p) {
 }
 
 template <typename scalar_t>
-void dispatch_head_size(const Params<scalar_t>& p) {
+void dispatch_head_size(const Params<scalar_t>& p, int64_t work) {
   switch (p.head_size) {
-    case 8: return attend_all<scalar_t, 8>(p);
-    case 16: return attend_all<scalar_t, 16>(p);
-    case 32: return attend_all<scalar_t, 32>(p);
-    case 64: return attend_all<scalar_t, 64>(p);
-    case 128: return attend_all<scalar_t, 128>(p);
-    case 256: return attend_all<scalar_t, 256>(p);
-    default: return attend_all<scalar_t, 0>(p);  // any other head size: runtime loop bounds
+    case 8: return attend_all<scalar_t, 8>(p, work);
+    case 16: return attend_all<scalar_t, 16>(p, work);
+    case 32: return attend_all<scalar_t, 32>(p, work);
+    case 64: return attend_all<scalar_t, 64>(p, work);
+    case 128: return attend_all<scalar_t, 128>(p, work);
+    case 256: return attend_all<scalar_t, 256>(p, work);
+    default: return attend_all<scalar_t, 0>(p, work);  // any other head size: runtime loop bounds
   }
 }
 
@@ -243,10 +247,13 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_seqs, num_head
   const at::Tensor lens = seq_lens.contiguous();  // [num_seqs], tiny
   const int32_t* lens_ptr = lens.data_ptr<int32_t>();
   const int64_t max_len = block_tables.size(1) * block_size;
+  int64_t total_tokens = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     TORCH_CHECK(lens_ptr[i] <= max_len, "paged_attention: seq_lens[", i, "] = ", lens_ptr[i],
                 " exceeds the block table's capacity of ", max_len, " tokens");
+    total_tokens += std::max<int32_t>(lens_ptr[i], 0) + 8;  // + 8: a row's fixed cost, in tokens
   }
+  const int64_t work = total_tokens * num_heads * head_size;  // ~ multiply-adds of the call
 
   auto launch = [&](auto zero) {  // zero: a value of the element type
     using scalar_t = decltype(zero);
@@ -263,7 +270,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_seqs, num_head
     p.num_seqs = num_seqs, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads, p.head_size = head_size;
     p.group = num_heads / num_kv_heads, p.block_size = block_size, p.num_blocks = num_blocks;
     p.scale = static_cast<float>(scale);
-    dispatch_head_size(p);
+    dispatch_head_size(p, work);
   };
   // Like AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16, ...) without the float64 instantiations.
   switch (dtype) {

@@ -105,30 +105,41 @@ inline float exp_approx(float x_in) {
 }
 
 template <int W>
-inline float hmax(const Vec<W>& v) {  // max of the lanes
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
+inline float hmax(const Vec<W>& v) {  // max of the lanes, as a tree like hsum
+  if constexpr (W == 4) {
+    return std::max(std::max(v[0], v[2]), std::max(v[1], v[3]));
+  } else {
+    Vec<W / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return hmax<W / 2>(lo > hi ? lo : hi);
+  }
 }
 
+// Registers' worth of lanes that hold the n valid tokens of a tile.
+inline int tile_registers(int n) { return (n + kLanes - 1) / kLanes; }
+
 // One online-softmax step (Milakov & Gimelshein 2018) for one head and one tile: turns the scores
-// s[0:n] into weights exp(s - m_new) (and s[n:kTile] into zeros), updates the running max m and the
-// running sum l of the weights, and returns alpha = exp(m_old - m_new), the factor by which
-// everything accumulated so far must be rescaled. s: [kTile].
+// s[0:n] into weights exp(s - m_new) (and the rest of their last register into zeros), updates the
+// running max m and the running sum l of the weights, and returns alpha = exp(m_old - m_new), the
+// factor by which everything accumulated so far must be rescaled. s: [kTile].
 inline float softmax_tile(float* s, int n, float& m, float& l) {
-  constexpr int NT = kTile / kLanes;
-  for (int j = n; j < kTile; ++j) s[j] = -std::numeric_limits<float>::infinity();
+  const int nv = tile_registers(n);
+  for (int j = n; j < nv * kLanes; ++j) s[j] = -std::numeric_limits<float>::infinity();
   Vec<kLanes> vmax = load<kLanes>(s);
-  for (int t = 1; t < NT; ++t) {
+  for (int t = 1; t < nv; ++t) {
     const Vec<kLanes> x = load<kLanes>(s + t * kLanes);
     vmax = vmax > x ? vmax : x;
   }
   const float m_new = std::max(m, hmax<kLanes>(vmax));
   const float alpha = exp_approx(m - m_new);  // 0 on the first tile (m = -inf)
+  Vec<kLanes> sum = {};
+  for (int t = 0; t < nv; ++t) {
+    float* st = s + t * kLanes;
 #pragma omp simd
-  for (int j = 0; j < kTile; ++j) s[j] = exp_approx(s[j] - m_new);
-  Vec<kLanes> sum = load<kLanes>(s);
-  for (int t = 1; t < NT; ++t) sum += load<kLanes>(s + t * kLanes);
+    for (int i = 0; i < kLanes; ++i) st[i] = exp_approx(st[i] - m_new);
+    sum += load<kLanes>(st);
+  }
   l = l * alpha + hsum<kLanes>(sum);
   m = m_new;
   return alpha;
@@ -168,18 +179,17 @@ template <int kD>
 inline void score_tile(const float* q, int G, const float* const* k, int n, float* kt, float* sc) {
   if constexpr (kD <= 16) {
     // Small heads: transpose the tile (kt[d, j] = k[j][d]) and sum over d vertically, kLanes tokens
-    // at a time. Lanes j >= n hold stale values; the caller ignores sc[h, j >= n].
+    // at a time. Lanes j >= n hold stale values, which softmax_tile replaces.
     for (int j = 0; j < n; ++j) {
       for (int d = 0; d < kD; ++d) kt[d * kTile + j] = k[j][d];
     }
-    constexpr int NT = kTile / kLanes;
+    const int nv = tile_registers(n);
     for (int h = 0; h < G; ++h) {
-      Vec<kLanes> s[NT] = {};
-      for (int d = 0; d < kD; ++d) {
-        const float qd = q[h * kD + d];
-        for (int t = 0; t < NT; ++t) s[t] += qd * load<kLanes>(kt + d * kTile + t * kLanes);
+      for (int t = 0; t < nv; ++t) {
+        Vec<kLanes> s = {};
+        for (int d = 0; d < kD; ++d) s += q[h * kD + d] * load<kLanes>(kt + d * kTile + t * kLanes);
+        store<kLanes>(sc + h * kTile + t * kLanes, s);
       }
-      for (int t = 0; t < NT; ++t) store<kLanes>(sc + h * kTile + t * kLanes, s[t]);
     }
   } else {
     // Larger heads: one dot product per (head, token), kD / W vector FMAs and one horizontal sum.
