@@ -9,13 +9,16 @@
 //   * OpenMP `for` with dynamic scheduling over the items: row costs differ widely (prefill rows grow
 //     with their position), and a static split would leave one core idle. Chunks are runs of
 //     consecutive items, so neighbouring prefill rows of a sequence re-read the same blocks from cache.
+//     The team has at most one thread per kMinWorkPerThread multiply-adds: small calls run inline.
 //   * Online softmax (Milakov & Gimelshein 2018, as in FlashAttention) over tiles of kTile tokens: the
-//     scratch per thread is O(group * (head_size + kTile)) floats whatever the context length, and is
-//     allocated once per call, before the parallel region. No allocation and no ATen call per item.
+//     scratch per thread is O(group * head_size + kTile * head_size) floats whatever the context
+//     length, allocated once per call before the parallel region. No allocation, no ATen call per item.
 //   * float32 accumulation and softmax whatever the cache dtype; bf16/fp16 rows are converted to float
 //     once per row into the thread's scratch, fp32 rows are read in place.
-//   * Common head sizes are template constants so the inner loops unroll and vectorise fully; any other
-//     head size takes the same code with a runtime bound.
+//   * Head sizes 8/16/32/64/128/256 are template constants, with the inner loops (attention_math.h)
+//     held in registers; any other head size runs plain loops with run-time bounds.
+//   * Blocks are scattered over the cache, so while one block is processed the rows of the next one
+//     are prefetched (the hardware prefetcher cannot guess them).
 //
 // Strides: query and out are read/written through all three of their strides (they may be views of a
 // larger qkv or output tensor; no copy is made), block_tables through both of its strides (a row may
