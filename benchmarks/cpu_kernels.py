@@ -18,13 +18,16 @@ import torch.nn.functional as F
 from pagedgen.ops import extension_available, extension_error, reference
 
 
+CLOCK = time.perf_counter  # --clock thread: time.thread_time
+
+
 def median_ms(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return statistics.median(times) * 1e3
 
 
@@ -97,16 +100,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls of the kernel and of SDPA")
     parser.add_argument("--reference-repeats", type=int, default=3, help="timed calls of the (slow) reference")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="thread: CPU time of the calling thread, on one thread (robust to other load on the machine)",
+    )
     args = parser.parse_args()
     if not extension_available("cpu"):
         raise SystemExit(f"needs the compiled kernels: {extension_error('cpu')}")
+    if args.clock == "thread":
+        global CLOCK
+        CLOCK, args.threads = time.thread_time, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     print(
         f"{args.dtype}, {torch.get_num_threads()} threads, heads {args.num_heads}/{args.num_kv_heads} (q/kv), "
-        f"block size {args.block_size}; median ms"
+        f"block size {args.block_size}; median ms ({args.clock} clock)"
     )
     print(f"{'workload':<34} {'head':>4} {'kernel':>9} {'reference':>10} {'sdpa':>9} {'ref/kern':>9} {'sdpa/kern':>9}")
     for head_size in args.head_sizes:
