@@ -22,7 +22,7 @@ def _extension():
     from torch.utils import cpp_extension
 
     sources = [os.path.join("csrc", "ops.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-g0", "-fopenmp", "-std=c++17"]
+    cxx_flags = ["-O3", "-g0", "-fopenmp", "-std=c++20"]
     march = os.environ.get("PAGEDGEN_CPU_ARCH", "native")
     if march:
         cxx_flags.append(f"-march={march}")
