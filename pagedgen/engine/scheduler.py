@@ -119,21 +119,36 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: everything after it is gone too
 
-        # 2. Swapped-out sequences come back first, oldest first; none while preemption is under way.
-        while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2.-3. Swapped-out, then waiting sequences; none while preemption is under way.
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        # Sequences with nothing to compute (beams waiting for their group) may hold every block
+        # while a sibling waits: recompute the newest later (behind the queue) until something runs.
+        while not out.seqs and self.running and (self.waiting or self.swapped):
+            self._preempt(self.running.pop(), out, allow_swap=False, requeue_last=True)
+            budget = self._admit(out, budget)
+
+        out.blocks_to_copy = bm.take_copies()
+        self.stats.num_steps += 1
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring back swapped-out sequences, then admit waiting ones, first come first served,
+        while the token budget, ``max_num_seqs`` (sequences computing in this step, counting the
+        completions a parallel-sampling request forks into) and free blocks allow."""
+        bm, limit = self.block_manager, self.config.max_num_seqs
+        while self.swapped and budget > 0 and len(out.seqs) < limit:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
-                break
+                return budget
             self.swapped.popleft()
             self._swap_in(seq, out)
             self.running.append(seq)
             if n:
                 self._plan(seq, n, out)
                 budget -= n
-
-        # 3. Waiting sequences, first come first served; none while others wait for swap-in.
-        while self.waiting and not self.swapped and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and not self.swapped and budget > 0 and len(out.seqs) + 1 + len(self.waiting[0].pending_forks) <= limit:
             seq = self.waiting[0]
             # prompt logprobs need the logits of every prompt position: no prefix-cache hits then
             wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
@@ -153,10 +168,7 @@ class Scheduler:
             self.running.append(seq)
             self._plan(seq, n, out)
             budget -= n
-
-        out.blocks_to_copy = bm.take_copies()
-        self.stats.num_steps += 1
-        return out
+        return budget
 
     def _plan(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Allocate the slots of ``n`` more tokens of a running sequence and add it to the step."""
@@ -206,7 +218,7 @@ class Scheduler:
         if self.cpu_block_manager is not None:
             self.cpu_block_manager.free(seq.seq_id)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, allow_swap: bool = True, requeue_last: bool = False) -> None:
         """Preempt a running sequence, all or nothing: swap it out if configured and there is
         room in swap space, else free everything and requeue it at the head for recompute."""
         bm, cpu = self.block_manager, self.cpu_block_manager
@@ -214,7 +226,7 @@ class Scheduler:
         out.preempted.append(seq)
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and cpu is not None and table and cpu.can_allocate(seq.seq_id, bm.num_tokens(seq.seq_id)):
+        if allow_swap and self.config.preemption_mode == "swap" and cpu is not None and table and cpu.can_allocate(seq.seq_id, bm.num_tokens(seq.seq_id)):
             cpu.allocate(seq.seq_id, bm.num_tokens(seq.seq_id))
             out.blocks_to_swap_out.extend(zip(table, cpu.block_table(seq.seq_id)))
             bm.free(seq.seq_id)
@@ -225,7 +237,10 @@ class Scheduler:
         bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if requeue_last:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.stats.num_recomputes += 1
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -11,6 +11,7 @@ happens before ``min_tokens`` tokens are generated (the sampler also bans EOS an
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -66,7 +67,26 @@ class Sequence:
     stop_reason: Union[int, str, None] = None
     num_preemptions: int = 0
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at admission
-    extra: dict = field(default_factory=dict)
+    # parallel sampling: (index, generator, detokenizer) of the n - 1 completions that fork from this
+    # one when its prompt is done, sharing its blocks (copy-on-write)
+    pending_forks: list = field(default_factory=list)
+    beam_group: Optional[Any] = None  # the BeamGroup of a beam-search sequence
+    beam_cum_logprob: float = 0.0
+
+    def fork(self, seq_id: int, index: int, generator=None, detokenizer=None) -> "Sequence":
+        """A copy of this sequence's state under a new id (the block manager forks its blocks)."""
+        child = dataclasses.replace(
+            self,
+            seq_id=seq_id,
+            token_ids=list(self.token_ids),
+            index=index,
+            generator=generator,
+            detokenizer=detokenizer,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None,
+            pending_forks=[],
+        )
+        return child
 
     @property
     def num_tokens(self) -> int:
