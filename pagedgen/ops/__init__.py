@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from pagedgen.ops import reference
+from pagedgen.ops import fake, reference
 
 try:
     from pagedgen import _C  # noqa: F401  (loading the library registers torch.ops.pagedgen.*)
@@ -15,6 +15,8 @@ try:
     _IMPORT_ERROR = None
 except ImportError as exc:  # the extension was not built
     _IMPORT_ERROR = exc
+if _IMPORT_ERROR is None:
+    fake.register_fakes()  # FakeTensor / torch.compile / opcheck support of the ops just loaded
 
 __all__ = ["extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks"]
 
