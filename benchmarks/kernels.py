@@ -2,8 +2,10 @@
 torch.nn.functional.scaled_dot_product_attention (enable_gqa) on a contiguous cache holding the same
 keys and values, one query token per sequence.
 
-For each (batch, context): median time over repeats (CUDA events around each call, L2 flushed
-before each), the bytes of K and V read per call over that time, that as a fraction of the measured
+For each (batch, context): the time per call, as the median over rounds of (CUDA events around
+the replay of a CUDA graph of --repeat calls) / --repeat, after warm-up; the calls rotate over
+enough copies of the caches that the inputs are never L2-resident (eager calls if graph capture
+fails). Then the bytes of K and V read per call over that time, that as a fraction of the measured
 device-to-device copy bandwidth (a large tensor copy, bytes read + written over its time), and the
 paged / contiguous time ratio. Cases whose caches do not fit the free memory are skipped.
 
@@ -64,11 +66,21 @@ def kv_bytes(args, batch: int, context: int) -> int:
     return 2 * batch * context * args.num_kv_heads * args.head_size * element_size(args.dtype)
 
 
+L2_BYTES = 60 << 20  # H200; copies() only needs the order of magnitude
+
+
+def copies(args, batch: int, context: int) -> int:
+    """Cache copies the timed calls rotate over, so that they read at least 4x the L2 size."""
+    return min(64, max(1, math.ceil(4 * L2_BYTES / kv_bytes(args, batch, context))))
+
+
 def case_memory(args, batch: int, context: int) -> int:
-    """Peak bytes of one case: paged and contiguous caches, plus one cache-sized gather temporary."""
+    """Peak bytes of one case: the paged and contiguous caches of every copy, plus one cache-sized
+    gather temporary."""
     blocks = batch * math.ceil(context / args.block_size)
     paged = 2 * blocks * args.block_size * args.num_kv_heads * args.head_size * element_size(args.dtype)
-    return paged + kv_bytes(args, batch, context) + kv_bytes(args, batch, context) // 2
+    kv = kv_bytes(args, batch, context)
+    return copies(args, batch, context) * (paged + kv) + kv // 2
 
 
 def cases(args):
@@ -78,42 +90,64 @@ def cases(args):
 def print_plan(args) -> None:
     print(f"decode attention, {args.dtype}, {args.num_heads} query heads, {args.num_kv_heads} KV heads, "
           f"head size {args.head_size}, block size {args.block_size}; {args.warmup} warm-up, {args.repeat} repeats")
-    print(f"{'batch':>6} {'context':>8} {'K+V read':>10} {'peak memory':>12}")
+    print(f"{'batch':>6} {'context':>8} {'K+V read':>10} {'copies':>6} {'peak memory':>12}")
     for b, c in cases(args):
-        print(f"{b:>6} {c:>8} {kv_bytes(args, b, c) / 1e9:>8.2f}GB {case_memory(args, b, c) / 1e9:>10.2f}GB")
+        print(f"{b:>6} {c:>8} {kv_bytes(args, b, c) / 1e9:>8.3f}GB {copies(args, b, c):>6} "
+              f"{case_memory(args, b, c) / 1e9:>10.2f}GB")
     print(f"results to {args.out}/kernels.json and kernels.txt")
 
 
 # ---- GPU part -------------------------------------------------------------------------------------
 
 
-def median_ms(torch, fn, warmup: int, repeat: int, flush) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        flush.zero_()  # evict the inputs from L2
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+def event_ms(torch, fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
-def copy_bandwidth(torch, flush) -> float:
-    """Device-to-device copy of 4 GiB: bytes read + written per second."""
+def time_per_call_ms(torch, calls, warmup: int, repeat: int, rounds: int = 5) -> tuple[float, str]:
+    """Median over rounds of the time per call of `repeat` calls cycling through `calls`."""
+    def loop():
+        for i in range(repeat):
+            calls[i % len(calls)]()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+        for i in range(max(warmup, len(calls))):
+            calls[i % len(calls)]()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loop()
+        run, how = graph.replay, "cuda graph"
+    except Exception as exc:  # noqa: BLE001 - any capture failure: time eager calls instead
+        print(f"  graph capture failed ({type(exc).__name__}: {exc}); timing eager calls", flush=True)
+        torch.cuda.synchronize()
+        run, how = loop, "eager"
+    run()
+    samples = sorted(event_ms(torch, run) / repeat for _ in range(rounds))
+    return samples[len(samples) // 2], how
+
+
+def copy_bandwidth(torch) -> float:
+    """Device-to-device copy of 4 GiB: bytes read + written per second (median of 10)."""
     n = 4 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = median_ms(torch, lambda: dst.copy_(src), 3, 10, flush)
+    dst.copy_(src)
+    ms = sorted(event_ms(torch, lambda: dst.copy_(src)) for _ in range(10))[5]
     del src, dst
     return 2 * n / (ms / 1e3)
 
 
-def run_case(torch, args, batch: int, context: int, flush) -> dict:
+def run_case(torch, args, batch: int, context: int) -> dict:
     import torch.nn.functional as F
 
     from pagedgen import ops
@@ -123,33 +157,32 @@ def run_case(torch, args, batch: int, context: int, flush) -> dict:
     blocks_per_seq = math.ceil(context / bs)
     num_blocks = batch * blocks_per_seq
     g = torch.Generator(device="cuda").manual_seed(0)
-    key_cache = torch.randn(num_blocks, bs, Hkv, D, dtype=dtype, device="cuda", generator=g)
-    value_cache = torch.randn(num_blocks, bs, Hkv, D, dtype=dtype, device="cuda", generator=g)
     # random physical placement of each sequence's blocks
     perm = torch.randperm(num_blocks, device="cuda", generator=g)
-    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)  # [batch, blocks_per_seq]
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, H, D, dtype=dtype, device="cuda", generator=g)
+    query = torch.randn(batch, H, D, dtype=dtype, device="cuda", generator=g)  # [batch, H, D]
+    q4 = query.unsqueeze(2)  # [batch, H, 1, D]
     out = torch.empty_like(query)
     scale = D**-0.5
 
-    def gather(cache):  # [batch, Hkv, context, D], the same tokens laid out contiguously
+    def gather(cache):  # [num_blocks, bs, Hkv, D] -> [batch, Hkv, context, D], the same tokens contiguous
         return cache[block_tables.long()].view(batch, blocks_per_seq * bs, Hkv, D)[:, :context].transpose(1, 2).contiguous()
 
-    k, v = gather(key_cache), gather(value_cache)
-    q4 = query.unsqueeze(2)  # [batch, H, 1, D]
+    paged_calls, sdpa_calls = [], []
+    for _ in range(copies(args, batch, context)):
+        kc = torch.randn(num_blocks, bs, Hkv, D, dtype=dtype, device="cuda", generator=g)
+        vc = torch.randn(num_blocks, bs, Hkv, D, dtype=dtype, device="cuda", generator=g)
+        k, v = gather(kc), gather(vc)
+        paged_calls.append(lambda kc=kc, vc=vc: ops.paged_attention(out, query, kc, vc, block_tables, seq_lens, scale))
+        sdpa_calls.append(lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
 
-    def paged():
-        ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
-
-    def contiguous():
-        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
-
-    row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(args, batch, context)}
-    row["paged_ms"] = median_ms(torch, paged, args.warmup, args.repeat, flush)
+    row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(args, batch, context), "copies": len(paged_calls)}
+    row["paged_ms"], row["paged_timing"] = time_per_call_ms(torch, paged_calls, args.warmup, args.repeat)
     try:
-        row["sdpa_ms"] = median_ms(torch, contiguous, args.warmup, args.repeat, flush)
-        row["max_abs_diff"] = (contiguous().squeeze(2).float() - out.float()).abs().max().item()
+        row["sdpa_ms"], row["sdpa_timing"] = time_per_call_ms(torch, sdpa_calls, args.warmup, args.repeat)
+        paged_calls[0]()
+        row["max_abs_diff"] = (sdpa_calls[0]().squeeze(2).float() - out.float()).abs().max().item()
     except torch.OutOfMemoryError:
         row["sdpa_ms"], row["sdpa_note"] = None, "out of memory"
     return row
@@ -196,13 +229,13 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     print_plan(args)
     props = torch.cuda.get_device_properties(0)
-    flush = torch.empty(2 * max(props.L2_cache_size, 64 << 20), dtype=torch.uint8, device="cuda")
     result = {
         "device": props.name,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "config": {k: getattr(args, k) for k in ("dtype", "num_heads", "num_kv_heads", "head_size", "block_size", "warmup", "repeat")},
-        "copy_bandwidth_GBps": copy_bandwidth(torch, flush) / 1e9,
+        "l2_bytes": props.L2_cache_size,
+        "copy_bandwidth_GBps": copy_bandwidth(torch) / 1e9,
         "cases": [],
     }
     start = time.time()
@@ -212,7 +245,7 @@ def main(argv=None) -> int:
         if need > args.memory_fraction * free:
             row = {"batch": batch, "context": context, "skipped": f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"}
         else:
-            row = run_case(torch, args, batch, context, flush)
+            row = run_case(torch, args, batch, context)
         result["cases"].append(row)
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
