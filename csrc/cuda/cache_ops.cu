@@ -9,6 +9,9 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <climits>
+#include <cstdint>
+
 #include "kernel_utils.cuh"
 
 namespace pagedgen {

@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <climits>
+#include <cstdint>
 
 #include "attention_params.cuh"
 
