@@ -22,7 +22,9 @@ def _extension():
     from torch.utils import cpp_extension
 
     sources = [os.path.join("csrc", "ops.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-g0", "-fopenmp", "-std=c++20"]
+    # No -std flag: cpp_extension adds the standard the installed torch needs (C++20 for torch 2.14,
+    # whose headers use std::strong_ordering; an explicit -std=c++17 breaks them).
+    cxx_flags = ["-O3", "-g0", "-fopenmp"]
     march = os.environ.get("PAGEDGEN_CPU_ARCH", "native")
     if march:
         cxx_flags.append(f"-march={march}")
@@ -41,7 +43,8 @@ def _extension():
     # Headers of the nvidia-* wheels torch installed (cusparse.h and friends), if present.
     for site in {os.path.dirname(os.path.dirname(torch.__file__))}:
         include_dirs += glob.glob(os.path.join(site, "nvidia", "cu*", "include"))
-    nvcc_flags = ["-O3", "-g0", "-std=c++17", "--use_fast_math"]
+    # nvcc rejects -g0 ("Unknown option") and emits no debug info unless asked; no -std, as above.
+    nvcc_flags = ["-O3", "--use_fast_math"]
     return cpp_extension.CUDAExtension(
         "pagedgen._C",
         sources,

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from pagedgen.ops import reference
+from pagedgen.ops import fake, reference
 
 try:
     importlib.import_module("pagedgen._C")  # loading the library registers torch.ops.pagedgen.*
@@ -16,41 +16,12 @@ try:
     _IMPORT_ERROR = None
 except ImportError as exc:  # the extension was not built
     _IMPORT_ERROR = exc
+if _IMPORT_ERROR is None:
+    fake.register_fakes()  # FakeTensor / torch.compile / opcheck support of the ops just loaded
 
 __all__ = ["extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks"]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")
-
-if _IMPORT_ERROR is None:
-    # Fake (meta) kernels, for FakeTensor tracing (torch.compile) and torch.library.opcheck. Every op
-    # returns nothing and only mutates the arguments its schema marks (a!)/(b!), so a fake only checks
-    # the shapes that tie its arguments together (the C++ kernels check everything else).
-
-    @torch.library.register_fake("pagedgen::reshape_and_cache")
-    def _(key, value, key_cache, value_cache, slot_mapping) -> None:
-        # key, value: [num_tokens, num_kv_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads, head_size]
-        torch._check(key.shape == value.shape, lambda: f"key {key.shape} and value {value.shape} differ")
-        torch._check(
-            key.shape[1:] == key_cache.shape[2:], lambda: f"key {key.shape} does not fit key_cache {key_cache.shape}"
-        )
-
-    @torch.library.register_fake("pagedgen::paged_attention")
-    def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale) -> None:
-        # out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads, head_size]
-        torch._check(out.shape == query.shape, lambda: f"out {out.shape} and query {query.shape} differ")
-        torch._check(
-            query.shape[2] == key_cache.shape[3] and query.shape[1] % key_cache.shape[2] == 0,
-            lambda: f"query {query.shape} does not fit key_cache {key_cache.shape}",
-        )
-
-    @torch.library.register_fake("pagedgen::copy_blocks")
-    def _(key_cache, value_cache, block_mapping) -> None:
-        return None
-
-    @torch.library.register_fake("pagedgen::swap_blocks")
-    def _(src, dst, block_mapping) -> None:
-        torch._check(src.shape[1:] == dst.shape[1:], lambda: f"src {src.shape} and dst {dst.shape} blocks differ")
-
 
 def extension_available(device: str = "cpu") -> bool:
     """True when pagedgen._C is loaded and has kernels for ``device`` ("cpu" or "cuda")."""

@@ -1,0 +1,127 @@
+// Device helpers shared by the attention kernels: element conversion, 16-byte vectors, warp and
+// block reductions, and the token -> cache-row address of a block table.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+namespace pagedgen {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// The running kernel's dynamic shared memory (16-byte aligned). Every kernel here takes its shared
+// memory through this one declaration, sized at launch.
+template <typename T>
+__device__ __forceinline__ T* dynamic_smem() {
+  extern __shared__ uint4 pagedgen_dynamic_smem[];
+  return reinterpret_cast<T*>(pagedgen_dynamic_smem);
+}
+
+// Element <-> float.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// A 16-byte vector of scalar_t: kVecSize<scalar_t> elements, loaded as one uint4.
+template <typename scalar_t>
+constexpr int kVecSize = 16 / int(sizeof(scalar_t));
+
+__device__ __forceinline__ uint4 load_vec(const void* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+
+// Unpacks a 16-byte vector into kVecSize<scalar_t> floats.
+template <typename scalar_t>
+__device__ __forceinline__ void unpack(const uint4& v, float* f);
+template <>
+__device__ __forceinline__ void unpack<float>(const uint4& v, float* f) {
+  f[0] = __uint_as_float(v.x);
+  f[1] = __uint_as_float(v.y);
+  f[2] = __uint_as_float(v.z);
+  f[3] = __uint_as_float(v.w);
+}
+template <>
+__device__ __forceinline__ void unpack<__half>(const uint4& v, float* f) {
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+template <>
+__device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& v, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, m));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(kFullMask, x, m);
+  return x;
+}
+
+// Max / sum over the whole block; every thread gets the result. `scratch` holds one float per warp
+// and may be reused right after the call returns (the call ends with a barrier).
+template <bool kIsMax>
+__device__ __forceinline__ float block_reduce(float x, float* scratch) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  x = kIsMax ? warp_max(x) : warp_sum(x);
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float r = kIsMax ? -FLT_MAX : 0.f;
+  for (int w = 0; w < num_warps; ++w) r = kIsMax ? fmaxf(r, scratch[w]) : r + scratch[w];
+  __syncthreads();
+  return r;
+}
+
+// Tokens a sequence attends over: seq_lens[i] clamped to [0, what its block table can address].
+// (The bound is not checked on the host, which would need a device sync; clamping keeps every
+// read inside the block table.)
+__device__ __forceinline__ int context_len(const int* seq_lens, int seq, int max_blocks_per_seq, int block_size) {
+  const int64_t cap = int64_t(max_blocks_per_seq) * block_size;
+  const int len = seq_lens[seq];
+  return len <= 0 ? 0 : int(len < cap ? len : cap);
+}
+
+// Element offset of token `t`'s row for KV head `kv_head` in a cache
+// [num_blocks, block_size, num_kv_heads, head_size]: block_table[t / block_size] is the physical
+// block, t % block_size the slot inside it.
+__device__ __forceinline__ int64_t token_offset(const int* block_table, int t, int block_size, int block_size_log2,
+                                                int64_t kv_token_stride, int64_t kv_head_offset) {
+  int logical, slot;
+  if (block_size_log2 >= 0) {
+    logical = t >> block_size_log2;
+    slot = t & (block_size - 1);
+  } else {
+    logical = t / block_size;
+    slot = t - logical * block_size;
+  }
+  const int64_t physical = __ldg(block_table + logical);
+  return (physical * block_size + slot) * kv_token_stride + kv_head_offset;
+}
+
+}  // namespace pagedgen

@@ -1,0 +1,51 @@
+"""Fake implementations of pagedgen's ops, for FakeTensor tracing (torch.compile, torch.export) and
+``torch.library.opcheck``. Every op writes into its ``Tensor(a!)`` arguments and returns nothing
+(csrc/ops.cpp), so a fake only checks the shapes that tie its arguments together (the kernels
+check everything else).
+
+``register_fakes()`` is called by pagedgen/ops/__init__.py once pagedgen._C has defined the ops.
+Registering twice is harmless: recent torch replaces the earlier fake, older torch refuses with
+"already has a fake impl", which is ignored here (so another module may register the same fakes).
+"""
+import torch
+
+
+def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    # key, value: [num_tokens, num_kv_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads, head_size]
+    torch._check(key.shape == value.shape, lambda: f"key {key.shape} and value {value.shape} differ")
+    torch._check(key.shape[1:] == key_cache.shape[2:], lambda: f"key {key.shape} does not fit key_cache {key_cache.shape}")
+
+
+def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale) -> None:
+    # out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads, head_size]
+    torch._check(out.shape == query.shape, lambda: f"out {out.shape} and query {query.shape} differ")
+    torch._check(
+        query.shape[2] == key_cache.shape[3] and query.shape[1] % key_cache.shape[2] == 0,
+        lambda: f"query {query.shape} does not fit key_cache {key_cache.shape}",
+    )
+
+
+def _copy_blocks(key_cache, value_cache, block_mapping) -> None:
+    return None
+
+
+def _swap_blocks(src, dst, block_mapping) -> None:
+    torch._check(src.shape[1:] == dst.shape[1:], lambda: f"src {src.shape} and dst {dst.shape} blocks differ")
+
+
+_FAKES = {
+    "reshape_and_cache": _reshape_and_cache,
+    "paged_attention": _paged_attention,
+    "copy_blocks": _copy_blocks,
+    "swap_blocks": _swap_blocks,
+}
+
+
+def register_fakes() -> None:
+    """Register the fake of each op defined by pagedgen._C (needs the library loaded)."""
+    for name, fn in _FAKES.items():
+        try:
+            torch.library.register_fake(f"pagedgen::{name}")(fn)
+        except RuntimeError as exc:
+            if "already has" not in str(exc):
+                raise

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# One prepared run on a GPU machine (the H200 one: Python 3.12, torch 2.11.0+cu130, nvcc 13.0, no
+# internet, only this checkout): builds pagedgen._C, runs the CUDA tests, the kernel benchmark and the
+# end-to-end benchmark, and writes results (JSON + text + logs) to $OUT (default ./gpu_results).
+# A failing stage is reported and the next stages still run; the exit status is 1 if any failed.
+#
+#   bash scripts/gpu_check.sh --prepare   # dev machine, BEFORE the device call: copies the ShareGPT
+#                                         # length data into .gpu_assets/ (git-ignored: carry it)
+#   bash scripts/gpu_check.sh --dry-run   # prints the stages it would run, exits 0
+#   bash scripts/gpu_check.sh             # GPU machine
+#
+# With this workplace's device tool: run(command="bash scripts/gpu_check.sh", carry=[".gpu_assets"]).
+# The whole run stays under GPU_CHECK_SECONDS (default 450 s): each stage gets at most its own cap
+# and never more than what is left. $OUT receives few files (the device tool brings back at most 8):
+# summary.txt, gpu_check.log, pytest.xml, kernels.json, kernels.txt, plus what the end-to-end
+# benchmark writes there.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+OUT_DIR=${OUT:-./gpu_results}
+BUDGET=${GPU_CHECK_SECONDS:-450}
+SHARED=${PAGEDGEN_SHARED:-../shared}
+SHAREGPT_SRC=$SHARED/data/sharegpt_lengths_sarathi/sharegpt_8k_filtered_stats_llama2_tokenizer.csv
+SHAREGPT=.gpu_assets/sharegpt_lengths.csv
+GPU_TESTS="tests/test_ops_cuda.py"
+[ -f tests/test_gpu_engine.py ] && GPU_TESTS="$GPU_TESTS tests/test_gpu_engine.py"
+THROUGHPUT_CMD="benchmarks/throughput.py --device cuda --dtype bfloat16 --model random-1b --workload sharegpt --num-prompts 1000 --out $OUT_DIR"
+
+# name, cap in seconds, command (run by bash -c; exit status 99 = skipped, not failed)
+STAGES=(
+  "env|30|nvidia-smi; \$PYTHON -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))'; nvcc --version | tail -n 2"
+  "build|240|CUDA_HOME=\$CUDA_HOME TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"
+  "tests|180|\$PYTHON -m pytest -q -p no:cacheprovider $GPU_TESTS --junitxml=$OUT_DIR/pytest.xml"
+  "kernels|120|\$PYTHON benchmarks/kernels.py --out $OUT_DIR"
+  "end-to-end|150|run_end_to_end"
+)
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+prepare() {
+  if [ ! -f "$SHAREGPT_SRC" ]; then
+    echo "gpu_check --prepare: $SHAREGPT_SRC not found (set PAGEDGEN_SHARED to the shared folder)" >&2
+    return 1
+  fi
+  mkdir -p .gpu_assets && cp "$SHAREGPT_SRC" "$SHAREGPT"
+  echo "gpu_check --prepare: copied $(wc -l < "$SHAREGPT") lines to $SHAREGPT (git-ignored: carry .gpu_assets)"
+}
+
+dry_run() {
+  echo "gpu_check: would run these stages (results to $OUT_DIR, at most $BUDGET s in all):"
+  for stage in "${STAGES[@]}"; do
+    IFS='|' read -r name cap cmd <<< "$stage"
+    [ "$cmd" = run_end_to_end ] && cmd="$THROUGHPUT_CMD (only if benchmarks/throughput.py exists and its --help lists --device; needs $SHAREGPT)"
+    printf '  %-11s <= %4ss  %s\n' "$name" "$cap" "$cmd"
+  done
+  if [ -f "$SHAREGPT" ]; then echo "ShareGPT lengths: $SHAREGPT present"; else echo "ShareGPT lengths: $SHAREGPT missing (run --prepare first)"; fi
+}
+
+# The end-to-end benchmark is written elsewhere; run it only once it takes --device.
+run_end_to_end() {
+  if [ ! -f benchmarks/throughput.py ] || ! timeout 60 "$PYTHON" benchmarks/throughput.py --help 2>/dev/null | grep -q -- '--device'; then
+    echo "skipped: benchmarks/throughput.py is missing or does not support --device"
+    return 99  # SKIPPED
+  fi
+  if [ ! -f "$SHAREGPT" ]; then
+    echo "ShareGPT lengths $SHAREGPT missing: run 'bash scripts/gpu_check.sh --prepare' before the device call and carry .gpu_assets"
+    return 1
+  fi
+  # shellcheck disable=SC2086
+  "$PYTHON" $THROUGHPUT_CMD
+}
+
+case "${1:-}" in
+  --prepare) prepare; exit $? ;;
+  --dry-run) dry_run; exit 0 ;;
+  -h|--help) usage; exit 0 ;;
+  "") ;;
+  *) echo "gpu_check: unknown argument $1" >&2; usage >&2; exit 2 ;;
+esac
+
+if [ -z "${CUDA_HOME:-}" ]; then
+  if [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_HOME=/usr/local/cuda
+  elif command -v nvcc >/dev/null; then CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  fi
+fi
+export CUDA_HOME PYTHON SHAREGPT
+export PAGEDGEN_SHAREGPT_LENGTHS=$PWD/$SHAREGPT  # for the end-to-end benchmark, if it wants it
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout's pagedgen, with its in-place _C
+export PYTHONUNBUFFERED=1
+export -f run_end_to_end
+export THROUGHPUT_CMD
+mkdir -p "$OUT_DIR"
+LOG=$OUT_DIR/gpu_check.log
+: > "$LOG"
+deadline=$(( $(date +%s) + BUDGET ))
+summary=()
+failed=0
+for stage in "${STAGES[@]}"; do
+  IFS='|' read -r name cap cmd <<< "$stage"
+  left=$(( deadline - $(date +%s) ))
+  limit=$(( cap < left ? cap : left ))
+  if [ "$limit" -lt 10 ]; then
+    summary+=("$(printf '%-11s FAILED: out of time (%s s left)' "$name" "$left")")
+    failed=1
+    continue
+  fi
+  echo "=== [$name] (limit ${limit}s) $cmd" | tee -a "$LOG"
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" bash -c "$cmd" 2>&1 | tee -a "$LOG"
+  rc=$?
+  took=$(( $(date +%s) - start ))
+  if [ "$rc" -eq 0 ]; then
+    summary+=("$(printf '%-11s ok (%s s)' "$name" "$took")")
+  elif [ "$rc" -eq 99 ]; then
+    summary+=("$(printf '%-11s skipped (see the log)' "$name")")
+  else
+    [ "$rc" -eq 124 ] && why="timed out" || why="rc=$rc"
+    summary+=("$(printf '%-11s FAILED: %s (%s s)' "$name" "$why" "$took")")
+    failed=1
+  fi
+done
+
+{
+  echo "gpu_check summary ($(date -u +%FT%TZ), results in $OUT_DIR)"
+  printf '  %s\n' "${summary[@]}"
+  [ -f "$OUT_DIR/kernels.txt" ] && cat "$OUT_DIR/kernels.txt"
+} | tee "$OUT_DIR/summary.txt"
+exit "$failed"

@@ -1,0 +1,113 @@
+"""The CUDA attention kernels, run on the CPU: tests/cuda_emulation compiles the kernel sources of
+csrc/cuda as host C++ (one thread per CUDA thread, barriers for __syncthreads and shuffles) and
+this file compares them with the PyTorch reference, as tests/test_ops_cuda.py does on a GPU. It
+checks the kernels' logic (thread layout, masking, online softmax, split-K merge, GQA chunks, the
+host-side plan) where no GPU is available; the GPU tests remain the word on the real thing.
+
+Needs g++ (C++20) and the CUDA toolkit's headers (cuda_fp16.h); skipped without them.
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from pagedgen.ops import reference
+from test_ops_cuda import TOL, paged_batch  # the same batch builder (NaN poisoning) as on the GPU
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = [os.path.join(ROOT, "tests", "cuda_emulation", f) for f in ("emulation.h", "attention_emu.cpp")] + [
+    os.path.join(ROOT, "csrc", "cuda", f)
+    for f in ("attention_params.cuh", "kernel_utils.cuh", "attention_fast.cuh", "attention_generic.cu", "attention_reduce.cu")
+]
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+H200_SMS = 132
+
+
+def _cuda_include() -> str | None:
+    from torch.utils import cpp_extension
+
+    for home in (os.environ.get("CUDA_HOME"), cpp_extension.CUDA_HOME, "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "include", "cuda_fp16.h")):
+            return os.path.join(home, "include")
+    return None
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    """The compiled emulation library (built once per source change under build/cuda_emulation)."""
+    include, cxx = _cuda_include(), shutil.which("g++")
+    if include is None or cxx is None:
+        pytest.skip("needs g++ and the CUDA toolkit headers (cuda_fp16.h) to build the kernel emulation")
+    digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in SOURCES) + include.encode()).hexdigest()[:16]
+    lib = os.path.join(ROOT, "build", "cuda_emulation", f"attention_emu_{digest}.so")
+    if not os.path.exists(lib):
+        os.makedirs(os.path.dirname(lib), exist_ok=True)
+        cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", f"-I{ROOT}/csrc/cuda",
+               f"-I{ROOT}/tests/cuda_emulation", f"-I{include}", SOURCES[1], "-o", lib + ".tmp"]
+        subprocess.run(cmd, check=True)
+        os.replace(lib + ".tmp", lib)
+    return ctypes.CDLL(lib)
+
+
+def emulated_paged_attention(emulator, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                             num_sms=H200_SMS):
+    """paged_attention through the emulated kernels (CPU tensors); returns the plan taken as
+    (partition_size, max_partitions, heads_per_block, fast kernel)."""
+    plan = (ctypes.c_int * 4)()
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    i64 = ctypes.c_int64
+    rc = emulator.emu_paged_attention(
+        DTYPE_CODE[query.dtype], ptr(out), ptr(query), ptr(key_cache), ptr(value_cache), ptr(block_tables),
+        ptr(seq_lens), query.shape[0], query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1],
+        block_tables.shape[1], i64(query.stride(0)), i64(query.stride(1)), i64(out.stride(0)), i64(out.stride(1)),
+        i64(block_tables.stride(0)), ctypes.c_float(scale), num_sms, 1, plan)
+    assert rc == 0
+    return tuple(plan)
+
+
+def check(emulator, query, kc, vc, bt, sl, *, num_sms=H200_SMS):
+    out = torch.full_like(query, float("nan"))
+    scale = query.shape[-1] ** -0.5
+    plan = emulated_paged_attention(emulator, out, query, kc, vc, bt, sl, scale, num_sms)
+    expected = torch.empty(query.shape, dtype=torch.float32)
+    reference.paged_attention(expected, query, kc, vc, bt, sl, scale)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[query.dtype], rtol=TOL[query.dtype])
+    return plan
+
+
+def query(num_seqs, num_heads, head_size, dtype):
+    return torch.randn(num_seqs, num_heads, head_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+CASES = {  # dtype, head_size, num_kv_heads, group, block_size, contexts, num_sms, expected (split, fast)
+    "fast-split-gqa4": (torch.float32, 128, 2, 4, 16, [0, 1, 13, 300, 777], H200_SMS, (True, True)),
+    "fast-single-gqa8": (torch.bfloat16, 64, 1, 8, 16, [0, 1, 15, 300], 1, (False, True)),
+    "fast-ragged-d80": (torch.float16, 80, 1, 2, 8, [1, 9, 400], H200_SMS, (True, True)),
+    "fast-d256-gqa3-masked-head": (torch.bfloat16, 256, 2, 3, 32, [2, 100, 290], 1, (False, True)),
+    "fast-gqa16-chunks-bs7": (torch.float32, 112, 1, 16, 7, [3, 270], H200_SMS, (True, True)),
+    "generic-d8-split-bs5": (torch.bfloat16, 8, 2, 4, 5, [0, 1, 13, 300, 777], H200_SMS, (True, False)),
+    "generic-d40-gqa12": (torch.float16, 40, 1, 12, 16, [1, 77, 260], 1, (False, False)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_emulated_paged_attention(emulator, case):
+    dtype, head_size, num_kv_heads, group, block_size, contexts, num_sms, (split, fast) = CASES[case]
+    kc, vc, bt, sl = paged_batch(contexts, block_size, num_kv_heads, head_size, dtype, device="cpu")
+    plan = check(emulator, query(len(contexts), num_kv_heads * group, head_size, dtype), kc, vc, bt, sl, num_sms=num_sms)
+    assert (plan[0] > 0, bool(plan[3])) == (split, fast), plan
+
+
+def test_emulated_prefill_rows_strided_query(emulator):
+    # prefill rows of two prompts sharing their block tables; q a view of a fused qkv projection
+    kc, vc, bt, _ = paged_batch([150, 45], 16, 2, 64, torch.bfloat16, device="cpu")
+    rows = [(0, pos) for pos in range(150)] + [(1, pos) for pos in range(45)]
+    block_tables = bt[[p for p, _ in rows]]
+    seq_lens = torch.tensor([pos + 1 for _, pos in rows], dtype=torch.int32)
+    qkv = torch.randn(len(rows), (4 + 2 * 2) * 64).to(torch.bfloat16)
+    q = qkv[:, : 4 * 64].view(len(rows), 4, 64)
+    check(emulator, q, kc, vc, block_tables, seq_lens)

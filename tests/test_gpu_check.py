@@ -1,0 +1,67 @@
+"""The CPU-side parts of the GPU run (scripts/gpu_check.sh, benchmarks/kernels.py): argument checks,
+the printed plans, the preparation step. Fast; no GPU needed."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*cmd, env=None):
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_kernels_benchmark_dry_run_prints_the_cases(tmp_path):
+    r = run(sys.executable, "benchmarks/kernels.py", "--dry-run", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    for batch in (1, 64, 256):
+        for context in (512, 2048, 8192, 32768):
+            assert any(line.split()[:2] == [str(batch), str(context)] for line in r.stdout.splitlines())
+    assert str(tmp_path) in r.stdout
+    assert not os.listdir(tmp_path), "a dry run writes nothing"
+
+
+def test_kernels_benchmark_quick_and_out_default(tmp_path):
+    r = run(sys.executable, "benchmarks/kernels.py", "--dry-run", "--quick", env={"OUT": str(tmp_path / "o")})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split()[:2] for line in r.stdout.splitlines() if line.split()[:1] in (["1"], ["64"])]
+    assert rows == [["1", "512"], ["1", "8192"], ["64", "512"], ["64", "8192"]]
+    assert str(tmp_path / "o") in r.stdout
+
+
+@pytest.mark.parametrize("bad", [["--num-heads", "30"], ["--batch", "0"], ["--dtype", "int8"]])
+def test_kernels_benchmark_rejects_bad_arguments(bad):
+    r = run(sys.executable, "benchmarks/kernels.py", "--dry-run", *bad)
+    assert r.returncode == 2 and "error" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_dry_run_lists_the_stages(tmp_path):
+    r = run("bash", "scripts/gpu_check.sh", "--dry-run", env={"OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    for stage in ("env", "build", "tests", "kernels", "end-to-end"):
+        assert any(line.split()[:1] == [stage] for line in r.stdout.splitlines()), stage
+    for text in ("build_ext --inplace", "tests/test_ops_cuda.py", "benchmarks/kernels.py", "--device cuda", "sharegpt"):
+        assert text in r.stdout
+    assert not os.listdir(tmp_path), "a dry run writes nothing"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_prepare_copies_the_sharegpt_lengths(tmp_path):
+    shared = tmp_path / "shared"
+    src = shared / "data" / "sharegpt_lengths_sarathi" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
+    src.parent.mkdir(parents=True)
+    src.write_text("num_prefill_tokens,num_decode_tokens\n12,34\n")
+    # a copy of the script in a scratch checkout, so the real .gpu_assets/ stays untouched
+    (tmp_path / "repo" / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "scripts", "gpu_check.sh"), tmp_path / "repo" / "scripts")
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--prepare"], cwd=tmp_path / "repo", capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PAGEDGEN_SHARED": str(shared)})
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "repo" / ".gpu_assets" / "sharegpt_lengths.csv").read_text() == src.read_text()
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--prepare"], cwd=tmp_path / "repo", capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PAGEDGEN_SHARED": str(tmp_path / "nowhere")})
+    assert r.returncode != 0 and "not found" in r.stderr
