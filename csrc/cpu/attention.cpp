@@ -204,7 +204,7 @@ void dispatch_head_size(const Params<scalar_t>& p, int64_t work) {
   }
 }
 
-void paged_attention_cpu(at::Tensor& out,                 // [num_seqs, num_heads, head_size]
+void paged_attention_cpu(const at::Tensor& out,                 // [num_seqs, num_heads, head_size]
                          const at::Tensor& query,         // [num_seqs, num_heads, head_size]
                          const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
                          const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_size]

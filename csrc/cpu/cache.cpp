@@ -40,8 +40,8 @@ at::Tensor checked_mapping(const at::Tensor& block_mapping, int64_t num_src, int
 
 void reshape_and_cache_cpu(const at::Tensor& key,       // [num_tokens, num_kv_heads, head_size]
                            const at::Tensor& value,     // [num_tokens, num_kv_heads, head_size]
-                           at::Tensor& key_cache,       // [num_blocks, block_size, num_kv_heads, head_size]
-                           at::Tensor& value_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
+                           const at::Tensor& key_cache,       // [num_blocks, block_size, num_kv_heads, head_size]
+                           const at::Tensor& value_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
                            const at::Tensor& slot_mapping) {  // [num_tokens] int64, < 0 = padding
   const char* op = "reshape_and_cache";
   check_cpu(key, op, "key");
@@ -120,8 +120,8 @@ void copy_block_pairs(const char* src, char* dst, int64_t block_bytes, const at:
 
 // Blocks must not overlap between pairs (a destination that is also a source, or twice a destination):
 // pairs are copied in parallel. Copy-on-write guarantees this (each destination is a fresh block).
-void copy_blocks_cpu(at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
-                     at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_size]
+void copy_blocks_cpu(const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
+                     const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_size]
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] int64 (src, dst)
   const char* op = "copy_blocks";
   check_cpu(key_cache, op, "key_cache");
@@ -134,7 +134,7 @@ void copy_blocks_cpu(at::Tensor& key_cache,     // [num_blocks, block_size, num_
   const int64_t num_blocks = key_cache.size(0);
   const at::Tensor mapping = checked_mapping(block_mapping, num_blocks, num_blocks, op);
   if (mapping.size(0) == 0 || num_blocks == 0) return;
-  for (at::Tensor* cache : {&key_cache, &value_cache}) {
+  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
     const int64_t block_bytes = cache->numel() / num_blocks * cache->element_size();
     char* base = static_cast<char*>(cache->data_ptr());
     copy_block_pairs(base, base, block_bytes, mapping);
@@ -142,7 +142,7 @@ void copy_blocks_cpu(at::Tensor& key_cache,     // [num_blocks, block_size, num_
 }
 
 void swap_blocks_cpu(const at::Tensor& src,  // [num_blocks_src, ...] one layer's key or value cache
-                     at::Tensor& dst,        // [num_blocks_dst, ...] same trailing shape and dtype
+                     const at::Tensor& dst,        // [num_blocks_dst, ...] same trailing shape and dtype
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] int64 (src block, dst block)
   const char* op = "swap_blocks";
   check_cpu(src, op, "src");
