@@ -4,9 +4,18 @@ The API follows vLLM's offline one, so switching is one import::
 
     from pagedgen import LLM, SamplingParams
 """
+from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedgen.llm import LLM
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+]
 __version__ = "0.1.0"

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional, Sequence as Seq, Union
+from typing import Callable, Optional, Sequence as Seq, Union
 
 import torch
 
 from pagedgen import ops
 from pagedgen.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.block_manager import cdiv
 from pagedgen.engine.detokenizer import Detokenizer
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
@@ -254,6 +256,11 @@ class LLM:
                     f"(allowed prompt length: 1 to {limit - 1} tokens)"
                 )
         vocab = self.model_config.vocab_size
+        for i, sp in enumerate(params):
+            if sp.n > self.scheduler_config.max_num_seqs:
+                raise ValueError(
+                    f"sampling_params[{i}].n must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {sp.n}"
+                )
         for sp in {id(sp): sp for sp in params}.values():
             for name, token_ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ())):
                 bad = [t for t in token_ids if t >= vocab]
@@ -357,29 +364,87 @@ class LLM:
             return []
         seqs: list[Sequence] = []
         for i, (p, sp) in enumerate(zip(ids, params)):
-            for j in range(sp.n):
-                stream = self.detokenizer.stream(sp) if sp.stop else None
-                seqs.append(self.engine.add_sequence(i, p, sp, make_generator(sp.seed, j), index=j, detokenizer=stream))
-        self._run(seqs, use_tqdm)
-        by_request: list[list[Sequence]] = [[] for _ in ids]
-        for seq in seqs:  # added in index order
-            by_request[seq.request_index].append(seq)
-        return [self._request_output(i, texts[i], group) for i, group in enumerate(by_request)]
+            seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp))
+            # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
+            seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp)) for j in range(1, sp.n)]
+            seqs.append(seq)
+        self._run(sum(sp.n for sp in params), use_tqdm)
+        return [self._request_output(i, texts[i], [seq] + seq.forked) for i, seq in enumerate(seqs)]
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
+    def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; beams of one prompt share their common history's KV blocks.
+
+        Each step, every running beam's next-token log-probabilities are computed in the shared
+        batch; the top ``2 * beam_width`` continuations are ranked, the best ``beam_width`` that did
+        not end run on (forking their parent's block table, copy-on-write), and the ones ending in
+        EOS or at ``max_tokens`` enter the finished pool scored ``cum_logprob / length **
+        length_penalty``. Selection and stopping follow transformers' ``generate(num_beams=...)``
+        (see ``pagedgen.engine.beam_group``), so results match it.
+
+        Args:
+            prompts: a str, a list of str, or a list of token-id lists.
+            params: a BeamSearchParams (beam_width, max_tokens, ignore_eos, length_penalty,
+                early_stopping).
+            use_tqdm: show a progress bar of finished prompts.
+
+        Returns:
+            one BeamSearchOutput per prompt, in input order, its sequences best first.
+
+        Raises:
+            TypeError / ValueError: bad prompts or params (before any work starts).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if params.beam_width > self.scheduler_config.max_num_seqs:
+            raise ValueError(
+                f"BeamSearchParams.beam_width must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {params.beam_width}"
+            )
+        texts, ids = self._tokenize(prompts)
+        ids = self._fill_empty(ids)
+        self._check_params(ids, SamplingParams(temperature=0))
+        groups = []
+        for i, p in enumerate(ids):
+            group = BeamGroup(params, len(p), self.eos_token_ids, self.scheduler_config.max_model_len)
+            self.engine.add_beam_search(i, p, group)
+            groups.append(group)
+        self._run(len(groups), use_tqdm, desc="Beam search", done=lambda: sum(g.done for g in groups))
+        results = []
+        for p, group in zip(ids, groups):
+            sequences = [
+                BeamSearchSequence(
+                    tokens=p + h.token_ids,
+                    output_token_ids=h.token_ids,
+                    text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                    cum_logprob=h.cum_logprob,
+                    score=h.score,
+                    finish_reason=h.finish_reason,
+                )
+                for h in group.finished
+            ]
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _stream(self, sp: SamplingParams):
+        """An incremental detokenizer for a completion that has stop strings (else None)."""
+        return self.detokenizer.stream(sp) if sp.stop else None
+
+    def _run(self, total: int, use_tqdm: bool, desc: str = "Processed prompts", done: Optional[Callable[[], int]] = None) -> None:
+        """Run the engine until done. The bar counts ``total`` units: finished sequences
+        (completions), or what ``done()`` returns after each step when given."""
         if not use_tqdm:
             self.engine.run()
             return
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True)
+        bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
 
         def on_step(finished: list[Sequence], num_tokens: int) -> None:
             nonlocal generated
             generated += num_tokens
-            if finished:
-                bar.update(len(finished))
+            count = done() if done is not None else bar.n + len(finished)
+            if count != bar.n:
+                bar.update(count - bar.n)
                 bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)
 
         try:

@@ -29,7 +29,7 @@ if [ -z "${CUDA_HOME:-}" ]; then
 fi
 export MAX_JOBS=${MAX_JOBS:-2}
 
-src_hash=$(cat setup.py pyproject.toml csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh 2>/dev/null | sha256sum | cut -c1-16)
+src_hash=$(find setup.py pyproject.toml csrc -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedgen/_C*.so >/dev/null 2>&1; then
   echo "[setup] building the extension pagedgen._C (CUDA_HOME=${CUDA_HOME:-none}; a few minutes)"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .

@@ -33,7 +33,7 @@ class Continuation:
     cum_logprob: float
 
 
-@dataclass
+@dataclass(eq=False)
 class BeamGroup:
     """The beam search of one prompt.
 
@@ -51,6 +51,8 @@ class BeamGroup:
     finished: list[Hypothesis] = field(default_factory=list)
     heuristic_unsatisfied: bool = True
     done: bool = False
+    beams: list = field(default_factory=list)  # the running beams' Sequences (kept by the engine)
+    pending: dict = field(default_factory=dict)  # seq_id -> log-probabilities [vocab] of this step
 
     @property
     def max_total_len(self) -> int:

@@ -9,11 +9,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 from pagedgen.config import CacheConfig, SchedulerConfig
+from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.model_runner import ModelRunner
-from pagedgen.engine.scheduler import Scheduler
-from pagedgen.engine.sequence import Sequence
+from pagedgen.engine.scheduler import Scheduler, SchedulerOutput
+from pagedgen.engine.sequence import Sequence, SequenceStatus
 from pagedgen.sampling_params import SamplingParams
 
 
@@ -122,9 +125,14 @@ class LLMEngine:
         savings = bm.sharing_savings()
         self._savings_sum += savings
         self._peak_savings = max(self._peak_savings, savings)
+        self._fork_parallel_samples(batch)
         out = self.model_runner.execute(batch, bm)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        for child, parent in batch.forked:
+            child.num_computed_tokens = parent.num_computed_tokens
+        if out.beam_logprobs:
+            self._advance_beams(out.beam_logprobs)
         for seq, position, entries in out.prompt_logprobs:
             seq.add_prompt_logprobs(position, entries)
         if out.logprobs is not None:
@@ -135,6 +143,66 @@ class LLMEngine:
         self._num_generated += len(out.token_ids)
         self.scheduler.finish_many(finished)
         return finished
+
+    def add_beam_search(self, request_index: int, prompt_token_ids: list[int], group: BeamGroup) -> Sequence:
+        """Queue the first beam of a beam search (the prompt); ``group`` decides every step after."""
+        seq = self.add_sequence(request_index, prompt_token_ids, SamplingParams(temperature=0, max_tokens=None))
+        seq.beam_group = group
+        group.beams = [seq]
+        return seq
+
+    def _new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def _fork(self, parent: Sequence, index: int = 0, generator=None, detokenizer=None) -> Sequence:
+        """A new sequence sharing ``parent``'s tokens and KV blocks (copy-on-write), queued beside it."""
+        child = parent.fork(self._new_seq_id(), index, generator, detokenizer)
+        if parent.status is SequenceStatus.RUNNING:
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+        else:  # waiting or swapped: the child recomputes its tokens when admitted
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+        self.scheduler.add_running(child, after=parent)
+        return child
+
+    def _fork_parallel_samples(self, batch: SchedulerOutput) -> None:
+        """Parallel sampling (n > 1): when a request's prompt is done, its n - 1 other completions
+        fork from it and sample from the same logits, sharing the prompt's blocks (paper 4.4)."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.pending_forks and seq.num_computed_tokens + n == seq.num_tokens:
+                for index, generator, detokenizer in seq.pending_forks:
+                    child = self._fork(seq, index, generator, detokenizer)
+                    seq.forked.append(child)
+                    batch.forked.append((child, seq))
+                seq.pending_forks = []
+
+    def _advance_beams(self, rows: list[tuple[Sequence, torch.Tensor]]) -> None:
+        """Store each beam's log-probabilities; a group whose running beams all have theirs takes
+        a beam-search step: selected beams fork (sharing blocks), the others are freed."""
+        ready = []
+        for seq, row in rows:
+            group = seq.beam_group
+            group.pending[seq.seq_id] = row
+            if group not in ready and all(b.seq_id in group.pending for b in group.beams):
+                ready.append(group)
+        for group in ready:
+            beams = group.beams
+            logprobs = torch.stack([group.pending[b.seq_id] for b in beams])  # [num_beams, vocab]
+            group.pending.clear()
+            continuations = group.step(logprobs, [b.beam_cum_logprob for b in beams], [b.output_token_ids for b in beams])
+            reused: set[int] = set()
+            new_beams = []
+            for c in continuations:  # fork before anything is freed or appended
+                parent = beams[c.parent]
+                beam = parent if c.parent not in reused else self._fork(parent)
+                reused.add(c.parent)
+                new_beams.append(beam)
+            self.scheduler.finish_many([b for i, b in enumerate(beams) if i not in reused])
+            for beam, c in zip(new_beams, continuations):
+                beam.token_ids.append(c.token)
+                beam.beam_cum_logprob = c.cum_logprob
+            group.beams = new_beams
+            self._num_generated += len(new_beams)
 
     def run(self, on_finished: Optional[Callable[[list[Sequence], int], None]] = None) -> None:
         """Step until every queued sequence has finished; after any error, abort them all.

@@ -75,12 +75,15 @@ class StepOutput:
         seqs: the sequences that sampled a token, and ``token_ids`` their new tokens (same order).
         logprobs: None when no sequence asked, else per sampled sequence {token id: Logprob} or None.
         prompt_logprobs: (sequence, first position, entries) for prompt logprobs computed this step.
+        beam_logprobs: (beam sequence, log-softmax of its logits [vocab] float32) for beam-search
+            sequences, which are not sampled: their group picks the next tokens.
     """
 
     seqs: list[Sequence]
     token_ids: list[int]
     logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
+    beam_logprobs: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -127,6 +130,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling: list[Sequence] = []
+        beam_rows: list[int] = []
+        beams: list[Sequence] = []
         prompt_plan = PromptLogprobsPlan()
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -146,8 +151,15 @@ class ModelRunner:
                 slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
                 token_rows.extend([row] * n)
             if end == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
-                sampling.append(seq)
+                if seq.beam_group is not None:
+                    beam_rows.append(len(input_ids) - 1)
+                    beams.append(seq)
+                else:
+                    logits_indices.append(len(input_ids) - 1)
+                    sampling.append(seq)
+        for child, parent in batch.forked:  # parallel samples share their parent's last row
+            logits_indices.append(logits_indices[sampling.index(parent)])
+            sampling.append(child)
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         device = self.model.device
@@ -164,9 +176,9 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
             positions_t.to(device, non_blocking=True),
             attn,
-            torch.tensor(logits_indices + prompt_plan.rows, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(logits_indices + beam_rows + prompt_plan.rows, dtype=torch.int64).to(device, non_blocking=True),
         )
-        return tensors, sampling, prompt_plan
+        return tensors, sampling, beams, prompt_plan
 
     def move_blocks(self, batch: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies, in every layer (before the step's forward:
@@ -190,16 +202,19 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput, block_manager: BlockManager) -> StepOutput:
         """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs."""
         self.move_blocks(batch)
-        (input_ids, positions, attn, logits_indices), sampling, prompt_plan = self.prepare(batch, block_manager)
-        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + R, vocab]
-        num_sampling = len(sampling)
+        (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch, block_manager)
+        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + B + R, vocab]
+        num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
             sampled = self.sampler(logits[:num_sampling], sampling)
             out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
+        if beams:
+            beam_logprobs = logits[num_sampling : num_sampling + num_beams].log_softmax(dim=-1)  # [B, vocab]
+            out.beam_logprobs = list(zip(beams, beam_logprobs))
         if prompt_plan.rows:
             dicts = logprob_dicts(
-                logits[num_sampling:].log_softmax(dim=-1),
+                logits[num_sampling + num_beams :].log_softmax(dim=-1),
                 torch.tensor(prompt_plan.target_ids, dtype=torch.int64),
                 prompt_plan.num_logprobs,
             )

@@ -41,6 +41,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # parallel sampling: (child, parent) forked this step; the child samples from the parent's logits
+    forked: list[tuple[Sequence, Sequence]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -70,6 +70,7 @@ class Sequence:
     # parallel sampling: (index, generator, detokenizer) of the n - 1 completions that fork from this
     # one when its prompt is done, sharing its blocks (copy-on-write)
     pending_forks: list = field(default_factory=list)
+    forked: list = field(default_factory=list)  # the completions that forked from this one
     beam_group: Optional[Any] = None  # the BeamGroup of a beam-search sequence
     beam_cum_logprob: float = 0.0
 
@@ -85,6 +86,7 @@ class Sequence:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None,
             pending_forks=[],
+            forked=[],
         )
         return child
 
