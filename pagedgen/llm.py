@@ -18,6 +18,7 @@ from pagedgen import ops
 from pagedgen.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedgen.engine.beam_group import BeamGroup
+from pagedgen.engine import kv_sizing
 from pagedgen.engine.block_manager import cdiv
 from pagedgen.engine.detokenizer import Detokenizer
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
@@ -31,9 +32,20 @@ from pagedgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedgen")
 
-#: Share of the memory that is available when ``LLM`` is built that the KV cache takes by default
-#: (capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can ever use).
-DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.25
+
+def _resolve_device(device) -> torch.device:
+    """``None`` -> cuda when available, else cpu; anything else must name a usable device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"LLM device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLM device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"LLM device {device!r} asked for, but torch sees no CUDA GPU")
+    return dev
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 ChatMessage = dict  # {"role": str, "content": str}
@@ -59,8 +71,9 @@ class LLM:
         block_size: tokens per KV block (16 by default).
         num_kv_blocks: size the KV cache in blocks; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: size the KV cache in bytes (all layers, keys and values). Default:
-            ``DEFAULT_KV_CACHE_MEMORY_FRACTION`` of the available memory, capped at what
-            ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+            on the CPU 25% of the available memory (``kv_sizing.DEFAULT_CPU_KV_FRACTION``), capped at
+            what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use; on a GPU what
+            ``gpu_memory_utilization`` leaves after a profiling forward pass.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens in one step; longer prompts are prefilled in chunks.
             Default max(4096, max_num_seqs).
@@ -74,6 +87,12 @@ class LLM:
         preemption_mode: "recompute" (free a preempted request's blocks, prefill it again later) or
             "swap" (copy its blocks to CPU swap space and back).
         swap_space_bytes: CPU swap space for "swap" (default: min(4 GiB, the KV cache's size)).
+        device: "cpu", "cuda" or "cuda:N" (default: "cuda" when a GPU is available, else "cpu").
+            Weights and the KV cache live there.
+        gpu_memory_utilization: on a GPU, the share of its memory that weights, activations and
+            the KV cache may take; the KV cache gets what a profiling forward pass leaves (vLLM's
+            rule). Ignored when ``num_kv_blocks`` or ``kv_cache_memory_bytes`` is given.
+        enforce_eager: on a GPU, do not capture decode steps in CUDA graphs.
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -99,6 +118,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         swap_space_bytes: Optional[int] = None,
+        device: Union[str, torch.device, None] = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"LLM model must be a folder path, got {type(model).__name__}")
@@ -118,7 +140,9 @@ class LLM:
             raise ValueError(f"LLM preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError("LLM enable_prefix_caching must be a bool")
-        device = torch.device("cpu")
+        if not 0.0 < float(gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        device = _resolve_device(device)
         if enforce_extension and not ops.extension_available(device.type):
             raise RuntimeError(ops.extension_error(device.type))
 
@@ -132,6 +156,7 @@ class LLM:
                 f"LLM max_model_len must be <= the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings}), got {max_model_len}"
             )
+        max_num_batched_tokens = max_num_batched_tokens or max(4096, max_num_seqs)
 
         from transformers import AutoTokenizer
 
@@ -140,8 +165,15 @@ class LLM:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
-        num_blocks = self._num_kv_blocks(model_config, block_size, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs, max_model_len)
+        weights = loader.load_safetensors(model, model_config.dtype)
+        cos, sin = rope_cos_sin(hf_config, model_config.head_dim, max_model_len)
+        self.model = LlamaForCausalLM(model_config, weights, cos, sin, device)
+        del weights
+
         block_bytes = model_config.kv_bytes_per_token() * block_size
+        if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
+            kv_cache_memory_bytes = kv_sizing.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
+        num_blocks = kv_sizing.num_kv_blocks(block_bytes, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs * cdiv(max_model_len, block_size))
         num_cpu_blocks = 0
         if preemption_mode == "swap":
             swap_bytes = swap_space_bytes if swap_space_bytes is not None else min(4 << 30, num_blocks * block_bytes)
@@ -162,36 +194,18 @@ class LLM:
             max_model_len = cache_config.num_slots
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(4096, max_num_seqs),
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
         )
-
-        weights = loader.load_safetensors(model, model_config.dtype)
-        cos, sin = rope_cos_sin(hf_config, model_config.head_dim, max_model_len)
-        self.model = LlamaForCausalLM(model_config, weights, cos, sin, device)
-        del weights
+        self.device = device
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
-        runner = ModelRunner(self.model, cache_config, Sampler(seed))
+        use_graphs = device.type == "cuda" and not enforce_eager
+        runner = ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=max_num_seqs if use_graphs else 0, max_model_len=max_model_len)
         self.engine = LLMEngine(cache_config, scheduler_config, runner, self.eos_token_ids)
         self._seed = seed
-
-    @staticmethod
-    def _num_kv_blocks(cfg: ModelConfig, block_size, num_kv_blocks, kv_bytes, max_num_seqs, max_model_len) -> int:
-        block_bytes = cfg.kv_bytes_per_token() * block_size
-        if num_kv_blocks is not None:
-            return num_kv_blocks
-        if kv_bytes is None:
-            import psutil
-
-            kv_bytes = int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_MEMORY_FRACTION)
-            cap = max_num_seqs * cdiv(max_model_len, block_size)
-            return max(1, min(kv_bytes // block_bytes, cap))
-        if kv_bytes < block_bytes:
-            raise ValueError(f"LLM kv_cache_memory_bytes must hold at least one block ({block_bytes} bytes), got {kv_bytes}")
-        return kv_bytes // block_bytes
 
     # ----- inputs ----------------------------------------------------------------------------------
     def _tokenize(self, prompts: PromptsType) -> tuple[list[Optional[str]], list[list[int]]]:

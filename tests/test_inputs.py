@@ -142,11 +142,20 @@ def test_unsupported_architecture(stories_path, tmp_path):
         (dict(max_model_len=4096), ValueError, "max_model_len must be <= .*512"),
         (dict(dtype="int8"), ValueError, "dtype must be one of"),
         (dict(kv_cache_memory_bytes=10), ValueError, "kv_cache_memory_bytes must hold at least one block"),
+        (dict(device="tpu"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        (dict(gpu_memory_utilization=1.5), ValueError, r"gpu_memory_utilization must be in \(0, 1\]"),
+        (dict(preemption_mode="pause"), ValueError, "preemption_mode must be 'recompute' or 'swap'"),
     ],
 )
 def test_bad_llm_arguments(stories_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         LLM(stories_path, **kwargs)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_without_gpu_is_a_clear_error(stories_path):
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+        LLM(stories_path, device="cuda")
 
 
 def test_sharded_checkpoint_loads(stories_path, tmp_path, expected):

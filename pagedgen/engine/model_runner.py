@@ -22,6 +22,7 @@ recompute after preemption) are not computed twice.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,6 +31,7 @@ import torch
 from pagedgen import ops
 from pagedgen.config import CacheConfig
 from pagedgen.engine.block_manager import BlockManager
+from pagedgen.engine.cuda_graphs import CUDAGraphRunner
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler import SchedulerOutput
@@ -93,9 +95,19 @@ class ModelRunner:
         model: the loaded model (its config gives layers, KV heads, head size and dtype).
         cache_config: block size and number of blocks.
         sampler: picks the next tokens from the logits.
+        cuda_graph_max_seqs: on a GPU, capture decode steps of up to this many sequences in CUDA
+            graphs (0: run every step eagerly).
+        max_model_len: tokens per sequence at most (sets the captured block-table width).
     """
 
-    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, sampler: Sampler) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache_config: CacheConfig,
+        sampler: Sampler,
+        cuda_graph_max_seqs: int = 0,
+        max_model_len: int = 0,
+    ) -> None:
         self.model = model
         self.cache_config = cache_config
         self.sampler = sampler
@@ -113,6 +125,14 @@ class ModelRunner:
             (torch.empty(cpu_shape, dtype=cfg.dtype, pin_memory=pin), torch.empty(cpu_shape, dtype=cfg.dtype, pin_memory=pin))
             for _ in range(cfg.num_layers if cache_config.num_cpu_blocks else 0)
         ]
+        self.graphs: Optional[CUDAGraphRunner] = None
+        if cuda_graph_max_seqs and model.device.type == "cuda":
+            graphs = CUDAGraphRunner(model, self.kv_caches, cuda_graph_max_seqs, -(-max_model_len // cache_config.block_size))
+            try:
+                graphs.capture()
+                self.graphs = graphs
+            except RuntimeError as exc:  # run eagerly rather than not at all
+                warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {exc}", RuntimeWarning)
 
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache of all layers."""
@@ -203,7 +223,10 @@ class ModelRunner:
         """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs."""
         self.move_blocks(batch)
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch, block_manager)
-        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + B + R, vocab]
+        if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
+            logits = self.graphs.run(input_ids, positions, attn)[logits_indices].cpu()  # pure decode step
+        else:
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + B + R, vocab]
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
