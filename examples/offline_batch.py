@@ -47,19 +47,21 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    ap.add_argument("--n", type=int, default=1, help="completions per prompt (parallel sampling)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
 
     prompts = story_openings(args.data, args.num_prompts, args.seed)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed, device=args.device)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
 
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
 
     stats = llm.get_stats()
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     print(f"\n{len(outputs)} requests, {in_tokens} prompt tokens, {out_tokens} output tokens in {elapsed:.2f} s")
     print(f"throughput: {out_tokens / elapsed:,.0f} output tokens/s, {len(outputs) / elapsed:.1f} requests/s")
@@ -67,7 +69,15 @@ def main(argv=None) -> None:
         f"KV cache: {stats.num_kv_blocks} blocks of {stats.block_size} tokens, peak {stats.peak_used_blocks} in use; "
         f"utilisation (real tokens / allocated slots) mean {stats.kv_utilization_mean:.1%}"
     )
-    print(f"steps: {stats.num_steps}, preemptions: {stats.num_preemptions}")
+    print(
+        f"steps: {stats.num_steps}, preemptions: {stats.num_preemptions} "
+        f"({stats.num_recomputes} recomputed, {stats.num_swaps_out} swapped)"
+    )
+    print(
+        f"sharing: prefix-cache hit rate {stats.prefix_cache_hit_rate:.1%}, blocks saved by sharing "
+        f"mean {stats.sharing_savings_mean:.1%} (peak {stats.peak_sharing_savings:.1%}), "
+        f"{stats.num_copy_on_write} copy-on-write block copies"
+    )
     for o in outputs[:3]:
         print("-" * 80)
         print(f"[{o.request_id}] {o.prompt!r}\n  -> {o.outputs[0].text!r} ({o.outputs[0].finish_reason})")
