@@ -136,10 +136,9 @@ class LlamaForCausalLM:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms_norm(x, layer["input_norm"])
             qkv = F.linear(h, layer["qkv"])  # [T, (H + 2 Hkv) D]
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = self._rope(q.view(T, H, D), cos, sin)  # [T, H, D]
-            k = self._rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
-            v = v.reshape(T, Hkv, D)
+            qk = self._rope(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H + Hkv, D], one pass
+            q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D] (views)
+            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
             ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
             ops.paged_attention(attn_out, q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
             x = x + F.linear(attn_out.view(T, H * D), layer["o"])
