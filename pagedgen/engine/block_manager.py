@@ -190,12 +190,22 @@ class BlockManager:
         old = self.num_tokens(seq_id)
         if num_tokens < old:
             raise ValueError(f"sequence {seq_id} cannot shrink from {old} to {num_tokens} tokens")
+        bs = self.block_size
+        table = self._tables.get(seq_id)
+        if table and not prefix_blocks and old % bs and num_tokens <= len(table) * bs and self._ref_counts[table[-1]] == 1:
+            # fast path (most decode steps): the new tokens fit the last block, which is not shared
+            block = table[-1]
+            self._used_slots += num_tokens - old
+            self._filled[block] = num_tokens - (len(table) - 1) * bs
+            self._num_tokens[seq_id] = num_tokens
+            if self.enable_prefix_caching and token_ids is not None and num_tokens % bs == 0:
+                self._name_full_blocks(seq_id, num_tokens, token_ids)
+            return
         if prefix_blocks and self._tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already holds blocks: prefix blocks start a table")
         needed = self.blocks_needed(seq_id, num_tokens, prefix_blocks)
         if needed > len(self._free):
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {len(self._free)} free")
-        bs = self.block_size
         table = self._tables.setdefault(seq_id, [])
         hashes = self._hashes.setdefault(seq_id, [])
         before = len(table)
