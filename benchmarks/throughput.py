@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="pagedgen (default max(4096, max-num-seqs)); also continuous batching's max_batch_tokens")
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help=f"KV cache of pagedgen and continuous batching, in blocks of {BLOCK_SIZE} tokens (default: enough "
-                         f"for max-num-seqs of the longest request, capped at {KV_MEMORY_FRACTION:.0%} of available memory)")
+                         f"for max-num-seqs of the longest request, capped at {KV_MEMORY_FRACTION * 100:.0f}%% of available memory)")
     ap.add_argument("--cb-attn", default="sdpa", choices=["sdpa", "paged|eager"],
                     help="attn_implementation for continuous batching (sdpa is the faster on CPU)")
     ap.add_argument("--seed", type=int, default=0)

@@ -41,3 +41,10 @@ def test_dry_run(args, needs, expect):
 def test_bad_systems_is_a_usage_error():
     proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--systems", "pagedgen,vllm"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--systems" in proc.stderr
+
+
+def test_help_lists_device():
+    """scripts/gpu_check.sh runs the end-to-end stage only when --help lists --device."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--device" in proc.stdout
