@@ -190,22 +190,14 @@ class BlockManager:
         old = self.num_tokens(seq_id)
         if num_tokens < old:
             raise ValueError(f"sequence {seq_id} cannot shrink from {old} to {num_tokens} tokens")
-        bs = self.block_size
-        table = self._tables.get(seq_id)
-        if table and not prefix_blocks and old % bs and num_tokens <= len(table) * bs and self._ref_counts[table[-1]] == 1:
-            # fast path (most decode steps): the new tokens fit the last block, which is not shared
-            block = table[-1]
-            self._used_slots += num_tokens - old
-            self._filled[block] = num_tokens - (len(table) - 1) * bs
-            self._num_tokens[seq_id] = num_tokens
-            if self.enable_prefix_caching and token_ids is not None and num_tokens % bs == 0:
-                self._name_full_blocks(seq_id, num_tokens, token_ids)
+        if not prefix_blocks and self.append_in_place(seq_id, num_tokens, token_ids):
             return
         if prefix_blocks and self._tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already holds blocks: prefix blocks start a table")
         needed = self.blocks_needed(seq_id, num_tokens, prefix_blocks)
         if needed > len(self._free):
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {len(self._free)} free")
+        bs = self.block_size
         table = self._tables.setdefault(seq_id, [])
         hashes = self._hashes.setdefault(seq_id, [])
         before = len(table)
@@ -232,6 +224,22 @@ class BlockManager:
         self._num_tokens[seq_id] = num_tokens
         if self.enable_prefix_caching and token_ids is not None:
             self._name_full_blocks(seq_id, num_tokens, token_ids)
+
+    def append_in_place(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None) -> bool:
+        """The common decode case of ``allocate``: when the sequence's new tokens (up to
+        ``num_tokens`` in all) fit its last block and that block is not shared, record them and
+        return True; otherwise change nothing and return False."""
+        table = self._tables.get(seq_id)
+        old = self._num_tokens.get(seq_id, 0)
+        bs = self.block_size
+        if not table or old % bs == 0 or not old <= num_tokens <= len(table) * bs or self._ref_counts[table[-1]] != 1:
+            return False
+        self._used_slots += num_tokens - old
+        self._filled[table[-1]] = num_tokens - (len(table) - 1) * bs
+        self._num_tokens[seq_id] = num_tokens
+        if self.enable_prefix_caching and token_ids is not None and num_tokens % bs == 0:
+            self._name_full_blocks(seq_id, num_tokens, token_ids)
+        return True
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (reference counts + 1; no copy yet)."""

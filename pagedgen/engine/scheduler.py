@@ -109,6 +109,11 @@ class Scheduler:
             if n == 0:  # nothing to compute (a beam waiting for its group)
                 i += 1
                 continue
+            if bm.append_in_place(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids):  # fits the last block
+                self._add(seq, n, out)
+                budget -= n
+                i += 1
+                continue
             while not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim, out)
@@ -175,6 +180,10 @@ class Scheduler:
     def _plan(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Allocate the slots of ``n`` more tokens of a running sequence and add it to the step."""
         self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids)
+        self._add(seq, n, out)
+
+    def _add(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Add a sequence whose slots are allocated to the step, and count its tokens."""
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
         if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1:
