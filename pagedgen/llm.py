@@ -382,7 +382,7 @@ class LLM:
             # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
             seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp)) for j in range(1, sp.n)]
             seqs.append(seq)
-        self._run(sum(sp.n for sp in params), use_tqdm)
+        self._run([sp.n for sp in params], use_tqdm)
         return [self._request_output(i, texts[i], [seq] + seq.forked) for i, seq in enumerate(seqs)]
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True) -> list[BeamSearchOutput]:
@@ -421,7 +421,7 @@ class LLM:
             group = BeamGroup(params, len(p), self.eos_token_ids, self.scheduler_config.max_model_len)
             self.engine.add_beam_search(i, p, group)
             groups.append(group)
-        self._run(len(groups), use_tqdm, desc="Beam search", done=lambda: sum(g.done for g in groups))
+        self._run([1] * len(groups), use_tqdm, desc="Beam search", done=lambda: sum(g.done for g in groups))
         results = []
         for p, group in zip(ids, groups):
             sequences = [
@@ -442,21 +442,27 @@ class LLM:
         """An incremental detokenizer for a completion that has stop strings (else None)."""
         return self.detokenizer.stream(sp) if sp.stop else None
 
-    def _run(self, total: int, use_tqdm: bool, desc: str = "Processed prompts", done: Optional[Callable[[], int]] = None) -> None:
-        """Run the engine until done. The bar counts ``total`` units: finished sequences
-        (completions), or what ``done()`` returns after each step when given."""
+    def _run(self, completions_per_request: list[int], use_tqdm: bool, desc: str = "Processed prompts", done: Optional[Callable[[], int]] = None) -> None:
+        """Run the engine until done. The bar counts finished requests (a request is finished when
+        all its completions are; ``done()``, when given, says how many are instead)."""
         if not use_tqdm:
             self.engine.run()
             return
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
+        bar = tqdm(total=len(completions_per_request), desc=desc, dynamic_ncols=True)
+        remaining = list(completions_per_request)
         start, generated = time.perf_counter(), 0
 
         def on_step(finished: list[Sequence], num_tokens: int) -> None:
             nonlocal generated
             generated += num_tokens
-            count = done() if done is not None else bar.n + len(finished)
+            count = bar.n
+            for seq in finished:
+                remaining[seq.request_index] -= 1
+                count += remaining[seq.request_index] == 0
+            if done is not None:
+                count = done()
             if count != bar.n:
                 bar.update(count - bar.n)
                 bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)

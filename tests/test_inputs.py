@@ -175,3 +175,10 @@ def test_sharded_checkpoint_loads(stories_path, tmp_path, expected):
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     llm = LLM(path, num_kv_blocks=64)
     assert llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_progress_bar_counts_finished_requests(llm, capsys):
+    """The tqdm bar counts requests (all n completions done) and shows output tokens/s."""
+    llm.generate(["Once upon a time", "The dog"], SamplingParams(n=3, max_tokens=8, seed=1), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts: 100%" in err and "2/2" in err and "tok/s" in err
