@@ -14,11 +14,11 @@ from typing import Callable, Optional, Sequence as Seq, Union
 
 import torch
 
-from pagedgen import ops
-from pagedgen.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedgen import inputs, ops
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedgen.engine.beam_group import BeamGroup
+from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.engine import kv_sizing
+from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.block_manager import cdiv
 from pagedgen.engine.detokenizer import Detokenizer
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
@@ -32,32 +32,8 @@ from pagedgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedgen")
 
-
-def _resolve_device(device) -> torch.device:
-    """``None`` -> cuda when available, else cpu; anything else must name a usable device."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"LLM device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"LLM device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"LLM device {device!r} asked for, but torch sees no CUDA GPU")
-    return dev
-
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 ChatMessage = dict  # {"role": str, "content": str}
-
-
-def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"LLM {name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"LLM {name} must be >= 1, got {value}")
 
 
 class LLM:
@@ -133,7 +109,7 @@ class LLM:
             ("max_model_len", max_model_len, True),
             ("swap_space_bytes", swap_space_bytes, True),
         ):
-            _check_positive_int(name, value, opt)
+            inputs.check_positive_int(name, value, opt)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
         if preemption_mode not in ("recompute", "swap"):
@@ -142,7 +118,7 @@ class LLM:
             raise TypeError("LLM enable_prefix_caching must be a bool")
         if not 0.0 < float(gpu_memory_utilization) <= 1.0:
             raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        device = _resolve_device(device)
+        device = inputs.resolve_device(device)
         if enforce_extension and not ops.extension_available(device.type):
             raise RuntimeError(ops.extension_error(device.type))
 
@@ -209,82 +185,14 @@ class LLM:
 
     # ----- inputs ----------------------------------------------------------------------------------
     def _tokenize(self, prompts: PromptsType) -> tuple[list[Optional[str]], list[list[int]]]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
-        if not prompts:
-            return [], []
-        first_is_text = isinstance(prompts[0], str)
-        for i, p in enumerate(prompts):
-            if first_is_text and not isinstance(p, str):
-                raise TypeError(f"prompts[{i}] is a {type(p).__name__}, but prompts[0] is a str: do not mix prompt types")
-            if not first_is_text:
-                if isinstance(p, str):
-                    raise TypeError(f"prompts[{i}] is a str, but prompts[0] is a token-id list: do not mix prompt types")
-                if not isinstance(p, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    raise TypeError(f"prompts[{i}] must be a list of int token ids, got {type(p).__name__}")
-        vocab = self.model_config.vocab_size
-        if first_is_text:
-            texts = list(prompts)
-            ids = [list(x) for x in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
-        else:
-            texts = [None] * len(prompts)
-            ids = [list(p) for p in prompts]
-            for i, p in enumerate(ids):
-                bad = [t for t in p if not 0 <= t < vocab]
-                if bad:
-                    raise ValueError(f"prompts[{i}] has token id {bad[0]} outside the vocabulary [0, {vocab})")
-        return texts, self._fill_empty(ids)
+        return inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
 
     def _fill_empty(self, ids: list[list[int]]) -> list[list[int]]:
-        """An empty prompt starts from the BOS token."""
-        bos = self.tokenizer.bos_token_id
-        for i, p in enumerate(ids):
-            if not p:
-                if bos is None:
-                    raise ValueError(f"prompts[{i}] is empty and the tokenizer has no BOS token to start from")
-                p.append(bos)
-        return ids
+        return inputs.fill_empty(self.tokenizer, ids)
 
     def _check_params(self, ids: list[list[int]], sampling_params) -> list[SamplingParams]:
-        """One SamplingParams per prompt, checked against the vocabulary and max_model_len."""
-        if sampling_params is None:
-            params = [SamplingParams()] * len(ids)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(ids)
-        elif isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(ids):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(ids)} prompts: give one or one per prompt")
-            for i, p in enumerate(sampling_params):
-                if not isinstance(p, SamplingParams):
-                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
-            params = list(sampling_params)
-        else:
-            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
-        limit = self.scheduler_config.max_model_len
-        for i, p in enumerate(ids):
-            if len(p) + 1 > limit:
-                raise ValueError(
-                    f"prompts[{i}] has {len(p)} tokens; prompt + 1 generated token must fit max_model_len={limit} "
-                    f"(allowed prompt length: 1 to {limit - 1} tokens)"
-                )
-        vocab = self.model_config.vocab_size
-        for i, sp in enumerate(params):
-            if sp.n > self.scheduler_config.max_num_seqs:
-                raise ValueError(
-                    f"sampling_params[{i}].n must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {sp.n}"
-                )
-        for sp in {id(sp): sp for sp in params}.values():
-            for name, token_ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ())):
-                bad = [t for t in token_ids if t >= vocab]
-                if bad:
-                    raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the vocabulary [0, {vocab})")
-            for name in ("logprobs", "prompt_logprobs"):
-                k = getattr(sp, name)
-                if k is not None and k > vocab:
-                    raise ValueError(f"SamplingParams.{name} must be in [0, {vocab}] (the vocabulary size), got {k}")
-        return params
+        cfg = self.scheduler_config
+        return inputs.check_sampling_params(ids, sampling_params, self.model_config.vocab_size, cfg.max_model_len, cfg.max_num_seqs)
 
     # ----- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
