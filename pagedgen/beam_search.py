@@ -2,6 +2,7 @@
 ``vllm.beam_search.BeamSearchOutput``)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -39,9 +40,11 @@ class BeamSearchParams:
                 raise ValueError(f"BeamSearchParams.{name} must be at least 1, got {value}")
         if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
             raise TypeError("BeamSearchParams.length_penalty must be a number")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError("BeamSearchParams.ignore_eos must be a bool")
-        if self.early_stopping not in (True, False, "never"):
+        if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
             raise ValueError(f"BeamSearchParams.early_stopping must be True, False or 'never', got {self.early_stopping!r}")
 
 

@@ -5,6 +5,7 @@ Every check runs before any work starts and raises ``TypeError`` (wrong type) or
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -54,20 +55,24 @@ def tokenize_prompts(tokenizer, prompts, vocab_size: int) -> tuple[list[Optional
         if not first_is_text:
             if isinstance(p, str):
                 raise TypeError(f"prompts[{i}] is a str, but prompts[0] is a token-id list: do not mix prompt types")
-            if not isinstance(p, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if not isinstance(p, (list, tuple)):
                 raise TypeError(f"prompts[{i}] must be a list of int token ids, got {type(p).__name__}")
+            for j, t in enumerate(p):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(f"prompts[{i}][{j}] must be an int token id, got {type(t).__name__} {t!r}")
     vocab = vocab_size
     if first_is_text:
         texts = list(prompts)
         ids = [list(x) for x in tokenizer(texts, add_special_tokens=True)["input_ids"]]
     else:
         texts = [None] * len(prompts)
-        ids = [list(p) for p in prompts]
+        ids = [[int(t) for t in p] for p in prompts]  # numpy integers too
         for i, p in enumerate(ids):
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompts[{i}] has token id {bad[0]} outside the vocabulary [0, {vocab})")
     return texts, fill_empty(tokenizer, ids)
+
 
 def fill_empty(tokenizer, ids: list[list[int]]) -> list[list[int]]:
     """An empty prompt starts from the BOS token."""
@@ -78,6 +83,7 @@ def fill_empty(tokenizer, ids: list[list[int]]) -> list[list[int]]:
                 raise ValueError(f"prompts[{i}] is empty and the tokenizer has no BOS token to start from")
             p.append(bos)
     return ids
+
 
 def check_sampling_params(ids: list[list[int]], sampling_params, vocab_size: int, max_model_len: int, max_num_seqs: int) -> list[SamplingParams]:
     """One SamplingParams per prompt, checked against the vocabulary, max_model_len and
@@ -102,19 +108,27 @@ def check_sampling_params(ids: list[list[int]], sampling_params, vocab_size: int
                 f"prompts[{i}] has {len(p)} tokens; prompt + 1 generated token must fit max_model_len={limit} "
                 f"(allowed prompt length: 1 to {limit - 1} tokens)"
             )
-    vocab = vocab_size
+    # Validate every distinct SamplingParams again (fields may have been changed after it was built)
+    # and use a frozen copy from here on, so nothing fails or changes once requests are queued.
+    checked: dict[int, SamplingParams] = {}
+    single = not isinstance(sampling_params, (list, tuple))
     for i, sp in enumerate(params):
-        if sp.n > max_num_seqs:
-            raise ValueError(
-                f"sampling_params[{i}].n must be at most max_num_seqs={max_num_seqs}, got {sp.n}"
-            )
-    for sp in {id(sp): sp for sp in params}.values():
-        for name, token_ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ())):
-            bad = [t for t in token_ids if t >= vocab]
+        if id(sp) in checked:
+            continue
+        where = "sampling_params" if single else f"sampling_params[{i}]"
+        try:
+            copy = sp.clone()
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        if copy.n > max_num_seqs:
+            raise ValueError(f"{where}.n must be at most max_num_seqs={max_num_seqs}, got {copy.n}")
+        for name, token_ids in (("stop_token_ids", copy.stop_token_ids), ("logit_bias", copy.logit_bias or ())):
+            bad = [t for t in token_ids if t >= vocab_size]
             if bad:
-                raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+                raise ValueError(f"{where}.{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(sp, name)
-            if k is not None and k > vocab:
-                raise ValueError(f"SamplingParams.{name} must be in [0, {vocab}] (the vocabulary size), got {k}")
-    return params
+            k = getattr(copy, name)
+            if k is not None and k > vocab_size:
+                raise ValueError(f"{where}.{name} must be in [0, {vocab_size}] (the vocabulary size), got {k}")
+        checked[id(sp)] = copy
+    return [checked[id(sp)] for sp in params]

@@ -33,6 +33,12 @@ from pagedgen.sampling_params import SamplingParams
 logger = logging.getLogger("pagedgen")
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
+
+
+def _check_use_tqdm(use_tqdm) -> None:
+    if not isinstance(use_tqdm, bool):
+        raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
+
 ChatMessage = dict  # {"role": str, "content": str}
 
 
@@ -112,11 +118,23 @@ class LLM:
             inputs.check_positive_int(name, value, opt)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
+        if not -(2**63) <= seed < 2**64:
+            raise ValueError(f"LLM seed must be a 64-bit integer, got {seed}")
+        if block_size > 1024:
+            raise ValueError(f"LLM block_size must be in [1, 1024] tokens, got {block_size}")
+        for name, flag in (("enforce_extension", enforce_extension), ("enable_prefix_caching", enable_prefix_caching), ("enforce_eager", enforce_eager)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"LLM {name} must be a bool, got {type(flag).__name__}")
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
+            raise TypeError(f"LLM gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
+        if tokenizer is not None:
+            if not isinstance(tokenizer, (str, os.PathLike)):
+                raise TypeError(f"LLM tokenizer must be a folder path, got {type(tokenizer).__name__}")
+            if not os.path.isdir(tokenizer):
+                raise FileNotFoundError(f"tokenizer folder not found: {os.fspath(tokenizer)!r}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"LLM preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError("LLM enable_prefix_caching must be a bool")
-        if not 0.0 < float(gpu_memory_utilization) <= 1.0:
+        if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         device = inputs.resolve_device(device)
         if enforce_extension and not ops.extension_available(device.type):
@@ -253,7 +271,11 @@ class LLM:
             conversations = list(messages)
         else:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of conversations")
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise ValueError(f"chat_template must be a non-empty Jinja template string, got {chat_template!r}")
         for i, conv in enumerate(conversations):
+            if not conv:
+                raise ValueError(f"conversation {i} is empty: it needs at least one message")
             for j, m in enumerate(conv):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise ValueError(f"conversation {i}, message {j} must be a dict with str 'role' and 'content', got {m!r}")
@@ -266,16 +288,22 @@ class LLM:
             )
         if not conversations:
             return []
-        texts = [
-            self.tokenizer.apply_chat_template(
-                list(conv),
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-            )
-            for conv in conversations
-        ]
+        import jinja2
+
+        texts = []
+        for i, conv in enumerate(conversations):
+            try:
+                texts.append(
+                    self.tokenizer.apply_chat_template(
+                        list(conv),
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        tokenize=False,
+                    )
+                )
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"the chat template failed on conversation {i}: {exc}") from exc
         ids = self._fill_empty([list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]])
         params = self._check_params(ids, sampling_params)
         return self._generate(texts, ids, params, use_tqdm)
@@ -284,12 +312,17 @@ class LLM:
         """Queue n sequences per prompt, run them all, gather them per prompt."""
         if not ids:
             return []
+        _check_use_tqdm(use_tqdm)
         seqs: list[Sequence] = []
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp))
-            # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
-            seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp)) for j in range(1, sp.n)]
-            seqs.append(seq)
+        try:
+            for i, (p, sp) in enumerate(zip(ids, params)):
+                seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp))
+                # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
+                seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp)) for j in range(1, sp.n)]
+                seqs.append(seq)
+        except BaseException:
+            self.engine.scheduler.abort_all()  # nothing half-queued survives into the next call
+            raise
         self._run([sp.n for sp in params], use_tqdm)
         return [self._request_output(i, texts[i], [seq] + seq.forked) for i, seq in enumerate(seqs)]
 
@@ -324,6 +357,7 @@ class LLM:
         texts, ids = self._tokenize(prompts)
         ids = self._fill_empty(ids)
         self._check_params(ids, SamplingParams(temperature=0))
+        _check_use_tqdm(use_tqdm)
         groups = []
         for i, p in enumerate(ids):
             group = BeamGroup(params, len(p), self.eos_token_ids, self.scheduler_config.max_model_len)

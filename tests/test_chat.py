@@ -50,9 +50,20 @@ def test_no_template_is_a_clear_error(llm):
         ([[{"role": "user", "content": "a"}], [{"content": "b"}]], {}, ValueError, r"conversation 1, message 0"),
         ("hello", {}, TypeError, r"messages must be a conversation"),
         (CONV, dict(continue_final_message=True), ValueError, r"add_generation_prompt and continue_final_message"),
+        ([[]], {}, ValueError, r"conversation 0 is empty"),
     ],
 )
 def test_bad_chat_input(llm, messages, kwargs, error, match):
     with pytest.raises(error, match=match):
         llm.chat(messages, GREEDY, chat_template=TEMPLATE, use_tqdm=False, **kwargs)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "template, match",
+    [("{% for %}", r"the chat template failed on conversation 0"), ("", "chat_template must be a non-empty Jinja"), (123, "chat_template must be")],
+)
+def test_bad_chat_template(llm, template, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat(CONV, GREEDY, chat_template=template, use_tqdm=False)
     assert not llm.engine.has_unfinished()

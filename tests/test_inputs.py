@@ -30,7 +30,8 @@ def expected(llm):
         ([[1, 2], [5] * 600], GREEDY, ValueError, r"prompts\[1\].*max_model_len"),
         (["a story", [1, 5, 6]], GREEDY, TypeError, r"prompts\[1\].*do not mix"),
         ([[1, 5], "a story"], GREEDY, TypeError, r"prompts\[1\].*do not mix"),
-        ([[1, 5], [1, "x"]], GREEDY, TypeError, r"prompts\[1\] must be a list of int"),
+        ([[1, 5], [1, "x"]], GREEDY, TypeError, r"prompts\[1\]\[1\] must be an int token id, got str"),
+        ([[1, 5], 7], GREEDY, TypeError, r"prompts\[1\] must be a list of int token ids, got int"),
         ([[1, 5], [1, 9999]], GREEDY, ValueError, r"prompts\[1\] has token id 9999 outside the vocabulary \[0, 512\)"),
         (123, GREEDY, TypeError, r"prompts must be"),
         (["a", "b"], [GREEDY], ValueError, r"sampling_params has 1 entries for 2 prompts"),
@@ -182,3 +183,65 @@ def test_progress_bar_counts_finished_requests(llm, capsys):
     llm.generate(["Once upon a time", "The dog"], SamplingParams(n=3, max_tokens=8, seed=1), use_tqdm=True)
     err = capsys.readouterr().err
     assert "Processed prompts: 100%" in err and "2/2" in err and "tok/s" in err
+
+
+def _mutated(**fields):
+    sp = SamplingParams(max_tokens=5)
+    for k, v in fields.items():
+        setattr(sp, k, v)
+    return sp
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        (dict(seed=2**70), ValueError, r"sampling_params\[1\]: SamplingParams.seed must be a 64-bit integer"),
+        (dict(logit_bias={-1: 100.0}), ValueError, r"sampling_params\[1\]: SamplingParams.logit_bias must be keyed by non-negative"),
+        (dict(n=0), ValueError, r"sampling_params\[1\]: SamplingParams.n"),
+        (dict(n="3"), TypeError, r"sampling_params\[1\]: SamplingParams.n must be an int"),
+        (dict(max_tokens=0), ValueError, r"sampling_params\[1\]: SamplingParams.max_tokens"),
+        (dict(stop_token_ids=[600]), ValueError, r"sampling_params\[1\].stop_token_ids has token id 600 outside the vocabulary"),
+    ],
+)
+def test_params_changed_after_construction_are_checked_before_work(llm, expected, fields, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(["Once upon a time", "The dog"], [GREEDY, _mutated(**fields)], use_tqdm=False)
+    _assert_clean_and_working(llm, expected)
+
+
+def test_stop_set_to_a_str_after_construction_is_one_stop_string(llm):
+    sp = SamplingParams(temperature=0, max_tokens=30)
+    sp.stop = "girl"
+    text = llm.generate(["Once upon a time"], sp, use_tqdm=False)[0].outputs[0]
+    assert text.stop_reason == "girl" and "girl" not in text.text and text.text  # not a stop at every character
+
+
+def test_token_id_prompts(llm, expected):
+    import numpy as np
+
+    ids = llm.tokenizer("Once upon a time").input_ids
+    out = llm.generate([np.array(ids, dtype=np.int64).tolist(), [np.int64(t) for t in ids]], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids == expected
+    with pytest.raises(TypeError, match=r"prompts\[0\]\[1\] must be an int token id, got float 2.0"):
+        llm.generate([[1, 2.0]], GREEDY)
+    with pytest.raises(TypeError, match=r"prompts\[0\]\[0\] must be an int token id, got bool"):
+        llm.generate([[True, 5]], GREEDY)
+    with pytest.raises(TypeError, match="use_tqdm must be a bool"):
+        llm.generate(["a"], GREEDY, use_tqdm="no")
+    _assert_clean_and_working(llm, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(seed=2**70), ValueError, "LLM seed must be a 64-bit integer"),
+        (dict(gpu_memory_utilization="abc"), TypeError, "gpu_memory_utilization must be a number"),
+        (dict(tokenizer="/nonexistent"), FileNotFoundError, "tokenizer folder not found"),
+        (dict(tokenizer=5), TypeError, "tokenizer must be a folder path"),
+        (dict(enforce_extension="yes"), TypeError, "enforce_extension must be a bool"),
+        (dict(block_size=10**6), ValueError, r"block_size must be in \[1, 1024\]"),
+    ],
+)
+def test_more_bad_llm_arguments(stories_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LLM(stories_path, **kwargs)

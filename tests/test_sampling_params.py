@@ -130,10 +130,10 @@ def test_clone_validates_again():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(stop_token_ids=[2, 512]), r"SamplingParams.stop_token_ids has token id 512 outside the vocabulary \[0, 512\)"),
-        (dict(logit_bias={600: 1.0}), r"SamplingParams.logit_bias has token id 600 outside the vocabulary \[0, 512\)"),
-        (dict(logprobs=513), r"SamplingParams.logprobs must be in \[0, 512\]"),
-        (dict(prompt_logprobs=1000), r"SamplingParams.prompt_logprobs must be in \[0, 512\]"),
+        (dict(stop_token_ids=[2, 512]), r"sampling_params\[1\].stop_token_ids has token id 512 outside the vocabulary \[0, 512\)"),
+        (dict(logit_bias={600: 1.0}), r"sampling_params\[1\].logit_bias has token id 600 outside the vocabulary \[0, 512\)"),
+        (dict(logprobs=513), r"sampling_params\[1\].logprobs must be in \[0, 512\]"),
+        (dict(prompt_logprobs=1000), r"sampling_params\[1\].prompt_logprobs must be in \[0, 512\]"),
     ],
 )
 def test_vocabulary_checks_before_any_work(llm, kwargs, match):

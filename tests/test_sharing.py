@@ -125,3 +125,10 @@ def test_beam_search_bad_input(llm):
     with pytest.raises(ValueError, match=r"n must be at most max_num_seqs"):
         llm.generate(["a"], SamplingParams(n=1000))
     assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=4)) == []
+
+
+def test_beam_search_params_reject_nan_and_non_bool_early_stopping():
+    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+    with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
+        BeamSearchParams(beam_width=2, max_tokens=4, early_stopping=1)
