@@ -1,0 +1,48 @@
+"""python -m pagedgen: prompts file in, completions .jsonl out, stats on stderr; bad input exits 2."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def _run(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "pagedgen", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_cli_jsonl_roundtrip(stories_path, tmp_path, llm):
+    prompts = ["Once upon a time", "The little dog", "Lily had a red ball"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)))
+    dst = tmp_path / "out.jsonl"
+    proc = _run("--model", stories_path, "--input", str(src), "--output", str(dst), "--temperature", "0",
+                "--max-tokens", "12", "--n", "2", "--no-tqdm")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == prompts and [r["index"] for r in records] == [0, 1, 2]
+    from pagedgen import SamplingParams
+
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for r, e in zip(records, expected):
+        assert len(r["completions"]) == 2
+        assert all(c["token_ids"] == e.outputs[0].token_ids and c["text"] == e.outputs[0].text for c in r["completions"])
+    assert "3 prompts, 72 output tokens" in proc.stderr and '"kv_utilization_mean"' in proc.stderr
+
+
+def test_cli_text_file_and_bad_input(stories_path, tmp_path):
+    txt = tmp_path / "in.txt"
+    txt.write_text("Once upon a time\nThe cat\n")
+    ok = _run("--model", stories_path, "--input", str(txt), "--output", str(tmp_path / "o.jsonl"), "--max-tokens", "4", "--no-tqdm")
+    assert ok.returncode == 0, ok.stderr
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    proc = _run("--model", stories_path, "--input", str(bad), "--output", str(tmp_path / "x.jsonl"))
+    assert proc.returncode == 2 and "bad.jsonl:2: expected an object with a string field 'prompt'" in proc.stderr
+    proc = _run("--model", stories_path, "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "x.jsonl"))
+    assert proc.returncode == 2 and "No such file" in proc.stderr
+    proc = _run("--model", stories_path, "--input", str(txt), "--output", str(tmp_path / "x.jsonl"), "--temperature", "-1")
+    assert proc.returncode == 2 and "temperature must be in [0, inf)" in proc.stderr
+    assert not (tmp_path / "x.jsonl").exists()
