@@ -134,10 +134,6 @@ class ModelRunner:
             except RuntimeError as exc:  # run eagerly rather than not at all
                 warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {exc}", RuntimeWarning)
 
-    def kv_cache_bytes(self) -> int:
-        """Bytes held by the KV cache of all layers."""
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
-
     def prepare(self, batch: SchedulerOutput, block_manager: BlockManager):
         """Host-side lists -> the step's tensors (see the module docstring). Also returns the
         sequences that sample a token this step, in ``logits_indices`` order, and the prompt

@@ -48,9 +48,6 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
 
 @dataclass
 class SchedulerStats:
