@@ -5,6 +5,7 @@ after an error every unfinished sequence is aborted so that the next call starts
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -222,13 +223,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s, bm = self.scheduler.stats, self.block_manager
         return EngineStats(
-            num_steps=s.num_steps,
-            num_preemptions=s.num_preemptions,
-            num_recomputes=s.num_recomputes,
-            num_swaps_out=s.num_swaps_out,
-            num_swaps_in=s.num_swaps_in,
-            num_prefill_tokens=s.num_prefill_tokens,
-            num_decode_tokens=s.num_decode_tokens,
+            **dataclasses.asdict(s),  # the scheduler's counters
             num_generated_tokens=self._num_generated,
             num_kv_blocks=bm.num_blocks,
             num_used_blocks=bm.num_used_blocks,
