@@ -354,8 +354,7 @@ class LLM:
             raise ValueError(
                 f"BeamSearchParams.beam_width must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {params.beam_width}"
             )
-        texts, ids = self._tokenize(prompts)
-        ids = self._fill_empty(ids)
+        texts, ids = self._tokenize(prompts)  # empty prompts already start from BOS
         self._check_params(ids, SamplingParams(temperature=0))
         _check_use_tqdm(use_tqdm)
         groups = []

@@ -152,18 +152,14 @@ class LLMEngine:
         group.beams = [seq]
         return seq
 
-    def _new_seq_id(self) -> int:
-        return next(self._seq_ids)
-
     def _fork(self, parent: Sequence, index: int = 0, generator=None, detokenizer=None) -> Sequence:
         """A new sequence sharing ``parent``'s tokens and KV blocks (copy-on-write), queued beside it."""
-        child = parent.fork(self._new_seq_id(), index, generator, detokenizer)
+        child = parent.fork(next(self._seq_ids), index, generator, detokenizer)
         if parent.status is SequenceStatus.RUNNING:
             self.block_manager.fork(parent.seq_id, child.seq_id)
         else:  # waiting or swapped: the child recomputes its tokens when admitted
             child.num_computed_tokens = 0
-            child.status = SequenceStatus.WAITING
-        self.scheduler.add_running(child, after=parent)
+        self.scheduler.add_fork(child, parent)
         return child
 
     def _fork_parallel_samples(self, batch: SchedulerOutput) -> None:

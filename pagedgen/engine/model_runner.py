@@ -12,7 +12,8 @@ One step's inputs, for the scheduled sequences s_0..s_{n-1} computing tokens [c_
     slot_mapping [T]            block_table[p // block_size] * block_size + p % block_size
     block_tables [T, max_blocks] each token's sequence's block table (padded with 0, never read)
     seq_lens     [T]            position + 1: each token attends over itself and all before it
-    logits_indices [S + R]      the last token of each of the S sequences that sample this step,
+    logits_indices [S + B + R]  the last token of each of the S sequences that sample this step
+                                (a forked parallel sample repeats its parent's row), of the B beams,
                                 then the R prompt positions whose logits give prompt logprobs
 
 Prompt logprobs: a sequence that asks for them gets logits at every prompt position p it computes

@@ -201,15 +201,16 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             self._release(seq)
 
-    def add_running(self, seq: Sequence, after: Sequence) -> None:
-        """Insert a forked sequence into ``after``'s queue, right behind it (same admission age)."""
-        seq.status = after.status
-        if after.status is SequenceStatus.RUNNING:
-            self.running.insert(self.running.index(after) + 1, seq)
-        elif after.status is SequenceStatus.SWAPPED:
-            self.swapped.insert(self.swapped.index(after) + 1, seq)
+    def add_fork(self, seq: Sequence, parent: Sequence) -> None:
+        """Queue a sequence forked from ``parent``: right behind it among the running ones (same
+        admission age) when the parent runs and the fork shares its blocks; otherwise at the head
+        of the waiting queue, to compute its tokens when admitted."""
+        if parent.status is SequenceStatus.RUNNING:
+            seq.status = SequenceStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, seq)
         else:
-            self.waiting.insert(self.waiting.index(after) + 1, seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def abort_all(self) -> list[Sequence]:
         """Drop every sequence and free their blocks (after an error)."""
