@@ -121,6 +121,20 @@ def test_paged_attention_other_sizes(head_size, block_size, dtype):
     check_attention([1, 13, 70, 200], 4, 2, head_size, block_size, dtype)
 
 
+# The small-head path (head sizes 8 and 16 with AVX-512): items of one column tile of KV heads (few
+# rows) or all KV heads (many rows); an odd KV head count (a half-width last column tile at head size
+# 8); group sizes with (1, 2, 4, 8) and without (3) a compiled accumulator; block sizes that do (16,
+# 32) and do not (8, 5) hold whole 16-token runs; contexts across the 256-token softmax tile.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [5, 8, 16, 32])
+@pytest.mark.parametrize("head_size", [8, 16])
+@pytest.mark.parametrize("num_kv_heads, gqa", [(1, 8), (3, 1), (3, 3), (4, 2), (5, 4)])
+@pytest.mark.parametrize("num_seqs", [3, 40])
+def test_paged_attention_small_heads(num_seqs, num_kv_heads, gqa, head_size, block_size, dtype):
+    lens = [1, 15, 16, 17, 255, 256, 257, 600][:num_seqs] + [1 + (37 * i) % 300 for i in range(max(0, num_seqs - 8))]
+    check_attention(lens, num_kv_heads * gqa, num_kv_heads, head_size, block_size, dtype, seed=num_seqs)
+
+
 def test_paged_attention_32k_context():
     check_attention([32768, 40], 4, 2, 64, 16, torch.float32)
 

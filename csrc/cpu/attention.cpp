@@ -6,6 +6,11 @@
 // rows with 32k-token contexts. Hence:
 //   * Work item = (row, kv_head). All query heads of one GQA group are handled together, so each K/V
 //     row is read (and converted to float) once per group, not once per query head.
+//   * Head sizes 8 and 16 with AVX-512 (attend_small, attention_small_heads.h): work item = (row, all
+//     KV heads), or the KV heads of one 16-float column tile when there are few rows. Scores come from
+//     16 x 16 in-register transposes of K, 16 tokens per multiply-add, since at these sizes a dot
+//     product per (token, head) costs more in horizontal sums than in arithmetic (2-2.5x faster on
+//     the default model's decode, see docs/benchmarks.md).
 //   * OpenMP `for` with dynamic scheduling over the items: row costs differ widely (prefill rows grow
 //     with their position), and a static split would leave one core idle. Chunks are runs of
 //     consecutive items, so neighbouring prefill rows of a sequence re-read the same blocks from cache.
@@ -29,6 +34,7 @@
 #include <torch/library.h>
 
 #include "attention_math.h"
+#include "attention_small_heads.h"
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace pagedgen::cpu {
@@ -55,6 +62,13 @@ struct Params {
   float scale;
 };
 
+// Asks the caches for the lines of [p, p + bytes).
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+  __builtin_prefetch(c + bytes - 1);  // the last line, when p is not line-aligned
+}
+
 // Asks the caches for one K row and one V row of `head_size` elements.
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* k, const scalar_t* v, int head_size) {
@@ -68,6 +82,69 @@ inline void prefetch_row(const scalar_t* k, const scalar_t* v, int head_size) {
 inline int64_t scratch_floats(int64_t group, int64_t head_size) {
   const int64_t n = 2 * group * head_size + group * kTile + 2 * group + 3 * kTile * head_size;
   return (n + 15) / 16 * 16;
+}
+
+// Walks one sequence's block table a tile at a time: the slot (block * block_size + offset) of each
+// token. Blocks are scattered over the cache, where no hardware prefetcher looks, so while the tokens
+// of one block are handed out, the same rows of the next block are requested (`prefetch(slot)`, one
+// per token: all at once would stall on the line-fill buffers).
+struct BlockWalker {
+  const int32_t* table;  // block_tables[seq, :], stride bt_s1
+  int64_t bt_s1, block_size, num_blocks, seq_len;
+  int64_t logical = 0, offset = 0, base = 0, next_base = -1;  // base: first slot of the current block
+
+  // Slots of the next n tokens into slots[0:n]. False if the table names a block outside the cache.
+  template <typename Prefetch>
+  bool next(int n, int64_t* slots, Prefetch&& prefetch) {
+    for (int j = 0; j < n; ++j) {
+      if (offset == 0) {
+        const int64_t block = table[logical * bt_s1];
+        if (block < 0 || block >= num_blocks) return false;
+        base = block * block_size;
+        next_base = -1;
+        if ((logical + 1) * block_size < seq_len) {
+          const int64_t next_block = table[(logical + 1) * bt_s1];
+          if (next_block >= 0 && next_block < num_blocks) next_base = next_block * block_size;
+        }
+      }
+      if (next_base >= 0) prefetch(next_base + offset);
+      slots[j] = base + offset;
+      if (++offset == block_size) {
+        offset = 0;
+        ++logical;
+      }
+    }
+    return true;
+  }
+};
+
+template <typename scalar_t>
+BlockWalker walker_of(const Params<scalar_t>& p, int64_t seq, int64_t seq_len) {
+  return BlockWalker{p.block_tables + seq * p.bt_s0, p.bt_s1, p.block_size, p.num_blocks, seq_len};
+}
+
+// Scaled query of heads [h0, h0 + heads) of row seq into q: [heads, D] float; running max -inf, sum 0.
+template <typename scalar_t>
+void load_query(const Params<scalar_t>& p, int64_t seq, int64_t h0, int heads, int D, float* q, float* m, float* l) {
+  const scalar_t* query = p.query + seq * p.q_s0 + h0 * p.q_s1;
+  for (int h = 0; h < heads; ++h) {
+    for (int d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(query[h * p.q_s1 + d * p.q_s2]) * p.scale;
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.0f;
+  }
+}
+
+// out[seq, h0 + h] = acc[h] / l[h] for the item's heads (zeros when `valid` is false).
+template <typename scalar_t>
+void store_output(const Params<scalar_t>& p, int64_t seq, int64_t h0, int heads, int D, const float* acc,
+                  const float* l, bool valid) {
+  scalar_t* out = p.out + seq * p.out_s0 + h0 * p.out_s1;
+  for (int h = 0; h < heads; ++h) {
+    const float inv = valid ? 1.0f / l[h] : 0.0f;
+    for (int d = 0; d < D; ++d) {
+      out[h * p.out_s1 + d * p.out_s2] = static_cast<scalar_t>(valid ? acc[h * D + d] * inv : 0.0f);
+    }
+  }
 }
 
 // Attention of query row `seq` for the `group` query heads that share KV head `kv_head`.
@@ -86,54 +163,28 @@ bool attend_one(const Params<scalar_t>& p, int64_t seq, int64_t kv_head, float* 
   float* kt = vbuf + kTile * D;    // [D, kTile] the tile's K rows transposed (small heads only)
   const float* krows[kTile];  // the tile's K rows as float (in the cache for fp32, else in kbuf)
   const float* vrows[kTile];
+  int64_t slots[kTile];
 
-  scalar_t* out = p.out + seq * p.out_s0 + kv_head * G * p.out_s1;  // out[seq, group heads]
   const int64_t seq_len = p.seq_lens[seq];
   bool ok = true;
   if (seq_len > 0) {
-    const scalar_t* query = p.query + seq * p.q_s0 + kv_head * G * p.q_s1;
-    for (int h = 0; h < G; ++h) {
-      for (int d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(query[h * p.q_s1 + d * p.q_s2]) * p.scale;
-      m[h] = -std::numeric_limits<float>::infinity();
-      l[h] = 0.0f;
-    }
+    load_query(p, seq, kv_head * G, G, D, q, m, l);
     std::fill(acc, acc + G * D, 0.0f);
-
-    const int32_t* table = p.block_tables + seq * p.bt_s0;  // block_tables[seq, :]
-    const int64_t row_stride = p.num_kv_heads * D;           // elements between tokens in a block
-    int64_t logical = 0, offset = 0, base = 0, next_base = -1;  // base: first row of the current block
+    const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens in a block
+    const int64_t col = kv_head * D;                // this KV head's first element in a token's row
+    auto prefetch = [&](int64_t slot) {
+      prefetch_row(p.key_cache + slot * row_stride + col, p.value_cache + slot * row_stride + col, D);
+    };
+    BlockWalker walk = walker_of(p, seq, seq_len);
     for (int64_t t0 = 0; t0 < seq_len && ok; t0 += kTile) {
       const int n = static_cast<int>(std::min<int64_t>(kTile, seq_len - t0));
-      // The tile's K/V rows for this KV head: token t is row t % bs of block block_table[t // bs].
+      ok = walk.next(n, slots, prefetch);  // the tile's K/V rows for this KV head
+      if (!ok) break;
       for (int j = 0; j < n; ++j) {
-        if (offset == 0) {
-          const int64_t block = table[logical * p.bt_s1];
-          if (block < 0 || block >= p.num_blocks) {
-            ok = false;
-            break;
-          }
-          base = block * p.block_size;
-          // The next block lies anywhere in the cache, where no hardware prefetcher looks: request
-          // its rows one per token of this block (all at once would stall on the line-fill buffers).
-          next_base = -1;
-          if ((logical + 1) * p.block_size < seq_len) {
-            const int64_t next = table[(logical + 1) * p.bt_s1];
-            if (next >= 0 && next < p.num_blocks) next_base = next * p.block_size;
-          }
-        }
-        if (next_base >= 0) {
-          const int64_t next_row = (next_base + offset) * row_stride + kv_head * D;
-          prefetch_row(p.key_cache + next_row, p.value_cache + next_row, D);
-        }
-        const int64_t row = (base + offset) * row_stride + kv_head * D;
+        const int64_t row = slots[j] * row_stride + col;
         krows[j] = row_as_float(p.key_cache + row, kbuf + j * D, D);
         vrows[j] = row_as_float(p.value_cache + row, vbuf + j * D, D);
-        if (++offset == p.block_size) {
-          offset = 0;
-          ++logical;
-        }
       }
-      if (!ok) break;
       if constexpr (kHeadSize > 0) {
         score_tile<kHeadSize>(q, G, krows, n, kt, sc);  // sc[h, j] = scale * q[h] . k[j]
       } else {
@@ -153,42 +204,183 @@ bool attend_one(const Params<scalar_t>& p, int64_t seq, int64_t kv_head, float* 
       }
     }
   }
-  const bool valid = seq_len > 0 && ok;  // seq_len 0 (or a bad block) -> zeros
-  for (int h = 0; h < G; ++h) {
-    const float inv = valid ? 1.0f / l[h] : 0.0f;
-    for (int d = 0; d < D; ++d) {
-      out[h * p.out_s1 + d * p.out_s2] = static_cast<scalar_t>(valid ? acc[h * D + d] * inv : 0.0f);
+  store_output(p, seq, kv_head * G, G, D, acc, l, seq_len > 0 && ok);  // seq_len 0 or a bad block -> zeros
+  return ok;
+}
+
+#if defined(__AVX512F__)
+// Small heads (kD = 8 or 16, see attention_small_heads.h): attention of query row `seq` for all query
+// heads of KV heads [kv_begin, kv_end) at once. Scores come from 16 x 16 register transposes of the
+// K rows of those heads (each K element is loaded once, however many heads share it); softmax is
+// attend_one's, per query head, and the V accumulation runs per KV head for all the query heads that
+// share it. Online-softmax steps are tiles of kSmallTile tokens: with 8-16 multiply-adds per token and
+// head, the per-tile bookkeeping (a horizontal max and sum, a rescale) would cost as much as the tile
+// itself at attend_one's kTile.
+constexpr int kSmallTile = 256;     // tokens per online-softmax step
+constexpr int kPrefetchAhead = 2;   // K rows are requested this many 16-token sub-tiles ahead
+alignas(64) constexpr float kZeroRow[small_heads::kColumns] = {};  // stands in for rows past the last token
+
+// Element offset, in a cache, of token j's row of the item (its first KV head), j within a tile.
+struct RunRows {  // block_size a multiple of 16: every 16-token run of a tile lies in one block
+  const int64_t* base;  // [runs] offset of each run's first row
+  int64_t stride;       // elements between consecutive tokens of a block
+  int64_t operator()(int j) const { return base[j >> 4] + (j & 15) * stride; }
+};
+struct SlotRows {  // any block size: one slot per token
+  const int64_t* slots;
+  int64_t stride, col;
+  int64_t operator()(int j) const { return slots[j] * stride + col; }
+};
+
+// One tile of n tokens of attend_small: scores, online softmax, V accumulation. `rows` locates them.
+template <typename scalar_t, int kD, typename Rows>
+void small_tile(const Params<scalar_t>& p, const Rows& rows, int n, int heads, int width, const float* q,
+                float* acc, float* sc, float* m, float* l, float* vbuf) {
+  namespace sh = small_heads;
+  const int G = static_cast<int>(p.group);
+  const scalar_t* zero_row = reinterpret_cast<const scalar_t*>(kZeroRow);
+  // sc[h, j] = scale * q[h] . k[j], 16 tokens by 16 columns (one or two KV heads) at a time
+  for (int sub = 0; sub < n; sub += sh::kTokens) {
+    const int ns = std::min(sh::kTokens, n - sub);
+    const int ahead = sub + kPrefetchAhead * sh::kTokens;
+    for (int j = ahead; j < std::min(n, ahead + sh::kTokens); ++j) {
+      prefetch_span(p.key_cache + rows(j), width * sizeof(scalar_t));
+    }
+    for (int c0 = 0; c0 < width; c0 += sh::kColumns) {
+      const int h0 = c0 / kD * G;  // first query head of the column tile
+      const auto row = [&](int j) { return j < ns ? p.key_cache + rows(sub + j) + c0 : zero_row; };
+      sh::score_column_tile<kD>(row, std::min(sh::kColumns, width - c0), q + h0 * kD, G,
+                                sc + h0 * kSmallTile + sub, kSmallTile);
     }
   }
+  for (int h = 0; h < heads; ++h) {
+    const float alpha = softmax_tile(sc + h * kSmallTile, n, m[h], l[h]);  // scores -> weights
+    float* ah = acc + h * kD;
+#pragma omp simd
+    for (int d = 0; d < kD; ++d) ah[d] *= alpha;
+  }
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    for (int j = 0; j < n; ++j) to_float(p.value_cache + rows(j), vbuf + j * width, width);
+  }
+  for (int k = 0; k < heads / G; ++k) {  // acc[h] += sum_j w[h, j] * v[j, KV head of h]
+    const auto row = [&](int j) -> const float* {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        return p.value_cache + rows(j) + k * kD;
+      } else {
+        return vbuf + j * width + k * kD;
+      }
+    };
+    float* ak = acc + k * G * kD;
+    const float* wk = sc + k * G * kSmallTile;
+    switch (G) {
+      case 1: accumulate_group<kD, 1>(ak, wk, kSmallTile, row, n); break;
+      case 2: accumulate_group<kD, 2>(ak, wk, kSmallTile, row, n); break;
+      case 4: accumulate_group<kD, 4>(ak, wk, kSmallTile, row, n); break;
+      case 8: accumulate_group<kD, 8>(ak, wk, kSmallTile, row, n); break;
+      default:
+        for (int g = 0; g < G; ++g) accumulate_group<kD, 1>(ak + g * kD, wk + g * kSmallTile, kSmallTile, row, n);
+    }
+  }
+}
+
+template <typename scalar_t, int kD>
+bool attend_small(const Params<scalar_t>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, float* scratch) {
+  const int G = static_cast<int>(p.group);
+  const int heads = static_cast<int>(kv_end - kv_begin) * G;   // query heads of this item
+  const int width = static_cast<int>(kv_end - kv_begin) * kD;  // elements of a token row for them
+  float* q = scratch;                  // [heads, kD] scaled query
+  float* acc = q + heads * kD;         // [heads, kD] un-normalised output
+  float* sc = acc + heads * kD;        // [heads, kSmallTile] scores, then weights, of the current tile
+  float* m = sc + heads * kSmallTile;  // [heads] running max of the scores
+  float* l = m + heads;                // [heads] running sum of exp(score - m)
+  float* vbuf = l + heads;             // [kSmallTile, width] the tile's V rows as float (not for fp32)
+  int64_t slots[kSmallTile];           // token slots (or, with RunRows, 16-token run offsets)
+
+  const int64_t seq_len = p.seq_lens[seq];
+  bool ok = true;
+  if (seq_len > 0) {
+    load_query(p, seq, kv_begin * G, heads, kD, q, m, l);
+    std::fill(acc, acc + heads * kD, 0.0f);
+    const int64_t row_stride = p.num_kv_heads * kD;
+    const int64_t col = kv_begin * kD;
+    const int32_t* table = p.block_tables + seq * p.bt_s0;
+    BlockWalker walk = walker_of(p, seq, seq_len);
+    for (int64_t t0 = 0; t0 < seq_len && ok; t0 += kSmallTile) {
+      const int n = static_cast<int>(std::min<int64_t>(kSmallTile, seq_len - t0));
+      if (p.block_size % small_heads::kTokens == 0) {
+        for (int r = 0; r * small_heads::kTokens < n; ++r) {
+          const int64_t token = t0 + r * small_heads::kTokens;
+          const int64_t block = table[token / p.block_size * p.bt_s1];
+          if (block < 0 || block >= p.num_blocks) {
+            ok = false;
+            break;
+          }
+          slots[r] = (block * p.block_size + token % p.block_size) * row_stride + col;
+        }
+        if (ok) small_tile<scalar_t, kD>(p, RunRows{slots, row_stride}, n, heads, width, q, acc, sc, m, l, vbuf);
+      } else {
+        ok = walk.next(n, slots, [](int64_t) {});
+        if (ok) small_tile<scalar_t, kD>(p, SlotRows{slots, row_stride, col}, n, heads, width, q, acc, sc, m, l, vbuf);
+      }
+    }
+  }
+  store_output(p, seq, kv_begin * G, heads, kD, acc, l, seq_len > 0 && ok);
   return ok;
+}
+#endif
+
+// Runs body(item, scratch) for items [0, num_items) on the OpenMP team: at most one thread per
+// kMinWorkPerThread multiply-adds (a small call is done before a team of threads would have woken up,
+// and on a loaded machine waiting for a second core costs far more), dynamic chunks of consecutive
+// items. Throws if any item reported a block outside the cache.
+template <typename Body>
+void run_items(int64_t num_items, int num_threads, int64_t scratch_per_thread, int64_t num_blocks,
+               const Body& body) {
+  const int64_t chunk = std::max<int64_t>(1, num_items / (num_threads * 16));
+  std::vector<float> scratch(scratch_per_thread * num_threads);
+  std::atomic<int64_t> bad_item{-1};
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* my_scratch = scratch.data() + omp_get_thread_num() * scratch_per_thread;
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t item = 0; item < num_items; ++item) {
+      if (!body(item, my_scratch)) bad_item.store(item);
+    }
+  }
+  TORCH_CHECK(bad_item.load() < 0, "paged_attention: a block table names a block outside the cache (",
+              num_blocks, " blocks)");
 }
 
 template <typename scalar_t, int kHeadSize>
 void attend_all(const Params<scalar_t>& p, int64_t work) {
-  const int64_t num_items = p.num_seqs * p.num_kv_heads;  // item = seq * num_kv_heads + kv_head
-  // One thread per kMinWorkPerThread multiply-adds at most: a small call is done before a team of
-  // threads would have woken up (and on a loaded machine, waiting for a second core costs far more).
   constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
-  const int num_threads = static_cast<int>(std::clamp<int64_t>(
-      std::min<int64_t>(work / kMinWorkPerThread, num_items), 1, std::max(1, at::get_num_threads())));
-  const int64_t chunk = std::max<int64_t>(1, num_items / (num_threads * 16));
-  const int64_t per_thread = scratch_floats(p.group, p.head_size);
-  std::vector<float> scratch(per_thread * num_threads);
-  std::atomic<int64_t> bad_seq{-1};
-
-#pragma omp parallel num_threads(num_threads)
-  {
-    const int tid = omp_get_thread_num();
-    float* my_scratch = scratch.data() + tid * per_thread;
-#pragma omp for schedule(dynamic, chunk)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t seq = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
-      if (!attend_one<scalar_t, kHeadSize>(p, seq, kv_head, my_scratch)) bad_seq.store(seq);
-    }
+  const auto threads_for = [&](int64_t num_items) {
+    return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(work / kMinWorkPerThread, num_items), 1,
+                                                std::max(1, at::get_num_threads())));
+  };
+#if defined(__AVX512F__)
+  if constexpr (kHeadSize == 8 || kHeadSize == 16) {
+    // One item per row and group of KV heads: all KV heads of the row, unless there are too few rows
+    // to share out, then the KV heads of one column tile (16 floats of a token row).
+    const int64_t tile_heads = small_heads::kColumns / kHeadSize;
+    const int64_t per_item =
+        p.num_seqs >= 8 * threads_for(p.num_seqs) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
+    const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
+    const int64_t heads = per_item * p.group, width = per_item * kHeadSize;
+    const int64_t scratch = (2 * heads * kHeadSize + heads * kSmallTile + 2 * heads + kSmallTile * width + 15) / 16 * 16;
+    run_items(p.num_seqs * chunks, threads_for(p.num_seqs * chunks), scratch, p.num_blocks,
+              [&](int64_t item, float* s) {
+                const int64_t seq = item / chunks, kv_begin = item % chunks * per_item;
+                return attend_small<scalar_t, kHeadSize>(p, seq, kv_begin, std::min(kv_begin + per_item, p.num_kv_heads), s);
+              });
+    return;
   }
-  const int64_t bad = bad_seq.load();
-  TORCH_CHECK(bad < 0, "paged_attention: block_tables[", bad, "] names a block outside the cache (",
-              p.num_blocks, " blocks)");
+#endif
+  const int64_t num_items = p.num_seqs * p.num_kv_heads;  // item = seq * num_kv_heads + kv_head
+  run_items(num_items, threads_for(num_items), scratch_floats(p.group, p.head_size), p.num_blocks,
+            [&](int64_t item, float* s) {
+              return attend_one<scalar_t, kHeadSize>(p, item / p.num_kv_heads, item % p.num_kv_heads, s);
+            });
 }
 
 template <typename scalar_t>

@@ -18,7 +18,7 @@
 #include <cstring>
 #include <limits>
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -116,6 +116,28 @@ inline float hmax(const Vec<W>& v) {  // max of the lanes, as a tree like hsum
   }
 }
 
+// exp_approx of each lane. With AVX-512 the same range reduction and polynomial, 2^n applied by
+// vscalefps (no integer detour, and inputs below -104 come out as 0); NaN stays NaN.
+inline Vec<kLanes> exp_lanes(Vec<kLanes> x) {
+#if defined(__AVX512F__)
+  __m512 v = _mm512_max_ps(_mm512_set1_ps(-104.0f), reinterpret_cast<__m512&>(x));  // NaN: second operand
+  v = _mm512_min_ps(_mm512_set1_ps(88.0f), v);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  const __m512 e = _mm512_scalef_ps(p, n);
+  return reinterpret_cast<const Vec<kLanes>&>(e);
+#else
+  for (int i = 0; i < kLanes; ++i) x[i] = exp_approx(x[i]);
+  return x;
+#endif
+}
+
 // Registers' worth of lanes that hold the n valid tokens of a tile.
 inline int tile_registers(int n) { return (n + kLanes - 1) / kLanes; }
 
@@ -135,10 +157,9 @@ inline float softmax_tile(float* s, int n, float& m, float& l) {
   const float alpha = exp_approx(m - m_new);  // 0 on the first tile (m = -inf)
   Vec<kLanes> sum = {};
   for (int t = 0; t < nv; ++t) {
-    float* st = s + t * kLanes;
-#pragma omp simd
-    for (int i = 0; i < kLanes; ++i) st[i] = exp_approx(st[i] - m_new);
-    sum += load<kLanes>(st);
+    const Vec<kLanes> w = exp_lanes(load<kLanes>(s + t * kLanes) - m_new);
+    store<kLanes>(s + t * kLanes, w);
+    sum += w;
   }
   l = l * alpha + hsum<kLanes>(sum);
   m = m_new;
@@ -206,26 +227,61 @@ inline void score_tile(const float* q, int G, const float* const* k, int n, floa
   }
 }
 
-// acc[0:kD] += sum_j w[j] * v[j] over the n rows of a tile. Partial sums in registers: U independent
-// chains of NV registers each, so that consecutive FMAs do not wait on each other.
+// acc[0:kD] += sum_j w[j] * v[j][col : col + kD] over the n rows of a tile. Partial sums in registers:
+// U independent chains of NV registers each, so that consecutive FMAs do not wait on each other.
 template <int kD>
-inline void accumulate_tile(float* acc, const float* w, const float* const* v, int n) {
+inline void accumulate_tile(float* acc, const float* w, const float* const* v, int n, int64_t col = 0) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   constexpr int U = NV >= 4 ? 1 : 4 / NV;
   Vec<W> a[U][NV] = {};
   int j = 0;
   for (; j + U <= n; j += U) {
     for (int u = 0; u < U; ++u) {
-      for (int i = 0; i < NV; ++i) a[u][i] += w[j + u] * load<W>(v[j + u] + i * W);
+      for (int i = 0; i < NV; ++i) a[u][i] += w[j + u] * load<W>(v[j + u] + col + i * W);
     }
   }
   for (; j < n; ++j) {
-    for (int i = 0; i < NV; ++i) a[0][i] += w[j] * load<W>(v[j] + i * W);
+    for (int i = 0; i < NV; ++i) a[0][i] += w[j] * load<W>(v[j] + col + i * W);
   }
   for (int i = 0; i < NV; ++i) {
     Vec<W> sum = load<W>(acc + i * W);
     for (int u = 0; u < U; ++u) sum += a[u][i];
     store<W>(acc + i * W, sum);
+  }
+}
+
+// acc[g, 0:kD] += sum_j w[g, j] * row(j)[0:kD] for the kG query heads of one KV head (rows of w are
+// w_stride floats apart; row(j) is token j's V row of that head, as float): each V row is loaded once
+// for the whole group. U tokens in flight, so that the kG * NV * U accumulator registers form
+// independent chains.
+template <int kD, int kG, typename Row>
+inline void accumulate_group(float* acc, const float* w, int64_t w_stride, const Row& row, int n) {
+  constexpr int W = head_lanes<kD>(), NV = kD / W;
+  constexpr int U = kG * NV >= 8 ? 1 : 8 / (kG * NV);
+  Vec<W> a[U][kG][NV] = {};
+  int j = 0;
+  for (; j + U <= n; j += U) {
+    for (int u = 0; u < U; ++u) {
+      const float* vj = row(j + u);
+      for (int i = 0; i < NV; ++i) {
+        const Vec<W> x = load<W>(vj + i * W);
+        for (int g = 0; g < kG; ++g) a[u][g][i] += w[g * w_stride + j + u] * x;
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const float* vj = row(j);
+    for (int i = 0; i < NV; ++i) {
+      const Vec<W> x = load<W>(vj + i * W);
+      for (int g = 0; g < kG; ++g) a[0][g][i] += w[g * w_stride + j] * x;
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    for (int i = 0; i < NV; ++i) {
+      Vec<W> sum = load<W>(acc + g * kD + i * W);
+      for (int u = 0; u < U; ++u) sum += a[u][g][i];
+      store<W>(acc + g * kD + i * W, sum);
+    }
   }
 }
 
