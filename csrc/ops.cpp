@@ -25,6 +25,18 @@ TORCH_LIBRARY(pagedgen, m) {
   // Copy whole blocks between two caches of the same shape on different devices (swap out / in):
   // block_mapping [num_pairs, 2] int64 (src block in src, dst block in dst).
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+
+  // The model's small per-token layers, fused (one pass over the rows instead of several ATen ops).
+  // CPU kernels only: on other devices pagedgen/ops runs their PyTorch reference.
+  // RMSNorm of input [num_tokens, hidden] into out, as transformers' LlamaRMSNorm.
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
+  // residual += input, then input = RMSNorm(residual): the residual add before a norm.
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
+  // Rotary position embedding (rotate-half) of query [num_tokens, num_heads, head_size] and key
+  // [num_tokens, num_kv_heads, head_size] in place; cos, sin: [max_positions, head_size] float32.
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+  // out [num_tokens, d] = silu(input[:, :d]) * input[:, d:].
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
 }
 
 // A bare module init so that `import pagedgen._C` loads the library (and runs the registrations).

@@ -2,7 +2,10 @@
 
 Numerics follow transformers' ``modeling_llama`` (RMSNorm in float32, rotate-half RoPE with cos/sin
 computed in float32, SwiGLU MLP) so that greedy output matches it token for token. q/k/v and
-gate/up projections are fused into one matmul each (fewer, larger matmuls per step).
+gate/up projections are fused into one matmul each (fewer, larger matmuls per step), and the small
+per-token layers are one op each (``pagedgen.ops``: rms_norm, fused_add_rms_norm for the residual add
+and the norm after it, rotary_embedding in place on the q/k views, silu_and_mul): one pass over the
+rows instead of up to ten ATen ops, which matters when a step is a few hundred tokens of a small model.
 
 One step's batch is flat: T tokens from many sequences, prefill chunks and decode tokens mixed.
 Attention for every token goes through the paged kernels: the new keys/values are first written
@@ -103,18 +106,6 @@ class LlamaForCausalLM:
         self.sin = sin.to(self.device)
         self.scale = config.head_dim**-0.5
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as transformers' LlamaRMSNorm: statistics in float32, weight applied in the model dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * h.to(x.dtype)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim] in x's dtype
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
     @torch.inference_mode()
     def forward(
         self,
@@ -128,23 +119,29 @@ class LlamaForCausalLM:
         cfg = self.config
         T = input_ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        dt = cfg.dtype
-        cos = self.cos[positions].to(dt).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(dt).unsqueeze(1)
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        attn_out = torch.empty(T, H, D, dtype=dt, device=self.device)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = self._rms_norm(x, layer["input_norm"])
+        eps = cfg.rms_norm_eps
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], the residual stream
+        h = torch.empty_like(x)  # [T, hidden], the normalised input of the next sublayer
+        ops.rms_norm(h, x, self.layers[0]["input_norm"], eps)
+        attn_out = torch.empty(T, H, D, dtype=cfg.dtype, device=self.device)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = F.linear(h, layer["qkv"])  # [T, (H + 2 Hkv) D]
-            qk = self._rope(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H + Hkv, D], one pass
-            q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D] (views)
+            q = qkv[:, : H * D].view(T, H, D)  # views into qkv
+            k = qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D)
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+            ops.rotary_embedding(positions, q, k, self.cos, self.sin)  # in place
             ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
             ops.paged_attention(attn_out, q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
-            x = x + F.linear(attn_out.view(T, H * D), layer["o"])
-            h = self._rms_norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
-        x = x[logits_indices]  # [S, hidden]
-        x = self._rms_norm(x, self.norm)
-        return F.linear(x, self.lm_head).float()  # [S, vocab]
+            h = F.linear(attn_out.view(T, H * D), layer["o"])  # [T, hidden]
+            ops.fused_add_rms_norm(h, x, layer["post_norm"], eps)  # x += h; h = norm(x)
+            gate_up = F.linear(h, layer["gate_up"])  # [T, 2 intermediate]
+            act = torch.empty(T, gate_up.shape[1] // 2, dtype=cfg.dtype, device=self.device)
+            ops.silu_and_mul(act, gate_up)  # [T, intermediate]
+            h = F.linear(act, layer["down"])  # [T, hidden]
+            if i + 1 < len(self.layers):
+                ops.fused_add_rms_norm(h, x, self.layers[i + 1]["input_norm"], eps)  # x += h; h = norm(x)
+            else:
+                x = x[logits_indices] + h[logits_indices]  # [S, hidden]: only the rows that are sampled
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, self.norm, eps)
+        return F.linear(out, self.lm_head).float()  # [S, vocab]

@@ -1,6 +1,10 @@
 """The one door to pagedgen's ops: torch.ops.pagedgen.* from the compiled extension when it is built
 and has a kernel for the tensors' device, otherwise the PyTorch reference in ``reference.py``
 (with one warning). See csrc/ops.cpp for the schemas and layouts.
+
+The model's fused small layers (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
+``silu_and_mul``) have CPU kernels only; elsewhere their reference, which is transformers' own
+sequence of PyTorch ops, is the implementation (no warning).
 """
 import functools
 import importlib
@@ -19,9 +23,12 @@ except ImportError as exc:  # the extension was not built
 if _IMPORT_ERROR is None:
     fake.register_fakes()  # FakeTensor / torch.compile / opcheck support of the ops just loaded
 
-__all__ = ["extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks"]
+__all__ = [
+    "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks",
+    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+]
 
-_OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")
+_OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
 
 def extension_available(device: str = "cpu") -> bool:
     """True when pagedgen._C is loaded and has kernels for ``device`` ("cpu" or "cuda")."""
@@ -55,6 +62,14 @@ def _impl(name: str, device_type: str):
     return getattr(reference, name)
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_impl(name: str, device_type: str):
+    key = "CUDA" if device_type == "cuda" else "CPU"
+    if _IMPORT_ERROR is None and torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedgen::{name}", key):
+        return getattr(torch.ops.pagedgen, name)
+    return getattr(reference, name)
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """See :func:`pagedgen.ops.reference.reshape_and_cache`."""
     _impl("reshape_and_cache", key_cache.device.type)(key, value, key_cache, value_cache, slot_mapping)
@@ -74,3 +89,23 @@ def swap_blocks(src, dst, block_mapping) -> None:
     """See :func:`pagedgen.ops.reference.swap_blocks`. Dispatches on the GPU side when there is one."""
     device_type = "cuda" if "cuda" in (src.device.type, dst.device.type) else "cpu"
     _impl("swap_blocks", device_type)(src, dst, block_mapping)
+
+
+def rms_norm(out, input, weight, epsilon: float) -> None:
+    """See :func:`pagedgen.ops.reference.rms_norm`."""
+    _fused_impl("rms_norm", input.device.type)(out, input, weight, epsilon)
+
+
+def fused_add_rms_norm(input, residual, weight, epsilon: float) -> None:
+    """See :func:`pagedgen.ops.reference.fused_add_rms_norm`."""
+    _fused_impl("fused_add_rms_norm", input.device.type)(input, residual, weight, epsilon)
+
+
+def rotary_embedding(positions, query, key, cos, sin) -> None:
+    """See :func:`pagedgen.ops.reference.rotary_embedding`."""
+    _fused_impl("rotary_embedding", query.device.type)(positions, query, key, cos, sin)
+
+
+def silu_and_mul(out, input) -> None:
+    """See :func:`pagedgen.ops.reference.silu_and_mul`."""
+    _fused_impl("silu_and_mul", input.device.type)(out, input)

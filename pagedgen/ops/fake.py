@@ -33,11 +33,31 @@ def _swap_blocks(src, dst, block_mapping) -> None:
     torch._check(src.shape[1:] == dst.shape[1:], lambda: f"src {src.shape} and dst {dst.shape} blocks differ")
 
 
+def _rms_norm(out, input, weight, epsilon) -> None:
+    torch._check(out.shape == input.shape, lambda: f"out {out.shape} and input {input.shape} differ")
+
+
+def _fused_add_rms_norm(input, residual, weight, epsilon) -> None:
+    torch._check(residual.shape == input.shape, lambda: f"residual {residual.shape} and input {input.shape} differ")
+
+
+def _rotary_embedding(positions, query, key, cos, sin) -> None:
+    torch._check(query.shape[-1] == cos.shape[-1], lambda: f"query {query.shape} does not fit cos {cos.shape}")
+
+
+def _silu_and_mul(out, input) -> None:
+    torch._check(input.shape[-1] == 2 * out.shape[-1], lambda: f"input {input.shape} does not fit out {out.shape}")
+
+
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
     "copy_blocks": _copy_blocks,
     "swap_blocks": _swap_blocks,
+    "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
+    "rotary_embedding": _rotary_embedding,
+    "silu_and_mul": _silu_and_mul,
 }
 
 

@@ -77,3 +77,62 @@ def swap_blocks(
     """Copy whole blocks between two caches, typically GPU <-> pinned CPU memory (swap preemption)."""
     for s, d in block_mapping.tolist():
         dst[d].copy_(src[s])
+
+
+# ----- the model's small per-token layers (fused into one kernel each on the CPU) -------------------
+# These follow transformers' modeling_llama step by step (same dtypes, same rounding points), so that
+# the model run through them gives transformers' logits.
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    # LlamaRMSNorm: statistics in float32, the weight applied in the model dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + epsilon)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm(
+    out: torch.Tensor,  # [num_tokens, hidden], written in place
+    input: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    epsilon: float,
+) -> None:
+    """out = RMSNorm(input) as transformers' LlamaRMSNorm (Zhang & Sennrich 2019)."""
+    out.copy_(_rms_norm(input, weight, epsilon))
+
+
+def fused_add_rms_norm(
+    input: torch.Tensor,  # [num_tokens, hidden], overwritten with the norm
+    residual: torch.Tensor,  # [num_tokens, hidden], overwritten with residual + input
+    weight: torch.Tensor,  # [hidden]
+    epsilon: float,
+) -> None:
+    """residual += input (in the model dtype), then input = RMSNorm(residual)."""
+    residual.add_(input)
+    input.copy_(_rms_norm(residual, weight, epsilon))
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], rotated in place
+    cos: torch.Tensor,  # [max_positions, head_size] float32
+    sin: torch.Tensor,  # [max_positions, head_size] float32
+) -> None:
+    """Rotary position embedding in transformers' rotate-half form: x * cos + rotate_half(x) * sin,
+    cos and sin taken at each token's position and converted to the model dtype first."""
+    c = cos[positions].to(query.dtype).unsqueeze(1)  # [num_tokens, 1, head_size]
+    s = sin[positions].to(query.dtype).unsqueeze(1)
+    for x in (query, key):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * c + rotated * s)
+
+
+def silu_and_mul(
+    out: torch.Tensor,  # [num_tokens, d], written in place
+    input: torch.Tensor,  # [num_tokens, 2 * d]: gate, then up
+) -> None:
+    """out = silu(gate) * up, Llama's SwiGLU (Shazeer 2020) as transformers computes it."""
+    gate, up = input.chunk(2, dim=-1)
+    torch.mul(torch.nn.functional.silu(gate), up, out=out)
