@@ -99,8 +99,14 @@ class LlamaForCausalLM:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = take("lm_head.weight")  # [vocab, hidden]
-        self.cos = cos.to(self.device)  # [max_positions, head_dim] float32
-        self.sin = sin.to(self.device)
+        # RoPE as x * cos + roll(x, head_dim / 2) * sin_signed: transformers' rotate_half(x) * sin with
+        # the sign moved into the table (negation is exact, so the result is bitwise the same)
+        half = config.head_dim // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        # [max_positions, 2, head_dim] in the model dtype: cos, then sin_signed, gathered once per step
+        self.cos_sin = torch.stack((cos, sin_signed), dim=1).to(device=self.device, dtype=dt)
+        # the permutation of the last dim that swaps its halves (what roll by head_dim / 2 does)
+        self.rotate_index = torch.cat((torch.arange(half, config.head_dim), torch.arange(half))).to(self.device)
         self.scale = config.head_dim**-0.5
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -109,11 +115,9 @@ class LlamaForCausalLM:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * h.to(x.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim] in x's dtype
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_dim]; cos, sin_signed: [T, 1, head_dim] in x's dtype
+        return x * cos + x.index_select(-1, self.rotate_index) * sin_signed
 
     @torch.inference_mode()
     def forward(
@@ -129,14 +133,14 @@ class LlamaForCausalLM:
         T = input_ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt = cfg.dtype
-        cos = self.cos[positions].to(dt).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(dt).unsqueeze(1)
+        cos_sin = self.cos_sin.index_select(0, positions)  # [T, 2, D]
+        cos, sin_signed = cos_sin[:, :1], cos_sin[:, 1:]  # [T, 1, D] each
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         attn_out = torch.empty(T, H, D, dtype=dt, device=self.device)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms_norm(x, layer["input_norm"])
             qkv = F.linear(h, layer["qkv"])  # [T, (H + 2 Hkv) D]
-            qk = self._rope(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H + Hkv, D], one pass
+            qk = self._rope(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin_signed)  # [T, H + Hkv, D], one pass
             q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D] (views)
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
             ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
@@ -144,7 +148,7 @@ class LlamaForCausalLM:
             x = x + F.linear(attn_out.view(T, H * D), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = x + F.linear(F.silu(gate).mul_(up), layer["down"])
         x = x[logits_indices]  # [S, hidden]
         x = self._rms_norm(x, self.norm)
         return F.linear(x, self.lm_head).float()  # [S, vocab]
