@@ -230,12 +230,15 @@ class BlockManager:
         ``num_tokens`` in all) fit its last block and that block is not shared, record them and
         return True; otherwise change nothing and return False."""
         table = self._tables.get(seq_id)
+        if not table:
+            return False
         old = self._num_tokens.get(seq_id, 0)
         bs = self.block_size
-        if not table or old % bs == 0 or not old <= num_tokens <= len(table) * bs or self._ref_counts[table[-1]] != 1:
+        last = table[-1]
+        if old % bs == 0 or not old <= num_tokens <= len(table) * bs or self._ref_counts[last] != 1:
             return False
         self._used_slots += num_tokens - old
-        self._filled[table[-1]] = num_tokens - (len(table) - 1) * bs
+        self._filled[last] = num_tokens - (len(table) - 1) * bs
         self._num_tokens[seq_id] = num_tokens
         if self.enable_prefix_caching and token_ids is not None and num_tokens % bs == 0:
             self._name_full_blocks(seq_id, num_tokens, token_ids)
