@@ -157,10 +157,10 @@ class BlockManager:
     def blocks_needed(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> int:
         """Free blocks that ``allocate(seq_id, num_tokens, ..., prefix_blocks)`` would take."""
         table = self._tables.get(seq_id, [])
-        have = len(table) + len(prefix_blocks)
-        needed = max(0, cdiv(num_tokens, self.block_size) - have)
-        needed += sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)  # revived from the free queue
-        if self._needs_copy(seq_id, num_tokens):
+        needed = max(0, cdiv(num_tokens, self.block_size) - len(table) - len(prefix_blocks))
+        if prefix_blocks:
+            needed += sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)  # revived from the free queue
+        if table and self._needs_copy(seq_id, num_tokens):
             needed += 1
         return needed
 
@@ -187,7 +187,7 @@ class BlockManager:
         the last block is shared and partly filled. Raises NoFreeBlocksError (changing nothing)
         when the pool is too small.
         """
-        old = self.num_tokens(seq_id)
+        old = self._num_tokens.get(seq_id, 0)
         if num_tokens < old:
             raise ValueError(f"sequence {seq_id} cannot shrink from {old} to {num_tokens} tokens")
         if not prefix_blocks and self.append_in_place(seq_id, num_tokens, token_ids):
@@ -213,10 +213,11 @@ class BlockManager:
             table[-1] = dst
             self._pending_copies.append((src, dst))
             self.num_copies += 1
-        while len(table) < cdiv(num_tokens, bs):
+        num_blocks = cdiv(num_tokens, bs)
+        while len(table) < num_blocks:
             table.append(self._new_block())
         self._logical_blocks += len(table) - before
-        for i in range(old // bs, cdiv(num_tokens, bs)):  # slots that now hold tokens
+        for i in range(old // bs, num_blocks):  # slots that now hold tokens
             block, fill = table[i], min(bs, num_tokens - i * bs)
             if fill > self._filled[block]:
                 self._used_slots += fill - self._filled[block]
@@ -230,12 +231,15 @@ class BlockManager:
         ``num_tokens`` in all) fit its last block and that block is not shared, record them and
         return True; otherwise change nothing and return False."""
         table = self._tables.get(seq_id)
+        if not table:
+            return False
         old = self._num_tokens.get(seq_id, 0)
         bs = self.block_size
-        if not table or old % bs == 0 or not old <= num_tokens <= len(table) * bs or self._ref_counts[table[-1]] != 1:
+        last = table[-1]
+        if old % bs == 0 or not old <= num_tokens <= len(table) * bs or self._ref_counts[last] != 1:
             return False
         self._used_slots += num_tokens - old
-        self._filled[table[-1]] = num_tokens - (len(table) - 1) * bs
+        self._filled[last] = num_tokens - (len(table) - 1) * bs
         self._num_tokens[seq_id] = num_tokens
         if self.enable_prefix_caching and token_ids is not None and num_tokens % bs == 0:
             self._name_full_blocks(seq_id, num_tokens, token_ids)

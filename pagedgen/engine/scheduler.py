@@ -99,20 +99,23 @@ class Scheduler:
         bm = self.block_manager
 
         # 1. Running sequences, oldest first: a decode token each, or the next prefill chunk.
+        running = self.running
+        append_in_place = bm.append_in_place
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            token_ids = seq.token_ids
+            n = min(len(token_ids) - seq.num_computed_tokens, budget)
             if n == 0:  # nothing to compute (a beam waiting for its group)
                 i += 1
                 continue
-            if bm.append_in_place(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids):  # fits the last block
+            if append_in_place(seq.seq_id, seq.num_computed_tokens + n, token_ids):  # fits the last block
                 self._add(seq, n, out)
                 budget -= n
                 i += 1
                 continue
             while not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
-                victim = self.running.pop()  # the newest
+                victim = running.pop()  # the newest
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -183,7 +186,7 @@ class Scheduler:
         """Add a sequence whose slots are allocated to the step, and count its tokens."""
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
-        if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1:
+        if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == len(seq.token_ids) - 1:
             self.stats.num_decode_tokens += 1
         else:
             self.stats.num_prefill_tokens += n

@@ -112,17 +112,20 @@ class Sequence:
 
     def append_token(self, token_id: int) -> bool:
         """Add a sampled token and decide whether the sequence ends here. Returns True if it does."""
-        self.token_ids.append(token_id)
+        token_ids = self.token_ids
+        token_ids.append(token_id)
+        num_output_tokens = len(token_ids) - self.num_prompt_tokens
         params = self.sampling_params
         detok = self.detokenizer
-        if self.num_output_tokens >= params.min_tokens:
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return self._finish("stop", None, token_id)
             if token_id in params.stop_token_ids:
                 return self._finish("stop", token_id, token_id)
         if detok is not None and detok.append(token_id) is not None:
             return self._finish("stop", detok.stop_reason)
-        if (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens) or self.num_tokens >= self.max_model_len:
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and num_output_tokens >= max_tokens) or len(token_ids) >= self.max_model_len:
             return self._finish("length", None)
         return False
 
