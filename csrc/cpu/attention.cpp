@@ -232,25 +232,45 @@ struct SlotRows {  // any block size: one slot per token
   int64_t operator()(int j) const { return slots[j] * stride + col; }
 };
 
+// Requests the cache lines of [p, p + bytes) into `Hint`'s level.
+template <int Hint = _MM_HINT_T0>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), static_cast<_mm_hint>(Hint));
+  }
+}
+
 // One tile of n tokens of attend_small: scores, online softmax, V accumulation. `rows` locates them.
 template <typename scalar_t, int kD, typename Rows>
 void small_tile(const Params<scalar_t>& p, const Rows& rows, int n, int heads, int width, const float* q,
                 float* acc, float* sc, float* m, float* l, float* vbuf) {
   namespace sh = small_heads;
   const int G = static_cast<int>(p.group);
-  const scalar_t* zero_row = reinterpret_cast<const scalar_t*>(kZeroRow);
+  const int64_t row_bytes = width * sizeof(scalar_t);
+  const scalar_t* krow[sh::kTokens];  // the current 16 tokens' K rows
+  const float* vrow[kSmallTile];      // the tile's V rows as float
+  for (int j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      vrow[j] = p.value_cache + rows(j);
+    } else {
+      vrow[j] = vbuf + j * width;
+    }
+  }
   // sc[h, j] = scale * q[h] . k[j], 16 tokens by 16 columns (one or two KV heads) at a time
   for (int sub = 0; sub < n; sub += sh::kTokens) {
     const int ns = std::min(sh::kTokens, n - sub);
+    // K rows of a later sub-tile into L1; this sub-tile's V rows (read after the tile's softmax) into L2
     const int ahead = sub + kPrefetchAhead * sh::kTokens;
-    for (int j = ahead; j < std::min(n, ahead + sh::kTokens); ++j) {
-      prefetch_span(p.key_cache + rows(j), width * sizeof(scalar_t));
-    }
+    for (int j = ahead; j < std::min(n, ahead + sh::kTokens); ++j) prefetch_lines(p.key_cache + rows(j), row_bytes);
+    for (int j = sub; j < sub + ns; ++j) prefetch_lines<_MM_HINT_T1>(p.value_cache + rows(j), row_bytes);
+    for (int j = 0; j < ns; ++j) krow[j] = p.key_cache + rows(sub + j);
+    const scalar_t* zero_row = reinterpret_cast<const scalar_t*>(kZeroRow);
     for (int c0 = 0; c0 < width; c0 += sh::kColumns) {
       const int h0 = c0 / kD * G;  // first query head of the column tile
-      const auto row = [&](int j) { return j < ns ? p.key_cache + rows(sub + j) + c0 : zero_row; };
-      sh::score_column_tile<kD>(row, std::min(sh::kColumns, width - c0), q + h0 * kD, G,
-                                sc + h0 * kSmallTile + sub, kSmallTile);
+      sh::score_column_tile<kD>([&](int j) { return j < ns ? krow[j] + c0 : zero_row; },
+                                std::min(sh::kColumns, width - c0), q + h0 * kD, G, sc + h0 * kSmallTile + sub,
+                                kSmallTile);
     }
   }
   for (int h = 0; h < heads; ++h) {
@@ -263,13 +283,7 @@ void small_tile(const Params<scalar_t>& p, const Rows& rows, int n, int heads, i
     for (int j = 0; j < n; ++j) to_float(p.value_cache + rows(j), vbuf + j * width, width);
   }
   for (int k = 0; k < heads / G; ++k) {  // acc[h] += sum_j w[h, j] * v[j, KV head of h]
-    const auto row = [&](int j) -> const float* {
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        return p.value_cache + rows(j) + k * kD;
-      } else {
-        return vbuf + j * width + k * kD;
-      }
-    };
+    const auto row = [&](int j) { return vrow[j] + k * kD; };
     float* ak = acc + k * G * kD;
     const float* wk = sc + k * G * kSmallTile;
     switch (G) {
