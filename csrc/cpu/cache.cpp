@@ -94,10 +94,16 @@ void reshape_and_cache_cpu(const at::Tensor& key,       // [num_tokens, num_kv_h
   char* k_dst = static_cast<char*>(key_cache.data_ptr());
   char* v_dst = static_cast<char*>(value_cache.data_ptr());
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const bool heads_contiguous = ks1 == head_size && vs1 == head_size;
   at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding
+      if (heads_contiguous) {  // the token's heads are one run in key and value: one copy each
+        std::memcpy(k_dst + slot * slot_elems * elem, k_src + i * ks0 * elem, slot_elems * elem);
+        std::memcpy(v_dst + slot * slot_elems * elem, v_src + i * vs0 * elem, slot_elems * elem);
+        continue;
+      }
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t dst = (slot * slot_elems + h * head_size) * elem;
         std::memcpy(k_dst + dst, k_src + (i * ks0 + h * ks1) * elem, row_bytes);

@@ -13,23 +13,26 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedgen::cpu {
 namespace {
 
-constexpr int64_t kMaxHeadSize = 1024;
-
-// x: one head's row [D] (contiguous), rotated in place; c, s: the position's cos and sin rows [D].
-template <typename scalar_t>
-inline void rotate_head(scalar_t* x, const float* c, const float* s, int64_t D) {
-  scalar_t in[kMaxHeadSize];
-  for (int64_t i = 0; i < D; ++i) in[i] = x[i];
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < D; ++i) {
-    const scalar_t rot = i < half ? static_cast<scalar_t>(-static_cast<float>(in[i + half])) : in[i - half];
-    const scalar_t a = static_cast<scalar_t>(static_cast<float>(in[i]) * static_cast<float>(static_cast<scalar_t>(c[i])));
-    const scalar_t b = static_cast<scalar_t>(static_cast<float>(rot) * static_cast<float>(static_cast<scalar_t>(s[i])));
-    x[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+// x: one head's row [2 * half] (contiguous), rotated in place; c, s: the position's cos and sin rows.
+// kHalf > 0: half known at compile time (the loop is then one or a few whole vectors).
+template <typename scalar_t, int kHalf = 0>
+inline void rotate_head(scalar_t* x, const float* c, const float* s, int64_t runtime_half) {
+  const int64_t half = kHalf > 0 ? kHalf : runtime_half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    // rotate_half(x) = (-x2, x1); negation is exact, so (-x2) * s == -(x2 * s) bitwise
+    const scalar_t a1 = static_cast<scalar_t>(x1 * static_cast<float>(static_cast<scalar_t>(c[i])));
+    const scalar_t b1 = static_cast<scalar_t>(-x2 * static_cast<float>(static_cast<scalar_t>(s[i])));
+    const scalar_t a2 = static_cast<scalar_t>(x2 * static_cast<float>(static_cast<scalar_t>(c[i + half])));
+    const scalar_t b2 = static_cast<scalar_t>(x1 * static_cast<float>(static_cast<scalar_t>(s[i + half])));
+    x[i] = static_cast<scalar_t>(static_cast<float>(a1) + static_cast<float>(b1));
+    x[i + half] = static_cast<scalar_t>(static_cast<float>(a2) + static_cast<float>(b2));
   }
 }
 
@@ -55,8 +58,7 @@ void rotary_embedding_cpu(const at::Tensor& positions,  // [num_tokens] int64
               "rotary_embedding: cos and sin must be contiguous float32 [max_positions, head_size], got ", cos.sizes(),
               " and ", sin.sizes());
   const int64_t T = positions.size(0), D = cos.size(1), max_pos = cos.size(0);
-  TORCH_CHECK(D % 2 == 0 && D <= kMaxHeadSize, "rotary_embedding: head_size must be even and <= ", kMaxHeadSize,
-              ", got ", D);
+  TORCH_CHECK(D % 2 == 0, "rotary_embedding: head_size must be even, got ", D);
   check_heads(query, "query", T, D);
   check_heads(key, "key", T, D);
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
@@ -80,11 +82,21 @@ void rotary_embedding_cpu(const at::Tensor& positions,  // [num_tokens] int64
     const int64_t Hq = query.size(1), Hk = key.size(1);
     at::parallel_for(0, T, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(heads * D, 1)),
                      [&](int64_t begin, int64_t end) {
-                       for (int64_t t = begin; t < end; ++t) {
-                         const float* ct = c + p[t] * D;
-                         const float* st = s + p[t] * D;
-                         for (int64_t h = 0; h < Hq; ++h) rotate_head(q + t * qs0 + h * qs1, ct, st, D);
-                         for (int64_t h = 0; h < Hk; ++h) rotate_head(k + t * ks0 + h * ks1, ct, st, D);
+                       auto rows = [&](auto half) {  // half: std::integral_constant, 0 = run-time
+                         for (int64_t t = begin; t < end; ++t) {
+                           const float* ct = c + p[t] * D;
+                           const float* st = s + p[t] * D;
+                           for (int64_t h = 0; h < Hq; ++h) rotate_head<scalar_t, half>(q + t * qs0 + h * qs1, ct, st, D / 2);
+                           for (int64_t h = 0; h < Hk; ++h) rotate_head<scalar_t, half>(k + t * ks0 + h * ks1, ct, st, D / 2);
+                         }
+                       };
+                       switch (D) {
+                         case 8: return rows(std::integral_constant<int, 4>());
+                         case 16: return rows(std::integral_constant<int, 8>());
+                         case 32: return rows(std::integral_constant<int, 16>());
+                         case 64: return rows(std::integral_constant<int, 32>());
+                         case 128: return rows(std::integral_constant<int, 64>());
+                         default: return rows(std::integral_constant<int, 0>());
                        }
                      });
   });
