@@ -135,6 +135,15 @@ def test_paged_attention_small_heads(num_seqs, num_kv_heads, gqa, head_size, blo
     check_attention(lens, num_kv_heads * gqa, num_kv_heads, head_size, block_size, dtype, seed=num_seqs)
 
 
+# The general path for the head sizes the small-head path takes on AVX-512 builds (selected with
+# PAGEDGEN_CPU_ATTENTION=general, which the kernel reads at each call), so that both are covered.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size, block_size, num_kv_heads", [(8, 16, 4), (8, 5, 3), (16, 8, 2)])
+def test_paged_attention_general_path_small_heads(head_size, block_size, num_kv_heads, dtype, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_CPU_ATTENTION", "general")
+    check_attention([1, 16, 33, 300, 0, 700], 2 * num_kv_heads, num_kv_heads, head_size, block_size, dtype)
+
+
 def test_paged_attention_32k_context():
     check_attention([32768, 40], 4, 2, 64, 16, torch.float32)
 

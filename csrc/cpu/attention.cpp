@@ -40,6 +40,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -365,6 +366,13 @@ void run_items(int64_t num_items, int num_threads, int64_t scratch_per_thread, i
               num_blocks, " blocks)");
 }
 
+// PAGEDGEN_CPU_ATTENTION=general sends every head size to the general path (read at each call; for
+// tests, which cover both paths on one machine, and for comparing them).
+inline bool general_path_forced() {
+  const char* v = std::getenv("PAGEDGEN_CPU_ATTENTION");
+  return v != nullptr && std::strcmp(v, "general") == 0;
+}
+
 template <typename scalar_t, int kHeadSize>
 void attend_all(const Params<scalar_t>& p, int64_t work) {
   constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
@@ -374,20 +382,22 @@ void attend_all(const Params<scalar_t>& p, int64_t work) {
   };
 #if defined(__AVX512F__)
   if constexpr (kHeadSize == 8 || kHeadSize == 16) {
-    // One item per row and group of KV heads: all KV heads of the row, unless there are too few rows
-    // to share out, then the KV heads of one column tile (16 floats of a token row).
-    const int64_t tile_heads = small_heads::kColumns / kHeadSize;
-    const int64_t per_item =
-        p.num_seqs >= 8 * threads_for(p.num_seqs) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
-    const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
-    const int64_t heads = per_item * p.group, width = per_item * kHeadSize;
-    const int64_t scratch = (2 * heads * kHeadSize + heads * kSmallTile + 2 * heads + kSmallTile * width + 15) / 16 * 16;
-    run_items(p.num_seqs * chunks, threads_for(p.num_seqs * chunks), scratch, p.num_blocks,
-              [&](int64_t item, float* s) {
-                const int64_t seq = item / chunks, kv_begin = item % chunks * per_item;
-                return attend_small<scalar_t, kHeadSize>(p, seq, kv_begin, std::min(kv_begin + per_item, p.num_kv_heads), s);
-              });
-    return;
+    if (!general_path_forced()) {
+      // One item per row and group of KV heads: all KV heads of the row, unless there are too few rows
+      // to share out, then the KV heads of one column tile (16 floats of a token row).
+      const int64_t tile_heads = small_heads::kColumns / kHeadSize;
+      const int64_t per_item =
+          p.num_seqs >= 8 * threads_for(p.num_seqs) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
+      const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
+      const int64_t heads = per_item * p.group, width = per_item * kHeadSize;
+      const int64_t scratch = (2 * heads * kHeadSize + heads * kSmallTile + 2 * heads + kSmallTile * width + 15) / 16 * 16;
+      run_items(p.num_seqs * chunks, threads_for(p.num_seqs * chunks), scratch, p.num_blocks,
+                [&](int64_t item, float* s) {
+                  const int64_t seq = item / chunks, kv_begin = item % chunks * per_item;
+                  return attend_small<scalar_t, kHeadSize>(p, seq, kv_begin, std::min(kv_begin + per_item, p.num_kv_heads), s);
+                });
+      return;
+    }
   }
 #endif
   const int64_t num_items = p.num_seqs * p.num_kv_heads;  // item = seq * num_kv_heads + kv_head
