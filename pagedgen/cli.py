@@ -4,15 +4,18 @@
         --max-tokens 128 --temperature 0.8
 
 Input: a .jsonl file with one JSON object per line holding the prompt in ``--prompt-field``
-(default "prompt"), or any other file with one prompt per line. Output: one JSON object per prompt,
+(default "prompt"), or any other file with one prompt per line (an empty line is an empty prompt,
+generated from BOS alone). Output: one JSON object per prompt,
 in input order: {"index", "prompt", "num_cached_tokens", "completions": [{"text", "token_ids",
 "finish_reason", "stop_reason"}]}. KV-cache and scheduling statistics go to stderr at the end.
-Every input line is read and checked before any generation starts.
+Every input line is read and checked, and the output path tried, before any generation starts; an
+existing output file keeps its contents unless the run succeeds.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -74,6 +77,18 @@ def main(argv=None) -> int:
             n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
         )
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"pagedgen: error: {exc}", file=sys.stderr)
+        return 2
+    # check the output path before any work: one that cannot be written fails now, not after generating
+    # (opened for append, so an existing file keeps its contents until the results replace them)
+    existed = os.path.exists(args.output)
+    try:
+        open(args.output, "a", encoding="utf-8").close()
+    except OSError as exc:
+        print(f"pagedgen: error: cannot write --output {args.output!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
         llm = LLM(
             args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
             num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
@@ -81,6 +96,8 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     except (ValueError, TypeError, FileNotFoundError) as exc:
+        if not existed:
+            os.remove(args.output)
         print(f"pagedgen: error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start

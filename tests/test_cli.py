@@ -46,3 +46,16 @@ def test_cli_text_file_and_bad_input(stories_path, tmp_path):
     proc = _run("--model", stories_path, "--input", str(txt), "--output", str(tmp_path / "x.jsonl"), "--temperature", "-1")
     assert proc.returncode == 2 and "temperature must be in [0, inf)" in proc.stderr
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_cli_unwritable_output_fails_before_generating(stories_path, tmp_path):
+    txt = tmp_path / "in.txt"
+    txt.write_text("Once upon a time\n")
+    proc = _run("--model", stories_path, "--input", str(txt), "--output", str(tmp_path / "no" / "dir" / "o.jsonl"))
+    assert proc.returncode == 2 and "cannot write --output" in proc.stderr and "No such file" in proc.stderr
+    # a failing run (bad model folder) leaves an existing output file as it was
+    old = tmp_path / "old.jsonl"
+    old.write_text("earlier results\n")
+    proc = _run("--model", str(tmp_path / "missing-model"), "--input", str(txt), "--output", str(old))
+    assert proc.returncode == 2 and "model folder not found" in proc.stderr
+    assert old.read_text() == "earlier results\n"

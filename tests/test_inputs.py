@@ -135,6 +135,30 @@ def test_unsupported_architecture(stories_path, tmp_path):
         LLM(path)
 
 
+# config.json edited so that it no longer describes the weights: a clear error at load time, not
+# garbage output or a shape error in the middle of a generate call.
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("hidden_size", 128, r"'model.embed_tokens.weight' has shape \(512, 64\), but config.json implies \(512, 128\)"),
+        ("intermediate_size", 100, r"'model.layers.0.mlp.gate_proj.weight' has shape \(172, 64\).*\(100, 64\)"),
+        ("num_key_value_heads", 8, r"'model.layers.0.self_attn.k_proj.weight' has shape \(32, 64\).*\(64, 64\)"),
+        ("vocab_size", 1024, r"'model.embed_tokens.weight' has shape \(512, 64\).*\(1024, 64\)"),
+        ("num_hidden_layers", 3, "holds 5 decoder layers, but config.json says num_hidden_layers=3"),
+    ],
+)
+def test_config_that_does_not_match_the_weights(stories_path, tmp_path, field, value, match):
+    path = _copy_model(stories_path, str(tmp_path / "m"))
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg[field] = value
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=match):
+        LLM(path)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

@@ -61,6 +61,17 @@ def rope_cos_sin(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Te
     return emb.cos() * scaling, emb.sin() * scaling
 
 
+def check_layer_count(weights: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Raises ValueError when the checkpoint holds layers past config.json's ``num_hidden_layers``
+    (missing ones are reported weight by weight when the model takes them)."""
+    indices = {int(name.split(".")[2]) for name in weights if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
+    if indices and max(indices) >= num_layers:
+        raise ValueError(
+            f"the checkpoint holds {max(indices) + 1} decoder layers, but config.json says num_hidden_layers="
+            f"{num_layers}: config.json does not describe these weights"
+        )
+
+
 class LlamaForCausalLM:
     """Weights of a Llama checkpoint and its forward pass over the paged KV cache.
 
@@ -69,6 +80,10 @@ class LlamaForCausalLM:
         weights: tensors by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``...).
         cos, sin: RoPE tables [max_positions, head_dim] float32 (see ``rope_cos_sin``).
         device: where weights and activations live.
+
+    Raises:
+        ValueError: a weight is missing, has a shape other than config.json implies, or the checkpoint
+            holds more layers than config.json says.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, device) -> None:
@@ -76,32 +91,47 @@ class LlamaForCausalLM:
         self.device = torch.device(device)
         dt = config.dtype
 
-        def take(name: str) -> torch.Tensor:
+        c = config
+        hidden, q_dim, kv_dim = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        check_layer_count(weights, c.num_layers)
+
+        def take(name: str, *shape: int) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"weight {name!r} is missing from the checkpoint")
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(weights[name].shape)}, but config.json implies {shape} "
+                    f"(hidden_size={hidden}, intermediate_size={c.intermediate_size}, num_attention_heads="
+                    f"{c.num_heads}, num_key_value_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
+                    f"vocab_size={c.vocab_size}): config.json does not describe these weights"
+                )
             return weights[name].to(device=self.device, dtype=dt).contiguous()
 
-        self.embed_tokens = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.embed_tokens = take("model.embed_tokens.weight", c.vocab_size, hidden)  # [vocab, hidden]
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(
                 {
-                    "input_norm": take(p + "input_layernorm.weight"),  # [hidden]
+                    "input_norm": take(p + "input_layernorm.weight", hidden),  # [hidden]
                     # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-                    "qkv": torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                    "o": take(p + "self_attn.o_proj.weight"),  # [hidden, num_heads * head_dim]
-                    "post_norm": take(p + "post_attention_layernorm.weight"),  # [hidden]
+                    "qkv": torch.cat(
+                        [take(p + f"self_attn.{x}_proj.weight", d, hidden) for x, d in zip("qkv", (q_dim, kv_dim, kv_dim))]
+                    ),
+                    "o": take(p + "self_attn.o_proj.weight", hidden, q_dim),  # [hidden, num_heads * head_dim]
+                    "post_norm": take(p + "post_attention_layernorm.weight", hidden),  # [hidden]
                     # [2 * intermediate, hidden]
-                    "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                    "down": take(p + "mlp.down_proj.weight"),  # [hidden, intermediate]
+                    "gate_up": torch.cat(
+                        [take(p + f"mlp.{x}_proj.weight", c.intermediate_size, hidden) for x in ("gate", "up")]
+                    ),
+                    "down": take(p + "mlp.down_proj.weight", hidden, c.intermediate_size),  # [hidden, intermediate]
                 }
             )
-        self.norm = take("model.norm.weight")
+        self.norm = take("model.norm.weight", hidden)
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = take("lm_head.weight")  # [vocab, hidden]
+            self.lm_head = take("lm_head.weight", c.vocab_size, hidden)  # [vocab, hidden]
         self.cos = cos.to(self.device)  # [max_positions, head_dim] float32
         self.sin = sin.to(self.device)
         self.scale = config.head_dim**-0.5
