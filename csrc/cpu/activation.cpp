@@ -15,7 +15,6 @@
 namespace pagedgen::cpu {
 namespace {
 
-
 // out[0:d] = to_dtype(silu(gate[0:d])) * up[0:d], with up = gate + d.
 template <typename scalar_t>
 inline void silu_and_mul_row(const scalar_t* gate, scalar_t* out, int64_t d) {
