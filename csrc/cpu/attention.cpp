@@ -63,20 +63,21 @@ struct Params {
   float scale;
 };
 
-// Asks the caches for the lines of [p, p + bytes).
-inline void prefetch_span(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
-  __builtin_prefetch(c + bytes - 1);  // the last line, when p is not line-aligned
+// Asks the caches for the lines of [p, p + bytes); Locality as __builtin_prefetch's (3: all levels,
+// 2: L2 and beyond).
+template <int Locality = 3>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(line), 0, Locality);
+  }
 }
 
 // Asks the caches for one K row and one V row of `head_size` elements.
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* k, const scalar_t* v, int head_size) {
-  for (int64_t b = 0; b < head_size * static_cast<int64_t>(sizeof(scalar_t)); b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(k) + b);
-    __builtin_prefetch(reinterpret_cast<const char*>(v) + b);
-  }
+  prefetch_lines(k, head_size * static_cast<int64_t>(sizeof(scalar_t)));
+  prefetch_lines(v, head_size * static_cast<int64_t>(sizeof(scalar_t)));
 }
 
 // Floats of per-thread scratch (padded to whole 64-byte lines so that threads never share a line).
@@ -233,15 +234,6 @@ struct SlotRows {  // any block size: one slot per token
   int64_t operator()(int j) const { return slots[j] * stride + col; }
 };
 
-// Requests the cache lines of [p, p + bytes) into `Hint`'s level.
-template <int Hint = _MM_HINT_T0>
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
-  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(line), static_cast<_mm_hint>(Hint));
-  }
-}
-
 // One tile of n tokens of attend_small: scores, online softmax, V accumulation. `rows` locates them.
 template <typename scalar_t, int kD, typename Rows>
 void small_tile(const Params<scalar_t>& p, const Rows& rows, int n, int heads, int width, const float* q,
@@ -264,7 +256,7 @@ void small_tile(const Params<scalar_t>& p, const Rows& rows, int n, int heads, i
     // K rows of a later sub-tile into L1; this sub-tile's V rows (read after the tile's softmax) into L2
     const int ahead = sub + kPrefetchAhead * sh::kTokens;
     for (int j = ahead; j < std::min(n, ahead + sh::kTokens); ++j) prefetch_lines(p.key_cache + rows(j), row_bytes);
-    for (int j = sub; j < sub + ns; ++j) prefetch_lines<_MM_HINT_T1>(p.value_cache + rows(j), row_bytes);
+    for (int j = sub; j < sub + ns; ++j) prefetch_lines<2>(p.value_cache + rows(j), row_bytes);
     for (int j = 0; j < ns; ++j) krow[j] = p.key_cache + rows(sub + j);
     const scalar_t* zero_row = reinterpret_cast<const scalar_t*>(kZeroRow);
     for (int c0 = 0; c0 < width; c0 += sh::kColumns) {

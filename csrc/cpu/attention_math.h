@@ -230,21 +230,21 @@ inline void score_tile(const float* q, int G, const float* const* k, int n, floa
   }
 }
 
-// acc[0:kD] += sum_j w[j] * v[j][col : col + kD] over the n rows of a tile. Partial sums in registers:
-// U independent chains of NV registers each, so that consecutive FMAs do not wait on each other.
+// acc[0:kD] += sum_j w[j] * v[j] over the n rows of a tile. Partial sums in registers: U independent
+// chains of NV registers each, so that consecutive FMAs do not wait on each other.
 template <int kD>
-inline void accumulate_tile(float* acc, const float* w, const float* const* v, int n, int64_t col = 0) {
+inline void accumulate_tile(float* acc, const float* w, const float* const* v, int n) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   constexpr int U = NV >= 4 ? 1 : 4 / NV;
   Vec<W> a[U][NV] = {};
   int j = 0;
   for (; j + U <= n; j += U) {
     for (int u = 0; u < U; ++u) {
-      for (int i = 0; i < NV; ++i) a[u][i] += w[j + u] * load<W>(v[j + u] + col + i * W);
+      for (int i = 0; i < NV; ++i) a[u][i] += w[j + u] * load<W>(v[j + u] + i * W);
     }
   }
   for (; j < n; ++j) {
-    for (int i = 0; i < NV; ++i) a[0][i] += w[j] * load<W>(v[j] + col + i * W);
+    for (int i = 0; i < NV; ++i) a[0][i] += w[j] * load<W>(v[j] + i * W);
   }
   for (int i = 0; i < NV; ++i) {
     Vec<W> sum = load<W>(acc + i * W);

@@ -13,7 +13,7 @@ per sampled token, and every step of the pipeline is row-wise: its tokens do not
 else shares the batch, on the batch order, or on preemption. Others share the engine's generator.
 
 Fast path: when every row is greedy and no row asks for logprobs, penalties, logit bias or
-min_tokens, a step is one argmax; deciding that costs one pass over the distinct SamplingParams.
+min_tokens, a step is one argmax; deciding that looks only at the distinct SamplingParams.
 """
 from __future__ import annotations
 
@@ -73,14 +73,11 @@ class Sampler:
         """logits: [num_seqs, vocab] float32 on the CPU, row i for seqs[i]."""
         params = [s.sampling_params for s in seqs]
         kinds = {id(p): p for p in params}.values()
-        for p in kinds:
-            if not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias or p.min_tokens:
-                break
-        else:  # the fast path: every row greedy, nothing else asked
-            return SamplerOutput(greedy_ids(logits).tolist())
         all_greedy = all(p.greedy for p in kinds)
         want_logprobs = any(p.logprobs is not None for p in kinds)
         processed = any(p.has_penalties or p.logit_bias or p.min_tokens for p in kinds)
+        if all_greedy and not want_logprobs and not processed:  # the fast path: one argmax
+            return SamplerOutput(greedy_ids(logits).tolist())
 
         raw_logprobs = None
         if want_logprobs:

@@ -154,6 +154,7 @@ class LlamaForCausalLM:
         h = torch.empty_like(x)  # [T, hidden], the normalised input of the next sublayer
         ops.rms_norm(h, x, self.layers[0]["input_norm"], eps)
         attn_out = torch.empty(T, H, D, dtype=cfg.dtype, device=self.device)
+        act = torch.empty(T, cfg.intermediate_size, dtype=cfg.dtype, device=self.device)  # [T, intermediate]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = F.linear(h, layer["qkv"])  # [T, (H + 2 Hkv) D]
             q = qkv[:, : H * D].view(T, H, D)  # views into qkv
@@ -165,7 +166,6 @@ class LlamaForCausalLM:
             h = F.linear(attn_out.view(T, H * D), layer["o"])  # [T, hidden]
             ops.fused_add_rms_norm(h, x, layer["post_norm"], eps)  # x += h; h = norm(x)
             gate_up = F.linear(h, layer["gate_up"])  # [T, 2 intermediate]
-            act = torch.empty(T, gate_up.shape[1] // 2, dtype=cfg.dtype, device=self.device)
             ops.silu_and_mul(act, gate_up)  # [T, intermediate]
             h = F.linear(act, layer["down"])  # [T, hidden]
             if i + 1 < len(self.layers):
