@@ -321,7 +321,7 @@ class LLM:
                 seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp)) for j in range(1, sp.n)]
                 seqs.append(seq)
         except BaseException:
-            self.engine.scheduler.abort_all()  # nothing half-queued survives into the next call
+            self.engine.abort_all()  # nothing half-queued survives into the next call
             raise
         self._run([sp.n for sp in params], use_tqdm)
         return [self._request_output(i, texts[i], [seq] + seq.forked) for i, seq in enumerate(seqs)]

@@ -10,6 +10,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import logging
+
 import torch
 
 from pagedgen.config import CacheConfig, SchedulerConfig
@@ -20,6 +22,7 @@ from pagedgen.engine.scheduler import Scheduler, SchedulerOutput
 from pagedgen.engine.sequence import Sequence, SequenceStatus
 from pagedgen.sampling_params import SamplingParams
 
+logger = logging.getLogger("pagedgen")
 
 @dataclass
 class EngineStats:
@@ -128,6 +131,7 @@ class LLMEngine:
         self._peak_savings = max(self._peak_savings, savings)
         self._fork_parallel_samples(batch)
         out = self.model_runner.execute(batch, bm)
+        bm.commit()  # the blocks named in this step are written: their prefix-cache entries stay
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         for child, parent in batch.forked:
@@ -213,8 +217,18 @@ class LLMEngine:
                 if on_finished is not None:
                     on_finished(finished, self._num_generated - before)
         except BaseException:
-            self.scheduler.abort_all()
+            self.abort_all()
             raise
+
+    def abort_all(self) -> None:
+        """Drop every sequence and make the block pools whole again (after an error or interrupt):
+        see ``BlockManager.repair``."""
+        self.scheduler.abort_all()
+        for bm in (self.block_manager, self.scheduler.cpu_block_manager):
+            if bm is not None:
+                problems = bm.repair()
+                if problems:
+                    logger.warning("KV block pool repaired after an aborted step: %s", "; ".join(problems[:5]))
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler.stats, self.block_manager
