@@ -27,17 +27,17 @@ Sharing (paper sections 4.3-4.4):
   Blocks whose count drops to 0 keep their hash and stay findable until the pool needs them:
   the free queue hands out the least recently freed block first and forgets its hash then (LRU).
 
-**Commit and rollback: a cached block holds the keys and values its name says.** A block is named
-and entered in the prefix cache when ``allocate`` fills it, before the model step writes it, so
-that a sequence admitted in the same step can share it: the forward pass writes every token's keys
-and values of a layer before any attention of that layer reads them. Such an entry is
-*provisional* until the engine calls ``commit`` after the step has succeeded. If the step is
-interrupted instead (any exception, a KeyboardInterrupt between any two bytecodes), the engine
-frees every sequence and calls ``repair``, which removes the provisional entries, then checks the
-pool (``check``) and, if anything is off, rebuilds the free queue and the counts from scratch,
-keeping only committed, consistent cache entries. ``_new_block`` drops a block's entry before
-handing it out to be written, so a committed entry is never a block being written: no aborted step
-can leave a findable block of garbage.
+**After an aborted step nothing stays findable.** A block is named and entered in the prefix cache
+when ``allocate`` fills it, before the model step writes it, so that a sequence admitted in the same
+step can share it: the forward pass writes every token's keys and values of a layer before any
+attention of that layer reads them. If the step is interrupted instead (any exception, a
+KeyboardInterrupt between any two bytecodes), those entries name blocks of garbage. So the engine
+then frees every sequence and calls ``repair``, which empties the prefix cache, checks the pool
+(``check``) and, if an interrupt landed inside the bookkeeping, rebuilds the free queue and the
+counts from scratch. Emptying the whole cache (not only the aborted step's entries) also makes the
+engine exactly a fresh one, up to the numbering of its blocks: the next call's outputs equal a
+fresh LLM's bit for bit, where cache hits would change the batches (the kernels are not
+batch-invariant, so a row's logits can differ in the last bits with the other rows of its step).
 """
 from __future__ import annotations
 
@@ -89,7 +89,6 @@ class BlockManager:
         self._num_tokens: dict[int, int] = {}  # tokens of each sequence in its blocks
         self._hashes: dict[int, list[bytes]] = {}  # names of each sequence's full blocks, in order
         self._cached: dict[bytes, int] = {}  # prefix cache: block name -> physical block
-        self._provisional: list[tuple[bytes, int]] = []  # entries made since the last commit
         self._block_hash: list[Optional[bytes]] = [None] * num_blocks
         self._pending_copies: list[tuple[int, int]] = []
         self._used_slots = 0  # sum of _filled over blocks in use
@@ -197,9 +196,8 @@ class BlockManager:
             prefix_blocks: cached blocks from ``match_prefix`` that start an empty block table.
 
         Takes new blocks only for slots past the last block's end, plus one copy-on-write block when
-        the last block is shared and partly filled. Blocks that become full enter the prefix cache
-        provisionally (see the module docstring: ``commit``). Raises NoFreeBlocksError (changing
-        nothing) when the pool is too small.
+        the last block is shared and partly filled. Blocks that become full enter the prefix cache.
+        Raises NoFreeBlocksError (changing nothing) when the pool is too small.
         """
         old = self._num_tokens.get(seq_id, 0)
         if num_tokens < old:
@@ -290,12 +288,6 @@ class BlockManager:
         self._num_tokens.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
 
-    def commit(self) -> None:
-        """The model step that wrote the blocks named since the last commit succeeded: their prefix
-        cache entries become permanent (``repair`` no longer removes them)."""
-        if self._provisional:
-            self._provisional = []
-
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) copy-on-write copies recorded since the last call, to run before the step."""
         copies, self._pending_copies = self._pending_copies, []
@@ -335,8 +327,7 @@ class BlockManager:
         return block
 
     def _name_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
-        """Name the sequence's blocks that are now full and enter them in the prefix cache
-        (provisionally until ``commit``)."""
+        """Name the sequence's blocks that are now full and offer them to the prefix cache."""
         table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
         while len(hashes) < num_tokens // bs:
             i = len(hashes)
@@ -344,7 +335,6 @@ class BlockManager:
             hashes.append(name)
             block = table[i]
             if self._block_hash[block] is None and name not in self._cached:
-                self._provisional.append((name, block))  # first: repair must see every entry made
                 self._block_hash[block] = name
                 self._cached[name] = block
 
@@ -384,20 +374,15 @@ class BlockManager:
 
     def repair(self) -> list[str]:
         """After an aborted step, once the caller has freed every sequence it knows: free whatever
-        is still held, drop the provisional prefix-cache entries (their blocks may hold garbage),
-        then ``check``; if a problem remains (an interrupt landed inside the bookkeeping), rebuild
-        the pool from scratch, every block free, keeping the committed cache entries that are
-        consistent. Returns the problems found (empty when the pool was whole)."""
+        is still held, empty the prefix cache (see the module docstring), then ``check``; if a
+        problem remains (an interrupt landed inside the bookkeeping), rebuild the pool from
+        scratch. Returns the problems found (empty when the pool was whole)."""
         for seq_id in list(self._tables):
             self.free(seq_id)
-        for name, block in self._provisional:
-            if self._cached.get(name) == block:
-                del self._cached[name]
-            if self._block_hash[block] == name:
-                self._block_hash[block] = None
-                if self._ref_counts[block] == 0:
-                    self._filled[block] = 0
-        self._provisional = []
+        self._cached = {}
+        self._block_hash = [None] * self.num_blocks
+        for b in self._free:
+            self._filled[b] = 0
         self._pending_copies = []
         problems = self.check()
         if problems:
@@ -405,21 +390,12 @@ class BlockManager:
         return problems
 
     def _rebuild(self) -> None:
-        """Every block free (the free queue's order kept, lost blocks at its end), no tables, the
-        counters zero; consistent committed cache entries survive, all other names are forgotten."""
-        bs = self.block_size
-        keep = {name: b for name, b in self._cached.items() if self._block_hash[b] == name}
-        kept_blocks = set(keep.values())
+        """Every block free and empty (the free queue's order kept, lost blocks at its end), no
+        tables, the counters zero."""
         order = [b for b in self._free if 0 <= b < self.num_blocks]
         order += [b for b in range(self.num_blocks) if b not in self._free]
         self._free = OrderedDict.fromkeys(order)
-        self._cached = keep
-        for b in range(self.num_blocks):
-            self._ref_counts[b] = 0
-            if b in kept_blocks:
-                self._filled[b] = bs
-            else:
-                self._filled[b] = 0
-                self._block_hash[b] = None
+        self._ref_counts = [0] * self.num_blocks
+        self._filled = [0] * self.num_blocks
         self._tables, self._num_tokens, self._hashes = {}, {}, {}
         self._used_slots = self._logical_blocks = 0
