@@ -125,7 +125,11 @@ def check_sampling_params(ids: list[list[int]], sampling_params, vocab_size: int
             raise type(exc)(f"{where}: {exc}") from None
         if copy.n > max_num_seqs:
             raise ValueError(f"{where}.n must be at most max_num_seqs={max_num_seqs}, got {copy.n}")
-        for name, token_ids in (("stop_token_ids", copy.stop_token_ids), ("logit_bias", copy.logit_bias or ())):
+        for name, token_ids in (
+            ("stop_token_ids", copy.stop_token_ids),
+            ("logit_bias", copy.logit_bias or ()),
+            ("allowed_token_ids", copy.allowed_token_ids or ()),
+        ):
             bad = [t for t in token_ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{where}.{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
