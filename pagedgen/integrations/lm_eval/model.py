@@ -281,7 +281,7 @@ class PagedGenLM(TemplateLM):
         try:
             params = sampling_params_from_dict(
                 {**kwargs, "max_tokens": max_gen_toks, "stop": [s for s in until if s]},
-                where=f"generate_until request {index} gen_kwargs",
+                where="gen_kwargs",
             )
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"generate_until request {index}: {exc}") from None
