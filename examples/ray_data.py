@@ -3,10 +3,11 @@
     python examples/ray_data.py --input prompts.jsonl --output completions.jsonl \\
         --model ../shared/models/stories260K --max-tokens 64 --num-actors 2
 
-Each input line is a JSON object with a "prompt" (or "messages", or "prompt_token_ids") field; every
-field comes back unchanged with "generated_text", "num_prompt_tokens", "num_generated_tokens",
-"finish_reason" and "error" added ("" unless the row was refused, e.g. a prompt longer than
-max_model_len: that row keeps its place with the reason and an empty text; the others go on).
+Each input line is a JSON object with a "prompt" (or --prompt-column, or "messages", or
+"prompt_token_ids") field; every field comes back unchanged with "generated_text",
+"num_prompt_tokens", "num_generated_tokens", "finish_reason" and "error" added ("" unless the row
+was refused, e.g. a prompt longer than max_model_len: that row keeps its place with the reason and
+an empty text; the others go on).
 Output lines are in input order when --preserve-order is given (else as batches finish).
 
 Here Ray runs a local cluster (``ray.init(num_cpus=...)``): --num-actors actors with
@@ -38,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Generate for a JSONL file of prompts with Ray Data actors running pagedgen.")
     p.add_argument("--input", required=True, help="JSONL file: one object with a 'prompt' (or 'messages', 'prompt_token_ids') per line")
     p.add_argument("--output", required=True, help="JSONL file to write (the input fields plus the generated ones)")
+    p.add_argument("--prompt-column", default="prompt", help="the input field holding the prompt text")
+    p.add_argument("--limit", type=int, default=None, help="only the first N rows")
     p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder, the same path on every machine")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per row")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -49,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpus-per-actor", type=float, default=0.5, help="Ray CPUs per actor")
     p.add_argument("--gpus-per-actor", type=float, default=0, help="Ray GPUs per actor")
     p.add_argument("--batch-size", type=int, default=64, help="rows per map_batches call (one generate call each)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="split the input into this many blocks, so that every actor gets work (default 4 per actor; "
+                        "0 keeps the blocks Ray read, e.g. one per file of a large dataset)")
     p.add_argument("--address", default=None, help="an existing Ray cluster (HEAD:6379); default: start a local one")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local cluster (default: all)")
     p.add_argument("--preserve-order", action="store_true", help="write rows in input order")
@@ -73,9 +79,14 @@ def main(argv=None) -> int:
     engine = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
     start = time.perf_counter()
     ds = ray.data.read_json(os.path.abspath(args.input))
+    if args.limit is not None:
+        ds = ds.limit(args.limit)
+    num_blocks = 4 * args.num_actors if args.num_blocks is None else args.num_blocks
+    if num_blocks:
+        ds = ds.repartition(num_blocks)
     out = ds.map_batches(
         LLMPredictor,
-        fn_constructor_kwargs=dict(model=os.path.abspath(args.model), sampling_params=sampling, **engine),
+        fn_constructor_kwargs=dict(model=os.path.abspath(args.model), sampling_params=sampling, prompt_column=args.prompt_column, **engine),
         batch_size=args.batch_size,
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=args.num_actors),
