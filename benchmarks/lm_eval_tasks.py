@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     import torch
     from lm_eval.models.huggingface import HFLM  # noqa: F401  (imports done before anything is timed)
     from lm_eval.tasks import TaskManager
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401  (pagedgen's RoPE uses its module)
 
     import pagedgen.integrations.lm_eval  # noqa: F401
 
