@@ -316,9 +316,9 @@ class LLM:
         seqs: list[Sequence] = []
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):
-                seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp))
+                seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp, p))
                 # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
-                seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp)) for j in range(1, sp.n)]
+                seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp, p)) for j in range(1, sp.n)]
                 seqs.append(seq)
         except BaseException:
             self.engine.scheduler.abort_all()  # nothing half-queued survives into the next call
@@ -369,7 +369,7 @@ class LLM:
                 BeamSearchSequence(
                     tokens=p + h.token_ids,
                     output_token_ids=h.token_ids,
-                    text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                    text=self.detokenizer.decode_in_context(h.token_ids, p),
                     cum_logprob=h.cum_logprob,
                     score=h.score,
                     finish_reason=h.finish_reason,
@@ -379,9 +379,9 @@ class LLM:
             results.append(BeamSearchOutput(sequences))
         return results
 
-    def _stream(self, sp: SamplingParams):
+    def _stream(self, sp: SamplingParams, prompt_token_ids: list[int]):
         """An incremental detokenizer for a completion that has stop strings (else None)."""
-        return self.detokenizer.stream(sp) if sp.stop else None
+        return self.detokenizer.stream(sp, prompt_token_ids) if sp.stop else None
 
     def _run(self, completions_per_request: list[int], use_tqdm: bool, desc: str = "Processed prompts", done: Optional[Callable[[], int]] = None) -> None:
         """Run the engine until done. The bar counts finished requests (a request is finished when
@@ -432,7 +432,7 @@ class LLM:
         elif seq.detokenizer is not None:
             text = seq.detokenizer.text
         else:
-            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop")
+            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop", prompt_token_ids=seq.prompt_token_ids)
         return CompletionOutput(
             index=seq.index,
             text=text,

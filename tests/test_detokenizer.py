@@ -31,7 +31,7 @@ def detok(request):
 
 
 def _incremental(detok: Detokenizer, ids, **params) -> str:
-    stream = detok.stream(SamplingParams(**params))
+    stream = detok.stream(SamplingParams(**params), [])
     for t in ids:
         assert stream.append(t) is None
     stream.finish()
@@ -69,7 +69,7 @@ def test_multibyte_character_is_not_emitted_half_done():
     detok = Detokenizer(AutoTokenizer.from_pretrained(STORIES))
     ids = detok.tokenizer("a 日本 😀 b", add_special_tokens=False).input_ids
     assert len(ids) > 8
-    stream = detok.stream(SamplingParams())
+    stream = detok.stream(SamplingParams(), [])
     seen = []
     for t in ids:
         stream.append(t)
@@ -90,7 +90,7 @@ def gpt2():
 def _run_stop(detok, text, **params):
     """Feed the tokens of ``text`` until a stop string matches: (text, stop_reason, tokens fed)."""
     ids = detok.tokenizer(text, add_special_tokens=False).input_ids
-    stream = detok.stream(SamplingParams(**params))
+    stream = detok.stream(SamplingParams(**params), [])
     for n, t in enumerate(ids, 1):
         if stream.append(t) is not None:
             return stream.text, stream.stop_reason, n
