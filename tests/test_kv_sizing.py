@@ -28,6 +28,8 @@ def test_default_max_model_len_too_long_for_num_kv_blocks(stories_path):
 def test_explicit_max_model_len_too_long_and_bytes(stories_path):
     llm = LLM(stories_path, num_kv_blocks=32)  # exactly one sequence of 512 tokens: fits
     assert llm.scheduler_config.max_model_len == 512 and llm.cache_config.num_slots == 512
+    longest = llm.generate([[1] + [300] * 499], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert (len(longest[0].outputs[0].token_ids), longest[0].outputs[0].finish_reason) == (12, "length")  # 512 tokens run
     block_bytes = llm.model_config.kv_bytes_per_token() * 16
     with pytest.raises(ValueError) as err:
         LLM(stories_path, kv_cache_memory_bytes=10 * block_bytes + 1, max_model_len=200)
