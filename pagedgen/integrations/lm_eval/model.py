@@ -59,7 +59,7 @@ class PagedGenLM(TemplateLM):
     Args:
         pretrained: checkpoint folder (``LLM``'s ``model``), or an ``LLM`` already built.
         max_length: most tokens the model sees (lm_eval's name): ``LLM``'s ``max_model_len``
-            (default: the model's ``max_position_embeddings``, lowered to the KV cache if smaller).
+            (default: the model's ``max_position_embeddings``).
             Loglikelihood inputs are cut from the left to it, generation contexts to
             ``max_length - max_gen_toks``.
         batch_size: accepted for lm_eval's CLI and ignored: all requests of a call go to the engine
@@ -134,10 +134,7 @@ class PagedGenLM(TemplateLM):
 
         engine_len = self.llm.scheduler_config.max_model_len
         if max_length is not None and max_length > engine_len:
-            raise ValueError(
-                f"pagedgen max_length={max_length} exceeds the LLM's max_model_len={engine_len} (a KV cache that "
-                "small lowers it: give a larger kv_cache_memory_bytes or num_kv_blocks, or a smaller max_length)"
-            )
+            raise ValueError(f"pagedgen max_length={max_length} exceeds the LLM's max_model_len={engine_len}: build the LLM with a larger one")
         self._max_length = max_length if max_length is not None else engine_len
         self.tokenizer = self.llm.tokenizer
         self._chat_template = self._read_template(chat_template)
@@ -169,7 +166,7 @@ class PagedGenLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        """Most tokens the model sees at once (the LLM's max_model_len unless set lower)."""
+        """Most tokens the model sees at once (the LLM's max_model_len unless set lower for an LLM passed in)."""
         return self._max_length
 
     @property
