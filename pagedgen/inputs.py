@@ -71,11 +71,14 @@ def check_token_ids(ids: list[int], vocab_size: int, name: str) -> None:
 
 
 def check_prompt_length(ids: list[int], max_model_len: int, name: str) -> None:
-    """The prompt plus one generated token must fit ``max_model_len``."""
-    if len(ids) + 1 > max_model_len:
+    """The prompt must fit ``max_model_len``. It may fill it: its one sampled token comes from the
+    last position's logits and is never fed back, so it needs no position or KV slot past
+    max_model_len (vLLM v0's rule; what scoring a full context through prompt_logprobs needs,
+    lm-evaluation-harness #2880)."""
+    if len(ids) > max_model_len:
         raise ValueError(
-            f"{name} has {len(ids)} tokens; prompt + 1 generated token must fit max_model_len={max_model_len} "
-            f"(allowed prompt length: 1 to {max_model_len - 1} tokens)"
+            f"{name} has {len(ids)} tokens; the prompt must fit max_model_len={max_model_len} "
+            f"(allowed prompt length: 1 to {max_model_len} tokens)"
         )
 
 
@@ -168,7 +171,11 @@ def checked_params(sp: SamplingParams, where: str, vocab_size: int, max_num_seqs
         raise type(exc)(f"{where}: {exc}") from None
     if copy.n > max_num_seqs:
         raise ValueError(f"{where}.n must be at most max_num_seqs={max_num_seqs}, got {copy.n}")
-    for name, token_ids in (("stop_token_ids", copy.stop_token_ids), ("logit_bias", copy.logit_bias or ())):
+    for name, token_ids in (
+        ("stop_token_ids", copy.stop_token_ids),
+        ("logit_bias", copy.logit_bias or ()),
+        ("allowed_token_ids", copy.allowed_token_ids or ()),
+    ):
         bad = [t for t in token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{where}.{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import os
 import threading
 from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
@@ -32,7 +31,6 @@ from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
 from pagedgen.sampling_params import SamplingParams
 
-logger = logging.getLogger("pagedgen")
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 
@@ -77,7 +75,8 @@ class LLM:
         max_num_batched_tokens: most tokens in one step; longer prompts are prefilled in chunks.
             Default max(4096, max_num_seqs).
         max_model_len: most tokens (prompt + output) per sequence; default and upper bound the
-            model's ``max_position_embeddings``. Lowered to the KV cache's size when that is smaller.
+            model's ``max_position_embeddings``. The KV cache must hold one sequence of this many
+            tokens (else ValueError: a larger cache, or a smaller max_model_len).
         seed: seed of the sampler's generator (requests without their own seed).
         enforce_extension: raise instead of falling back to the PyTorch reference ops when the
             compiled extension ``pagedgen._C`` is missing.
@@ -95,7 +94,8 @@ class LLM:
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
-        ValueError: unsupported architecture, a bad argument value, or a KV cache under one block.
+        ValueError: unsupported architecture, a bad argument value, or a KV cache smaller than one
+            sequence of ``max_model_len`` tokens.
         TypeError: an argument of the wrong type.
         RuntimeError: ``enforce_extension=True`` and the extension is not available.
     """
@@ -160,6 +160,7 @@ class LLM:
         model = os.fspath(model)
         hf_config = loader.load_hf_config(model)
         model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
+        max_model_len_given = max_model_len is not None
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
         elif max_model_len > model_config.max_position_embeddings:
@@ -181,6 +182,7 @@ class LLM:
         del weights
 
         block_bytes = model_config.kv_bytes_per_token() * block_size
+        sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
         if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
             kv_cache_memory_bytes = kv_sizing.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
         num_blocks = kv_sizing.num_kv_blocks(block_bytes, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs * cdiv(max_model_len, block_size))
@@ -196,12 +198,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
         )
-        if cache_config.num_slots < max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens, fewer than max_model_len=%d: max_model_len lowered to %d",
-                cache_config.num_slots, max_model_len, cache_config.num_slots,
-            )
-            max_model_len = cache_config.num_slots
+        kv_sizing.check_max_model_len(num_blocks, block_size, block_bytes, max_model_len, max_model_len_given, sized_by)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -110,7 +110,7 @@ def test_generate_refuses_to_mix_with_engine_requests(llm, prompts, expected):
 def test_scheduler_output_is_plain_data_a_worker_can_apply(stories_path, prompts, caching, mode):
     """Every step's SchedulerOutput survives pickling, and applying its block-table deltas to a
     mirror gives exactly the block manager's tables; its token ids are the step's input tokens."""
-    llm = LLM(stories_path, num_kv_blocks=12, enable_prefix_caching=caching, preemption_mode=mode)
+    llm = LLM(stories_path, num_kv_blocks=12, max_model_len=192, enable_prefix_caching=caching, preemption_mode=mode)
     engine, mirror, seen = llm.llm_engine, {}, {"steps": 0, "preempted": 0, "cow": 0, "freed": 0}
     real = engine.model_runner.execute
 

@@ -57,7 +57,7 @@ CONFIGS = [dict(enable_prefix_caching=c, preemption_mode=m) for c in (True, Fals
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"caching={c['enable_prefix_caching']}-{c['preemption_mode']}")
 def setup(request, stories_path):
     """(config, the LLM that takes the faults, a fresh LLM's outputs)."""
-    kwargs = dict(num_kv_blocks=10, **request.param)
+    kwargs = dict(num_kv_blocks=10, max_model_len=160, **request.param)
     fresh = LLM(stories_path, **kwargs)
     expected = (_run(fresh), _generate(fresh, use_tqdm=False))
     assert fresh.get_stats().num_preemptions > 0, "the pool should be small enough to preempt"

@@ -22,7 +22,7 @@ def key(outs):
     return [[(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs] for o in outs]
 
 def attempts(mode, seed, count, report):
-    kwargs = dict(num_kv_blocks=16, preemption_mode=mode)  # small: preemption in every run
+    kwargs = dict(num_kv_blocks=16, max_model_len=256, preemption_mode=mode)  # small: preemption in every run
     expected = key(LLM(sys.argv[1], **kwargs).generate(prompts, params, use_tqdm=False))
     llm = LLM(sys.argv[1], **kwargs)
     start = time.perf_counter()

@@ -149,7 +149,7 @@ class RequestProcessor:
         """An incremental detokenizer for one completion of ``request`` when it has stop strings
         (else None: its text is decoded once, at the end)."""
         sp = request.params
-        return self.detokenizer.stream(sp) if sp.stop else None
+        return self.detokenizer.stream(sp, request.prompt_token_ids) if sp.stop else None
 
     # ----- out -----------------------------------------------------------------------------------
     def make_output(self, request: Request) -> RequestOutput:
@@ -160,7 +160,7 @@ class RequestProcessor:
             outputs = [
                 CompletionOutput(
                     index=rank,
-                    text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                    text=self.detokenizer.decode_in_context(h.token_ids, request.prompt_token_ids),
                     token_ids=h.token_ids,
                     cumulative_logprob=h.cum_logprob,
                     finish_reason=h.finish_reason,
@@ -189,7 +189,7 @@ class RequestProcessor:
         elif seq.detokenizer is not None:
             text = seq.detokenizer.text
         else:
-            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop")
+            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop", prompt_token_ids=seq.prompt_token_ids)
         return CompletionOutput(
             index=seq.index,
             text=text,
