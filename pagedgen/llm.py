@@ -206,6 +206,7 @@ class LLM:
             preemption_mode=preemption_mode,
         )
         self.device = device
+        self.seed = seed  # the engine generator's seed, for requests without their own
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
