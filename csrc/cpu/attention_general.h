@@ -1,0 +1,114 @@
+// The general path of the CPU paged attention kernel (csrc/cpu/attention.cpp): any head size, one
+// work item per (block of rows of one sequence, KV head), all query heads of the KV head's GQA group
+// together.
+//
+// Decode and prefill are one loop: a decode item is a block of one row, a prefill item a block of up
+// to R consecutive rows of a prompt chunk. The item walks the tiles of kTile tokens (aligned to
+// absolute positions) that any of its rows needs, reads each tile's K/V rows once through the block
+// table (converted to float once for bf16/fp16: the cost shared by all R x group (row, head) pairs),
+// and then runs, for each row, the per-row inner loops of attention_math.h over the slots that row
+// attends to in the tile (causal within the chunk, the cached prefix before it, the sliding window).
+// Rows whose slot ranges in a tile are equal (a whole tile of an earlier prefix or chunk) share one
+// call of the score loop, as extra heads. Every (row, head) value is computed by the same operations
+// whatever R is, so a row's output is bitwise the same in a prefill chunk of any size, as a decode
+// row, and whatever the other rows of the call are.
+#pragma once
+
+#include "attention_common.h"
+#include "attention_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace pagedgen::cpu {
+
+// Floats of per-thread scratch of the general path for blocks of up to R rows.
+inline int64_t general_scratch_floats(int64_t R, int64_t group, int64_t head_size) {
+  const int64_t heads = R * group;
+  return 2 * heads * head_size + heads * kTile + 2 * heads + 3 * kTile * head_size + 16;
+}
+
+// Attention of the rows of `b` for the `group` query heads that share KV head `kv_head`.
+// Returns false (having written zeros) if the block table names a block outside the cache.
+template <typename scalar_t, int kHeadSize>
+bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_head, float* scratch) {
+  const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(p.head_size);
+  const int G = static_cast<int>(p.group), R = b.rows, RG = R * G;
+  float* q = scratch;           // [R, G, D] scaled queries
+  float* acc = q + RG * D;      // [R, G, D] un-normalised outputs
+  float* sc = acc + RG * D;     // [R, G, kTile] scores, then weights, of the current tile
+  float* m = sc + RG * kTile;   // [R, G] running max of the scores
+  float* l = m + RG;            // [R, G] running sum of exp(score - m)
+  float* kbuf = l + RG;         // [kTile, D] the tile's K rows as float (unused for fp32)
+  float* vbuf = kbuf + kTile * D;  // [kTile, D] the tile's V rows as float (unused for fp32)
+  float* kt = vbuf + kTile * D;    // [D, kTile] the tile's K rows transposed (heads <= 16 floats)
+  const float* krows[kTile];  // slot j: the tile's K row of token (tile start + j), as float
+  const float* vrows[kTile];
+  int64_t slots[kTile];
+
+  for (int i = 0; i < R; ++i) load_query(p, b.row + i, kv_head * G, G, D, q + i * G * D, m + i * G, l + i * G);
+  std::fill(acc, acc + RG * D, 0.0f);
+  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens in a block
+  const int64_t col = kv_head * D;                // this KV head's first element in a token's row
+  auto prefetch = [&](int64_t slot) {
+    prefetch_lines(p.key_cache + slot * row_stride + col, D * static_cast<int64_t>(sizeof(scalar_t)));
+    prefetch_lines(p.value_cache + slot * row_stride + col, D * static_cast<int64_t>(sizeof(scalar_t)));
+  };
+  const int64_t lo = window_start(b.pos, p.sliding_window);  // the first row's window starts first
+  const int64_t end = b.pos + R;                              // one past the last row's position
+  BlockWalker walk = walker_of(p, b, lo);
+  bool ok = true;
+  for (int64_t t0 = lo / kTile * kTile; t0 < end; t0 += kTile) {
+    // The tile's tokens that some row attends to: [ua, ub), contiguous from tile to tile.
+    const int ua = static_cast<int>(std::max(lo, t0) - t0), ub = static_cast<int>(std::min(end, t0 + kTile) - t0);
+    ok = walk.next(ub - ua, slots + ua, prefetch);
+    if (!ok) break;
+    for (int j = ua; j < ub; ++j) {
+      const int64_t row = slots[j] * row_stride + col;
+      krows[j] = row_as_float(p.key_cache + row, kbuf + j * D, D);
+      vrows[j] = row_as_float(p.value_cache + row, vbuf + j * D, D);
+    }
+    if constexpr (kHeadSize > 0 && kHeadSize <= 16) transpose_tile<kHeadSize>(krows, ua, ub, kt);
+    // Rows i0 .. i1 - 1 with the same slots [ja, jb) of this tile: scores in one call.
+    int i0 = 0;
+    while (i0 < R) {
+      const int64_t pos0 = b.pos + i0;
+      const int ja = static_cast<int>(std::max(window_start(pos0, p.sliding_window), t0) - t0);
+      const int jb = static_cast<int>(std::min(pos0 + 1, t0 + kTile) - t0);
+      int i1 = i0 + 1;
+      while (i1 < R && std::max(window_start(b.pos + i1, p.sliding_window), t0) - t0 == ja &&
+             std::min(b.pos + i1 + 1, t0 + kTile) - t0 == jb) {
+        ++i1;
+      }
+      if (ja < jb) {
+        const int heads = (i1 - i0) * G;
+        const float* qi = q + i0 * G * D;
+        float* si = sc + i0 * G * kTile;
+        if constexpr (kHeadSize > 0 && kHeadSize <= 16) {
+          score_transposed<kHeadSize>(qi, heads, kt, ja, jb, si);  // si[h, j] = q[h] . k[j]
+        } else if constexpr (kHeadSize > 0) {
+          score_rows<kHeadSize>(qi, heads, krows, ja, jb, si);
+        } else {
+          score_rows_runtime(qi, heads, D, krows, ja, jb, si);
+        }
+        for (int h = i0 * G; h < i1 * G; ++h) {
+          float* sh = sc + h * kTile;
+          const float alpha = softmax_tile(sh, ja, jb, m[h], l[h]);  // sh: scores -> weights
+          float* ah = acc + h * D;
+          rescale(ah, D, alpha);
+          if constexpr (kHeadSize > 0) {  // acc[h] += sum_j w[h, j] * v[j]
+            accumulate_tile<kHeadSize>(ah, sh, vrows, ja, jb);
+          } else {
+            accumulate_tile_runtime(ah, D, sh, vrows, ja, jb);
+          }
+        }
+      }
+      i0 = i1;
+    }
+  }
+  for (int i = 0; i < R; ++i) store_output(p, b.row + i, kv_head * G, G, D, acc + i * G * D, l + i * G, ok);
+  return ok;
+}
+
+}  // namespace pagedgen::cpu
