@@ -134,7 +134,9 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
     }
   }
 #endif
-  const int64_t max_rows = std::clamp<int64_t>(kItemHeads / p.group, 1, kMaxItemRows);
+  const char* tune = std::getenv("PAGEDGEN_TUNE_ITEM_HEADS");
+  const int64_t item_heads = tune ? std::atoi(tune) : kItemHeads;
+  const int64_t max_rows = std::clamp<int64_t>(item_heads / p.group, 1, kMaxItemRows);
   const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);
   const int64_t num_items = static_cast<int64_t>(blocks.size()) * p.num_kv_heads;  // block * num_kv_heads + kv_head
   run_items(num_items, threads_for(num_items), general_scratch_floats(max_rows, p.group, p.head_size), p.num_blocks,

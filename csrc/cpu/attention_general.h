@@ -66,8 +66,19 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_head, 
     if (!ok) break;
     for (int j = ua; j < ub; ++j) {
       const int64_t row = slots[j] * row_stride + col;
-      krows[j] = row_as_float(p.key_cache + row, kbuf + j * D, D);
-      vrows[j] = row_as_float(p.value_cache + row, vbuf + j * D, D);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (R == 1) {  // a decode row of fp32: read in place
+          krows[j] = p.key_cache + row;
+          vrows[j] = p.value_cache + row;
+          continue;
+        }
+      }
+      // as float into kbuf/vbuf: converted (bf16/fp16), or copied for a block of rows that reads them
+      // many times (in the cache, rows lie num_kv_heads * head_size apart, which maps them to few L1 sets)
+      to_float(p.key_cache + row, kbuf + j * D, D);
+      to_float(p.value_cache + row, vbuf + j * D, D);
+      krows[j] = kbuf + j * D;
+      vrows[j] = vbuf + j * D;
     }
     if constexpr (kHeadSize > 0 && kHeadSize <= 16) transpose_tile<kHeadSize>(krows, ua, ub, kt);
     // Rows i0 .. i1 - 1 with the same slots [ja, jb) of this tile: scores in one call.
@@ -93,14 +104,23 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_head, 
           score_rows_runtime(qi, heads, D, krows, ja, jb, si);
         }
         for (int h = i0 * G; h < i1 * G; ++h) {
-          float* sh = sc + h * kTile;
-          const float alpha = softmax_tile(sh, ja, jb, m[h], l[h]);  // sh: scores -> weights
-          float* ah = acc + h * D;
-          rescale(ah, D, alpha);
-          if constexpr (kHeadSize > 0) {  // acc[h] += sum_j w[h, j] * v[j]
-            accumulate_tile<kHeadSize>(ah, sh, vrows, ja, jb);
+          const float alpha = softmax_tile(sc + h * kTile, ja, jb, m[h], l[h]);  // scores -> weights
+          rescale(acc + h * D, D, alpha);
+        }
+        int h = i0 * G;  // acc[h] += sum_j w[h, j] * v[j]
+        if constexpr (kHeadSize > 16) {
+          if constexpr (accumulate_chains<kHeadSize>() == 1) {
+            for (; h + 2 <= i1 * G; h += 2) {
+              accumulate_pair<kHeadSize>(acc + h * D, acc + (h + 1) * D, sc + h * kTile, sc + (h + 1) * kTile, vrows, ja,
+                                         jb);
+            }
+          }
+        }
+        for (; h < i1 * G; ++h) {
+          if constexpr (kHeadSize > 0) {
+            accumulate_tile<kHeadSize>(acc + h * D, sc + h * kTile, vrows, ja, jb);
           } else {
-            accumulate_tile_runtime(ah, D, sh, vrows, ja, jb);
+            accumulate_tile_runtime(acc + h * D, D, sc + h * kTile, vrows, ja, jb);
           }
         }
       }

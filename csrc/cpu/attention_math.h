@@ -44,14 +44,6 @@ inline void to_float(const scalar_t* src, float* dst, int n) {
   if (i < n) store_partial<kLanes>(dst + i, load_partial<kLanes>(src + i, n - i), n - i);
 }
 
-// A cache row as float: fp32 rows are used in place, others are converted into buf.
-template <typename scalar_t>
-inline const float* row_as_float(const scalar_t* src, float* buf, int n) {
-  to_float(src, buf, n);
-  return buf;
-}
-inline const float* row_as_float(const float* src, float* /*buf*/, int /*n*/) { return src; }
-
 // Registers [first, end) of a tile that hold the slots [ja, jb).
 inline int first_register(int ja) { return ja / kLanes; }
 inline int end_register(int jb) { return (jb + kLanes - 1) / kLanes; }
@@ -60,6 +52,8 @@ inline int end_register(int jb) { return (jb + kLanes - 1) / kLanes; }
 // into weights exp(s - m_new) (and the other slots of their registers into zeros), updates the
 // running max m and the running sum l of the weights, and returns alpha = exp(m_old - m_new), the
 // factor by which everything accumulated so far must be rescaled. s: [kTile] (or longer).
+// When the running max does not change, alpha is exactly 1 (exp(0) = 1 through the polynomial), so
+// the multiplications by it (and the rescale of the accumulator) are skipped: the same bits, less work.
 inline float softmax_tile(float* s, int ja, int jb, float& m, float& l) {
   const int t0 = first_register(ja), t1 = end_register(jb);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -68,20 +62,23 @@ inline float softmax_tile(float* s, int ja, int jb, float& m, float& l) {
   Vec<kLanes> mx = load<kLanes>(s + t0 * kLanes);
   for (int t = t0 + 1; t < t1; ++t) mx = vmax<kLanes>(mx, load<kLanes>(s + t * kLanes));
   const float m_new = std::max(m, hmax<kLanes>(mx));
-  const float alpha = exp_scalar(m - m_new);  // 0 on the first tile (m = -inf)
+  // 0 on the first tile (m = -inf)
+  const float alpha = m_new == m ? 1.0f : exp_nonpositive<4>(splat<4>(m - m_new))[0];
+  const Vec<kLanes> vm = splat<kLanes>(m_new);
   Vec<kLanes> sum = {};
   for (int t = t0; t < t1; ++t) {
-    const Vec<kLanes> w = exp<kLanes>(load<kLanes>(s + t * kLanes) - m_new);
+    const Vec<kLanes> w = exp_nonpositive<kLanes>(load<kLanes>(s + t * kLanes) - vm);
     store<kLanes>(s + t * kLanes, w);
     sum += w;
   }
-  l = l * alpha + hsum<kLanes>(sum);
+  l = (alpha == 1.0f ? l : l * alpha) + hsum<kLanes>(sum);
   m = m_new;
   return alpha;
 }
 
-// acc[0:n] *= alpha.
+// acc[0:n] *= alpha (nothing to do for alpha = 1).
 inline void rescale(float* acc, int n, float alpha) {
+  if (alpha == 1.0f) return;
   const Vec<kLanes> a = splat<kLanes>(alpha);
   int i = 0;
   for (; i + kLanes <= n; i += kLanes) store<kLanes>(acc + i, load<kLanes>(acc + i) * a);
@@ -127,29 +124,105 @@ inline float dot_row(const float* q, const float* k) {
   return hsum<W>(dot);
 }
 
-// sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb); four tokens at a time so
-// that their dot products run as independent chains (each one is still dot_row's sequence).
+// out[i] = hsum<W>(a[i]) for the n vectors a[0:n], bitwise each (the same tree), several at a time:
+// with AVX, two 8-lane vectors fold their halves in one add, and four share the adds of the last two
+// levels of the tree (about 3 instructions per sum instead of 6).
+template <int W>
+inline void hsum_many(const Vec<W>* a, int n, float* out) {
+#if defined(__AVX__)
+  if constexpr (W == 8 || W == 16) {
+    const auto halves = [&](int i) {  // the 8-lane vector whose hsum is hsum<W>(a[i])
+      if constexpr (W == 8) {
+        return reinterpret_cast<const __m256&>(a[i]);
+      } else {
+        Vec<8> lo, hi;
+        std::memcpy(&lo, &a[i], sizeof(lo));
+        std::memcpy(&hi, reinterpret_cast<const char*>(&a[i]) + sizeof(lo), sizeof(hi));
+        const Vec<8> x = lo + hi;
+        return reinterpret_cast<const __m256&>(x);
+      }
+    };
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const __m256 v0 = halves(i), v1 = halves(i + 1), v2 = halves(i + 2), v3 = halves(i + 3);
+      // x = lo + hi of each vector, two vectors per register: [x0 | x1], [x2 | x3]
+      const __m256 c01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+      const __m256 c23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+      // (x[0] + x[2]), (x[1] + x[3]) of each
+      const __m256 g = _mm256_add_ps(_mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(3, 2, 3, 2)));
+      // (x[0] + x[2]) + (x[1] + x[3]): lanes [s0, s2, s0, s2 | s1, s3, s1, s3]
+      const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(g, g, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm256_shuffle_ps(g, g, _MM_SHUFFLE(3, 1, 3, 1)));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, r);
+      out[i] = lanes[0];
+      out[i + 1] = lanes[4];
+      out[i + 2] = lanes[1];
+      out[i + 3] = lanes[5];
+    }
+    for (; i < n; ++i) out[i] = hsum<W>(a[i]);
+    return;
+  }
+#endif
+  for (int i = 0; i < n; ++i) out[i] = hsum<W>(a[i]);
+}
+
+// sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb). Register blocks of two heads
+// by four tokens (each K slice loaded once for both heads; eight independent chains), each pair still
+// dot_row's sequence of operations; then hsum_many.
 template <int kD>
 inline void score_rows(const float* q, int G, const float* const* k, int ja, int jb, float* sc) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
-  for (int h = 0; h < G; ++h) {
+  int h = 0;
+  for (; h + 2 <= G; h += 2) {
+    const float* q0 = q + h * kD;
+    const float* q1 = q0 + kD;
+    float* s0 = sc + h * kTile;
+    float* s1 = s0 + kTile;
+    int j = ja;
+    for (; j + 4 <= jb; j += 4) {
+      Vec<W> d[8];  // d[t]: head h, token j + t; d[4 + t]: head h + 1
+      {
+        const Vec<W> a = load<W>(q0), b = load<W>(q1);
+        for (int t = 0; t < 4; ++t) {
+          const Vec<W> kv = load<W>(k[j + t]);
+          d[t] = a * kv;
+          d[4 + t] = b * kv;
+        }
+      }
+      for (int v = 1; v < NV; ++v) {
+        const Vec<W> a = load<W>(q0 + v * W), b = load<W>(q1 + v * W);
+        for (int t = 0; t < 4; ++t) {
+          const Vec<W> kv = load<W>(k[j + t] + v * W);
+          d[t] = fmadd<W>(a, kv, d[t]);
+          d[4 + t] = fmadd<W>(b, kv, d[4 + t]);
+        }
+      }
+      float r[8];
+      hsum_many<W>(d, 8, r);
+      for (int t = 0; t < 4; ++t) {
+        s0[j + t] = r[t];
+        s1[j + t] = r[4 + t];
+      }
+    }
+    for (; j < jb; ++j) {
+      s0[j] = dot_row<kD>(q0, k[j]);
+      s1[j] = dot_row<kD>(q1, k[j]);
+    }
+  }
+  for (; h < G; ++h) {  // a last single head: four tokens at a time
     const float* qh = q + h * kD;
     float* sh = sc + h * kTile;
     int j = ja;
     for (; j + 4 <= jb; j += 4) {
-      Vec<W> d0 = load<W>(qh) * load<W>(k[j]), d1 = load<W>(qh) * load<W>(k[j + 1]);
-      Vec<W> d2 = load<W>(qh) * load<W>(k[j + 2]), d3 = load<W>(qh) * load<W>(k[j + 3]);
+      Vec<W> d[4];
+      for (int t = 0; t < 4; ++t) d[t] = load<W>(qh) * load<W>(k[j + t]);
       for (int v = 1; v < NV; ++v) {
         const Vec<W> qv = load<W>(qh + v * W);
-        d0 = fmadd<W>(qv, load<W>(k[j] + v * W), d0);
-        d1 = fmadd<W>(qv, load<W>(k[j + 1] + v * W), d1);
-        d2 = fmadd<W>(qv, load<W>(k[j + 2] + v * W), d2);
-        d3 = fmadd<W>(qv, load<W>(k[j + 3] + v * W), d3);
+        for (int t = 0; t < 4; ++t) d[t] = fmadd<W>(qv, load<W>(k[j + t] + v * W), d[t]);
       }
-      sh[j] = hsum<W>(d0);
-      sh[j + 1] = hsum<W>(d1);
-      sh[j + 2] = hsum<W>(d2);
-      sh[j + 3] = hsum<W>(d3);
+      hsum_many<W>(d, 4, sh + j);
     }
     for (; j < jb; ++j) sh[j] = dot_row<kD>(qh, k[j]);
   }
@@ -186,6 +259,31 @@ inline void accumulate_tile(float* acc, const float* w, const float* const* v, i
     Vec<W> sum = load<W>(acc + i * W);
     for (int u = 0; u < U; ++u) sum += a[u][i];
     store<W>(acc + i * W, sum);
+  }
+}
+
+// accumulate_tile for two heads with the same slots (U = 1 only: one chain per element), each V
+// slice loaded once for both: acc0 += sum_j w0[j] * v[j], acc1 += sum_j w1[j] * v[j], in chunks of
+// four vectors (eight accumulator registers), every element still one chain over the tokens.
+template <int kD>
+inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const float* w1, const float* const* v, int ja,
+                            int jb) {
+  constexpr int W = head_lanes<kD>(), NV = kD / W;
+  static_assert(accumulate_chains<kD>() == 1 && NV % 4 == 0, "accumulate_pair: heads of whole 4-register chunks");
+  for (int c = 0; c < NV; c += 4) {
+    Vec<W> a0[4] = {}, a1[4] = {};
+    for (int j = ja; j < jb; ++j) {
+      const Vec<W> x0 = splat<W>(w0[j]), x1 = splat<W>(w1[j]);
+      for (int i = 0; i < 4; ++i) {
+        const Vec<W> x = load<W>(v[j] + (c + i) * W);
+        a0[i] = fmadd<W>(x0, x, a0[i]);
+        a1[i] = fmadd<W>(x1, x, a1[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      store<W>(acc0 + (c + i) * W, load<W>(acc0 + (c + i) * W) + a0[i]);
+      store<W>(acc1 + (c + i) * W, load<W>(acc1 + (c + i) * W) + a1[i]);
+    }
   }
 }
 

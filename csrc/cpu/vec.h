@@ -278,6 +278,23 @@ inline Vec<W> exp(const Vec<W>& x) {
   return x < lo ? zero : (x > hi ? inf : y);
 }
 
+// exp(x) for x <= 0 (attention's softmax weights exp(score - running max)): exp<W>'s range reduction
+// and polynomial without the overflow branches (n = round(x / ln 2) is in [-126, 0]); below -87
+// exactly 0; NaN stays NaN.
+template <int W>
+inline Vec<W> exp_nonpositive(const Vec<W>& x) {
+  const Vec<W> lo = splat<W>(-87.0f);
+  const Vec<W> xc = x < lo ? lo : x;
+  const Vec<W> shifter = splat<W>(12582912.0f);
+  const Vec<W> n = (xc * splat<W>(1.44269504088896341f) + shifter) - shifter;
+  Vec<W> r = fmadd<W>(n, splat<W>(-0.693359375f), xc);
+  r = fmadd<W>(n, splat<W>(2.12194440e-4f), r);
+  Vec<W> p = splat<W>(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fmadd<W>(p, r, splat<W>(c));
+  const Vec<W> y = p * float_of<W>((__builtin_convertvector(n, IVec<W>) + 127) << 23);
+  return x < lo ? Vec<W>{} : y;
+}
+
 // exp of one float, bitwise the value of any lane of exp<W>.
 inline float exp_scalar(float x) { return exp<4>(splat<4>(x))[0]; }
 
