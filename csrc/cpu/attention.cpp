@@ -134,14 +134,28 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
     }
   }
 #endif
-  const char* tune = std::getenv("PAGEDGEN_TUNE_ITEM_HEADS");
-  const int64_t item_heads = tune ? std::atoi(tune) : kItemHeads;
-  const int64_t max_rows = std::clamp<int64_t>(item_heads / p.group, 1, kMaxItemRows);
+  const int64_t max_rows = std::clamp<int64_t>(kItemHeads / p.group, 1, kMaxItemRows);
   const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);
-  const int64_t num_items = static_cast<int64_t>(blocks.size()) * p.num_kv_heads;  // block * num_kv_heads + kv_head
-  run_items(num_items, threads_for(num_items), general_scratch_floats(max_rows, p.group, p.head_size), p.num_blocks,
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  // Items: a prefill block per KV head (its rows x group already share each tile); decode rows with
+  // all their KV heads when there are enough rows to share out, else one KV head each.
+  const int64_t decode_heads = nb >= 8 * threads_for(nb) ? p.num_kv_heads : 1;
+  struct Item {
+    int64_t block, kv_begin, kv_end;
+  };
+  std::vector<Item> items;
+  items.reserve(nb * p.num_kv_heads);
+  for (int64_t i = 0; i < nb; ++i) {
+    const int64_t per_item = blocks[i].rows == 1 ? decode_heads : 1;
+    for (int64_t k = 0; k < p.num_kv_heads; k += per_item) items.push_back({i, k, std::min(k + per_item, p.num_kv_heads)});
+  }
+  const int64_t scratch = general_scratch_floats(max_rows, 1, p.group, p.head_size);
+  const int64_t scratch_decode = general_scratch_floats(1, decode_heads, p.group, p.head_size);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  run_items(num_items, threads_for(num_items), std::max(scratch, scratch_decode), p.num_blocks,
             [&](int64_t item, float* s) {
-              return attend_rows<scalar_t, kHeadSize>(p, blocks[item / p.num_kv_heads], item % p.num_kv_heads, s);
+              const Item& it = items[item];
+              return attend_rows<scalar_t, kHeadSize>(p, blocks[it.block], it.kv_begin, it.kv_end, s);
             });
 }
 
