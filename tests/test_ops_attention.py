@@ -268,3 +268,18 @@ def test_fake_kernel_checks_shapes():
             torch.ops.pagedgen.paged_attention(fake[0][:, :2], *fake[1:])
         with pytest.raises(Exception, match="same sequences"):
             torch.ops.pagedgen.paged_attention(*fake[:6], fake[6][:-1], *fake[7:])
+
+
+def test_engine_on_the_reference_gives_the_kernels_tokens(stories_path, monkeypatch):
+    """The engine's steps (chunked prefill after cached prefixes, decode rows, forks) through the
+    PyTorch reference, the fallback without the extension, give the kernels' greedy tokens."""
+    from pagedgen import LLM, SamplingParams
+
+    prompts = ["Once upon a time", "The little dog ran to the park and saw"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = LLM(stories_path, block_size=8, max_num_batched_tokens=6, max_model_len=128)  # prompts in chunks of <= 6
+    kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(ops, "_impl", lambda name, device_type: getattr(reference, name))
+    with single_thread():
+        fallback = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert fallback == kernel

@@ -28,6 +28,10 @@
 #include <immintrin.h>
 #endif
 
+// Vectors wider than the build's registers (8 floats without AVX) are passed by value between inline
+// functions only; GCC's note that such arguments change the ABI does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace pagedgen::cpu {
 
 #if defined(__AVX512F__)
@@ -137,7 +141,9 @@ inline Vec<W> load(const c10::BFloat16* p) {
 }
 
 // float -> bf16 bits (in the low 16 bits of each int32 lane): round to nearest even, NaN -> 0x7FC0,
-// as c10::BFloat16's round_to_nearest_even.
+// as c10::BFloat16's round_to_nearest_even. Integer arithmetic on every instruction set: AVX-512
+// BF16's vcvtneps2bf16 would save a few instructions but flushes denormal inputs and outputs to
+// zero, which c10 (and so the PyTorch references) does not.
 template <int W>
 inline UVec<W> bf16_bits(const Vec<W>& v) {
   const UVec<W> u = bits_of<W>(v);
