@@ -82,7 +82,8 @@ def paged_cache(k: torch.Tensor, v: torch.Tensor, block_size: int, shuffle: bool
         return t.reshape(S * blocks, block_size, Hkv, D)
 
     order = torch.randperm(S * blocks) if shuffle else torch.arange(S * blocks)
-    key_cache, value_cache = torch.empty_like(blocked(k)), torch.empty_like(blocked(v))
+    shape, dtype = (S * blocks, block_size, Hkv, D), k.dtype
+    key_cache, value_cache = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
     key_cache[order] = blocked(k)  # logical block i of the batch lives in physical block order[i]
     value_cache[order] = blocked(v)
     return key_cache, value_cache, order.view(S, blocks).to(torch.int32)

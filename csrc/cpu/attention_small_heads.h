@@ -1,7 +1,7 @@
 // AVX-512 building blocks of the small-head path of the CPU paged attention kernel
-// (csrc/cpu/attention.cpp, attend_small): head sizes 8 and 16, where a K row of one head is at most
-// one register and per-(token, head) dot products with a horizontal sum would cost more than the
-// multiply-adds themselves.
+// (csrc/cpu/attention_small.h, attend_small_rows): head sizes 8 and 16, where a K row of one head is
+// at most one register and per-(token, head) dot products with a horizontal sum would cost more than
+// the multiply-adds themselves.
 //
 // The path works on the cache rows of several KV heads at once. In the cache layout
 // [num_blocks, block_size, num_kv_heads, head_size] the heads of one token are contiguous, so a token

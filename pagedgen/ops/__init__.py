@@ -25,8 +25,8 @@ if _IMPORT_ERROR is None:
     fake.register_fakes()  # FakeTensor / torch.compile / opcheck support of the ops just loaded
 
 __all__ = [
-    "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks",
-    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
+    "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
