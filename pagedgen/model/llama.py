@@ -10,32 +10,17 @@ rows instead of up to ten ATen ops, which matters when a step is a few hundred t
 One step's batch is flat: T tokens from many sequences, prefill chunks and decode tokens mixed.
 Attention for every token goes through the paged kernels: the new keys/values are first written
 into their slots (``reshape_and_cache``), then each token attends over its sequence's cached tokens
-up to and including itself (``paged_attention`` with one row per token, seq_len = position + 1).
+up to and including itself (the varlen ``paged_attention``: a prefill chunk or a decode row per
+sequence, see ``pagedgen.ops.AttentionMetadata``).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedgen import ops
 from pagedgen.config import ModelConfig
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step inputs of attention (built by the model runner).
-
-    Attributes:
-        slot_mapping: [T] int64, KV slot of each token (block * block_size + offset).
-        block_tables: [T, max_blocks] int32, the block table of each token's sequence.
-        seq_lens: [T] int32, tokens each token attends over (its position + 1).
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
+from pagedgen.ops import AttentionMetadata
 
 
 def rope_cos_sin(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +147,7 @@ class LlamaForCausalLM:
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
             ops.rotary_embedding(positions, q, k, self.cos, self.sin)  # in place
             ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-            ops.paged_attention(attn_out, q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
+            ops.paged_attention(attn_out, q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale, 0)
             h = F.linear(attn_out.view(T, H * D), layer["o"])  # [T, hidden]
             ops.fused_add_rms_norm(h, x, layer["post_norm"], eps)  # x += h; h = norm(x)
             gate_up = F.linear(h, layer["gate_up"])  # [T, 2 intermediate]
