@@ -26,7 +26,6 @@ from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.sampler import Sampler, make_generator
 from pagedgen.engine.sequence import Sequence
 from pagedgen.model import loader
-from pagedgen.model.llama import LlamaForCausalLM, rope_cos_sin
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
@@ -152,17 +151,12 @@ class LLM:
             )
         max_num_batched_tokens = max_num_batched_tokens or max(4096, max_num_seqs)
 
-        from transformers import AutoTokenizer
-
         tok_path = os.fspath(tokenizer) if tokenizer is not None else model
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.tokenizer = loader.load_tokenizer(tok_path)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
-        weights = loader.load_safetensors(model, model_config.dtype)
-        cos, sin = rope_cos_sin(hf_config, model_config.head_dim, max_model_len)
-        self.model = LlamaForCausalLM(model_config, weights, cos, sin, device)
-        del weights
+        self.model = loader.load_model(model, hf_config, model_config, device)
 
         block_bytes = model_config.kv_bytes_per_token() * block_size
         if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
