@@ -19,6 +19,7 @@ logprob of pagedgen's token is within ``BF16_TIE`` of its best (a near-tie, not 
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -154,3 +155,46 @@ def test_bf16_agrees_with_transformers_bf16(family):
                 assert gap <= BF16_TIE, f"{family.name}: token {t} differs from transformers' bf16 by {gap:.3f} nats"
                 break
     assert err_pagedgen <= 1.25 * err_transformers + 0.05, (family.name, err_pagedgen, err_transformers)
+
+
+_MATMULS = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,
+            torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.addmm}
+
+
+def test_every_matmul_goes_through_linear(family):
+    """``pagedgen.layers.linear.linear`` is the single point of the model's matmuls (attention's own
+    arithmetic inside ``pagedgen.ops`` excepted): later work makes it batch-invariant there."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    from pagedgen.layers import linear as linear_module
+    from pagedgen.model import loader
+
+    single_point = linear_module.linear.__code__
+    ops_dir = os.path.join(os.path.dirname(linear_module.__file__), "..", "ops")
+    ops_dir = os.path.realpath(ops_dir)
+    stray, seen = [], []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in _MATMULS:
+                frame, ok = sys._getframe(1), False
+                while frame is not None and not ok:
+                    ok = frame.f_code is single_point or os.path.realpath(frame.f_code.co_filename).startswith(ops_dir)
+                    frame = frame.f_back
+                (seen if ok else stray).append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    hf_config = loader.load_hf_config(family.path)
+    model = loader.load_model(family.path, hf_config, loader.model_config_from_hf(hf_config, torch.float32))
+    cfg = model.config
+    T, block = 5, 16
+    caches = [(torch.zeros(1, block, cfg.num_kv_heads, cfg.head_dim), torch.zeros(1, block, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    from pagedgen.layers.attention import AttentionMetadata
+
+    attn = AttentionMetadata(torch.arange(T), torch.zeros(T, 1, dtype=torch.int32), torch.arange(1, T + 1, dtype=torch.int32))
+    with Watch():
+        model.forward(torch.tensor(PROMPTS[1][:T]), torch.arange(T), attn, caches, torch.tensor([T - 1]))
+    assert not stray, f"{family.name}: matmuls outside pagedgen.layers.linear.linear: {stray}"
+    assert seen  # the watch saw the projections

@@ -69,7 +69,7 @@ def checkpoint_files(path: str) -> list[str]:
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise FileNotFoundError(f"weight shard {missing[0]!r}{more} listed in {index} is missing in {path!r}")
+        raise FileNotFoundError(f"weight shard {os.path.join(path, missing[0])}{more} listed in {index} is missing")
     return [os.path.join(path, f) for f in files]
 
 
