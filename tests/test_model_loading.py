@@ -190,7 +190,7 @@ def test_broken_checkpoint_is_a_clear_error_naming_the_file(model_copy, breakage
 
 def test_tokenizer_from_another_folder_fixes_a_folder_without_one(model_copy, stories_path):
     _no_tokenizer(model_copy)
-    llm = LLM(model_copy, tokenizer=stories_path, num_kv_blocks=16)
+    llm = LLM(model_copy, tokenizer=stories_path, num_kv_blocks=16, max_model_len=256)
     assert llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
