@@ -42,7 +42,8 @@ ChatMessage = dict  # {"role": str, "content": str}
 
 
 class LLM:
-    """Loads a Hugging Face Llama checkpoint and generates completions for lists of prompts.
+    """Loads a Hugging Face checkpoint (an architecture of pagedgen.model.registry) and generates
+    completions for lists of prompts.
 
     Args:
         model: path of a checkpoint folder (config.json, model.safetensors or a sharded
