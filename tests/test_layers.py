@@ -139,3 +139,56 @@ def test_merged_loader_shape_error_and_meta_dry_run():
     gate_up.weight.data.zero_()
     gate_up.weight_loader(gate_up.weight, torch.empty(5, 4, device="meta"), 1)  # dry run: nothing copied
     assert not gate_up.weight.any()
+
+
+def test_module_mirror_stays_in_step_with_nn_module():
+    """pagedgen.layers.module.Module: calls run forward, registered members are plain attributes, and
+    the mirror follows every change nn.Module makes (assignment, deletion, _apply, deepcopy, the
+    loader's materialisation)."""
+    import copy
+
+    from torch import nn
+
+    from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from pagedgen.layers.linear import ColumnParallelLinear
+    from pagedgen.layers.module import Module
+    from pagedgen.model.weights import materialize
+
+    class Net(Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = VocabParallelEmbedding(10, 4)
+            self.head = ParallelLMHead(10, 4, tie_to=self.emb)
+            self.lin = ColumnParallelLinear(4, 3, bias=True)
+            self.register_buffer("buf", torch.zeros(2, device="cpu"), persistent=False)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    def in_step(m):
+        for mod in m.modules():
+            for registry in (mod._parameters, mod._buffers, mod._modules):
+                for name, value in registry.items():
+                    assert mod.__dict__.get(name, "missing") is value, name
+
+    net = Net()
+    in_step(net)
+    assert type(net).__call__ is Net.forward
+    net.double()
+    in_step(net)
+    assert net.lin.weight.dtype == torch.float64 and net.head.weight is net.emb.weight
+    net.lin.bias = None
+    in_step(net)
+    net.lin.bias = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    in_step(net)
+    del net.buf
+    assert not hasattr(net, "buf") and "buf" not in net._buffers
+    twin = copy.deepcopy(net)
+    in_step(twin)
+    assert twin.head.weight is twin.emb.weight and twin.lin.weight is not net.lin.weight
+    assert net(torch.ones(2, 4, dtype=torch.float64)).shape == (2, 3)
+    with torch.device("meta"):
+        meta = Net()
+    materialize(meta, torch.bfloat16, torch.device("cpu"))
+    in_step(meta)
+    assert meta.lin.weight.dtype == torch.bfloat16 and meta.head.weight is meta.emb.weight and meta.lin.weight.weight_loader

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedgen import ops
+from pagedgen.layers.module import Module
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ def get_act_fn(name: str, field: str = "hidden_act") -> Callable[[torch.Tensor],
     return ACTIVATIONS[name]
 
 
-class ActAndMul(nn.Module):
+class ActAndMul(Module):
     """Gated activation of a fused [gate | up] projection: ``[T, 2d] -> [T, d] = act(gate) * up``.
 
     ``silu`` (SwiGLU, Llama) runs as ``ops.silu_and_mul``; others (GeGLU with ``gelu_pytorch_tanh``,

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from pagedgen import ops
+from pagedgen.layers.module import Module
 
 
 @dataclass
@@ -48,7 +48,7 @@ def _paged_attention(
     ops.paged_attention(out, query, key_cache, value_cache, attn.block_tables, attn.seq_lens, scale)
 
 
-class Attention(nn.Module):
+class Attention(Module):
     """Causal attention of this step's tokens over their sequences' cached keys and values.
 
     Args:

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.layers.linear import linear
+from pagedgen.layers.module import Module
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     """Token embedding: ids [T] int64 -> [T, embedding_dim] (model dtype).
 
     Args:
@@ -37,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
-class PositionEmbedding(nn.Module):
+class PositionEmbedding(Module):
     """Learned absolute position embedding (GPT-2's ``wpe``, OPT's ``embed_positions``): positions
     [T] int64 -> rows ``weight[position + offset]`` [T, embedding_dim].
 
@@ -56,7 +57,7 @@ class PositionEmbedding(nn.Module):
         return F.embedding(positions + self.offset if self.offset else positions, self.weight)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(Module):
     """Logits of the rows to sample: [S, hidden] -> [S, vocab] float32 (the matmul in the model
     dtype, as transformers, then converted).
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.layers.loading import check_shape
+from pagedgen.layers.module import Module
 
 ShardId = Union[str, int, None]
 LAYOUTS = ("default", "conv1d", "interleaved_qkv")
@@ -56,7 +57,7 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class LinearBase(nn.Module):
+class LinearBase(Module):
     """``y = x W^T + b`` over ``[T, input_size]`` rows; W: [output_size, input_size] (model dtype).
 
     Args:

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedgen import ops
+from pagedgen.layers.module import Module
 
 NormOut = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """Root-mean-square norm (Zhang & Sennrich 2019) over the last dimension.
 
     Args:
@@ -56,7 +57,7 @@ class RMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Module):
     """Layer norm (Ba et al. 2016) as ``torch.nn.LayerNorm``: ``(x - mean) / sqrt(var + eps) * weight
     + bias`` over the last dimension, in the model dtype.
 

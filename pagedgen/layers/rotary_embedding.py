@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from pagedgen import ops
+from pagedgen.layers.module import Module
 
 #: Rope types transformers recomputes from the current sequence length in every forward pass.
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -87,7 +87,7 @@ def rope_cos_sin(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Te
     return cos_sin_tables(inv_freq, scaling, max_positions)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Rotates the first ``rotary_dim`` features of every query and key head by its position.
 
     Args:

@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from pagedgen.config import ModelConfig
 from pagedgen.layers.attention import AttentionMetadata
+from pagedgen.layers.module import Module
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -40,7 +40,7 @@ def layer_sliding_windows(hf_config, num_layers: int) -> list[int]:
     return [window] * num_layers
 
 
-class CausalLM(nn.Module):
+class CausalLM(Module):
     """Base of the model families (a decoder-only causal LM over the paged KV cache).
 
     Args:

@@ -23,11 +23,12 @@ from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention, AttentionMetadata
 from pagedgen.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.model.base import CausalLM, KVCache
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(Module):
     """Multi-head attention; q·k scaled by 1/sqrt(head_dim) (``scale_attn_weights``) and by
     1/(layer index + 1) with ``scale_attn_by_inverse_layer_idx``."""
 
@@ -46,7 +47,7 @@ class GPT2Attention(nn.Module):
         return self.c_proj(self.attn(q, k, v, kv_cache, attn).view(h.shape[0], -1))
 
 
-class GPT2MLP(nn.Module):
+class GPT2MLP(Module):
     def __init__(self, hf_config, hidden_size: int) -> None:
         super().__init__()
         inner = hf_config.n_inner or 4 * hidden_size
@@ -58,7 +59,7 @@ class GPT2MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(h)))
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(Module):
     def __init__(self, hf_config, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         eps = hf_config.layer_norm_epsilon
@@ -72,7 +73,7 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(Module):
     def __init__(self, hf_config, config: ModelConfig) -> None:
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

@@ -25,12 +25,13 @@ from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention, AttentionMetadata
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope
 from pagedgen.model.base import CausalLM, KVCache
 
 
-class GPTNeoXAttention(nn.Module):
+class GPTNeoXAttention(Module):
     def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         H, D, bias = config.num_heads, config.head_dim, hf_config.attention_bias
@@ -45,7 +46,7 @@ class GPTNeoXAttention(nn.Module):
         return self.dense(self.attn(q, k, v, kv_cache, attn).view(h.shape[0], -1))
 
 
-class GPTNeoXMLP(nn.Module):
+class GPTNeoXMLP(Module):
     def __init__(self, hf_config) -> None:
         super().__init__()
         self.dense_h_to_4h = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size, bias=True)
@@ -56,7 +57,7 @@ class GPTNeoXMLP(nn.Module):
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(h)))
 
 
-class GPTNeoXLayer(nn.Module):
+class GPTNeoXLayer(Module):
     def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.use_parallel_residual = hf_config.use_parallel_residual
@@ -73,7 +74,7 @@ class GPTNeoXLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(a)) + a
 
 
-class GPTNeoXModel(nn.Module):
+class GPTNeoXModel(Module):
     def __init__(self, hf_config, config: ModelConfig) -> None:
         super().__init__()
         rotary_emb = get_rope(hf_config, config.head_dim)

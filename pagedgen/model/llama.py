@@ -31,12 +31,13 @@ from pagedgen.layers.activation import ActAndMul
 from pagedgen.layers.attention import Attention, AttentionMetadata  # noqa: F401 (AttentionMetadata: the engine imports it from here)
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedgen.layers.module import Module
 from pagedgen.layers.norm import RMSNorm
 from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_cos_sin  # noqa: F401 (rope_cos_sin: re-exported)
 from pagedgen.model.base import CausalLM, KVCache, layer_sliding_windows
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     """q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection.
 
     Args:
@@ -67,7 +68,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(T, -1))  # [T, hidden]
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     """Gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``, gate and up in one matmul
     (SwiGLU for ``silu``; Gemma's GeGLU with ``gelu_pytorch_tanh``)."""
 
@@ -81,7 +82,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(h)))  # [T, hidden]
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     """Pre-norm decoder layer. ``forward(positions, h, residual, kv_cache, attn) -> (h, residual)``:
     the residual add is deferred to the next norm (fused with it), as in vLLM; the first layer gets
     ``residual=None`` and the embeddings as ``h``.
@@ -109,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Module):
     """Embedding, decoder layers, final norm; returns the normalised rows at ``logits_indices``.
 
     Args:

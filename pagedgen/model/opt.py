@@ -23,13 +23,14 @@ from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention, AttentionMetadata
 from pagedgen.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.model.base import CausalLM, KVCache
 
 POSITION_OFFSET = 2  # OPT's learned positions reserve rows 0 and 1
 
 
-class OPTAttention(nn.Module):
+class OPTAttention(Module):
     def __init__(self, config: ModelConfig, bias: bool) -> None:
         super().__init__()
         H, D = config.num_heads, config.head_dim
@@ -44,7 +45,7 @@ class OPTAttention(nn.Module):
         return self.out_proj(self.attn(q, k, v, kv_cache, attn).view(h.shape[0], -1))
 
 
-class OPTDecoderLayer(nn.Module):
+class OPTDecoderLayer(Module):
     def __init__(self, hf_config, config: ModelConfig) -> None:
         super().__init__()
         hidden, bias, affine = config.hidden_size, hf_config.enable_bias, hf_config.layer_norm_elementwise_affine
@@ -64,7 +65,7 @@ class OPTDecoderLayer(nn.Module):
         return self.final_layer_norm(x + self.fc2(self.act(self.fc1(x))))
 
 
-class OPTDecoder(nn.Module):
+class OPTDecoder(Module):
     def __init__(self, hf_config, config: ModelConfig) -> None:
         super().__init__()
         hidden, word_dim = config.hidden_size, hf_config.word_embed_proj_dim
@@ -91,7 +92,7 @@ class OPTDecoder(nn.Module):
         return x
 
 
-class OPTModel(nn.Module):
+class OPTModel(Module):
     def __init__(self, hf_config, config: ModelConfig) -> None:
         super().__init__()
         self.decoder = OPTDecoder(hf_config, config)

@@ -184,16 +184,16 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
     ``weight_loader`` attributes kept) and move the buffers (RoPE tables) to ``device``."""
     memo: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for name, p in module._parameters.items():
+        for name, p in list(module._parameters.items()):
             if p is not None and id(p) not in memo:
                 new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
                 new.__dict__.update(p.__dict__)
                 memo[id(p)] = new
             if p is not None:
-                module._parameters[name] = memo[id(p)]
-        for name, b in module._buffers.items():
+                setattr(module, name, memo[id(p)])
+        for name, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[name] = memo.setdefault(id(b), b.to(device))
+                setattr(module, name, memo.setdefault(id(b), b.to(device)))
 
 
 def read_weights(model: CausalLM, plan: list[TensorPlan]) -> None:
