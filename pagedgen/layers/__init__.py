@@ -8,4 +8,6 @@ they load from a checkpoint (nano-vllm's and vLLM's ``layers/``):
 - ``embedding``: token embedding, learned absolute positions, the lm_head.
 - ``activation``: activations by config name, gated ``act(gate) * up``.
 - ``attention``: the paged KV-cache attention (``AttentionMetadata``, ``Attention``).
+- ``loading``: the default weight loader and the shape check every loader makes.
+- ``module``: ``Module``, the ``nn.Module`` base of all of them, with cheap calls and attribute reads.
 """
