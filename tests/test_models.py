@@ -1,6 +1,10 @@
 """Every supported family against transformers: one parametrised test over tiny random-weight
 checkpoints (``tiny_checkpoints.FAMILIES``; vLLM's tests/models/language/generation/test_common.py).
 
+Sliding windows: the Mistral entry attends over the last 16 tokens in every layer, the Qwen2 entry
+over 24 in its second layer only (``max_window_layers``); prompts (up to 45 tokens) and completions
+(40) run past both windows.
+
 For each family, transformers' own model is the oracle (float32, eager attention, one prompt at a
 time, no padding): greedy ``generate(do_sample=False)`` for 10 prompts x 40 tokens, and the
 log-softmax of one forward pass over prompt + completion for every token's logprob. pagedgen must
@@ -78,6 +82,8 @@ def _reference(hf_model) -> Reference:
 def family(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     hf_model = tiny_checkpoints.build(request.param, path)
+    window = getattr(hf_model.config, "sliding_window", None)
+    assert not window or max(map(len, PROMPTS)) > window, "the prompts must be longer than the window"
     reference = _reference(hf_model)
     # the test means something only if the random model's outputs depend on the prompt
     assert len({tuple(t) for t in reference.tokens}) == len(PROMPTS), "greedy outputs do not vary between prompts"
@@ -191,9 +197,9 @@ def test_every_matmul_goes_through_linear(family):
     cfg = model.config
     T, block = 5, 16
     caches = [(torch.zeros(1, block, cfg.num_kv_heads, cfg.head_dim), torch.zeros(1, block, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
-    from pagedgen.layers.attention import AttentionMetadata
+    from pagedgen.ops import AttentionMetadata
 
-    attn = AttentionMetadata(torch.arange(T), torch.zeros(T, 1, dtype=torch.int32), torch.arange(1, T + 1, dtype=torch.int32))
+    attn = AttentionMetadata(torch.arange(T), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([T], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32), T)
     with Watch():
         model.forward(torch.tensor(PROMPTS[1][:T]), torch.arange(T), attn, caches, torch.tensor([T - 1]))
     assert not stray, f"{family.name}: matmuls outside pagedgen.layers.linear.linear: {stray}"

@@ -26,9 +26,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=64),
     )),
-    "mistral": ("MistralConfig", dict(intermediate_size=128, num_key_value_heads=1, head_dim=16, sliding_window=None)),
+    # every layer attends over the last 16 tokens: prompts and completions are longer
+    "mistral": ("MistralConfig", dict(intermediate_size=128, num_key_value_heads=1, head_dim=16, sliding_window=16)),
+    # layer 0 full attention, layer 1 a 24-token window (Qwen2's max_window_layers)
     "qwen2": ("Qwen2Config", dict(
         intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
+        use_sliding_window=True, sliding_window=24, max_window_layers=1,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=128),
     )),
     "qwen3": ("Qwen3Config", dict(intermediate_size=128, num_key_value_heads=2, head_dim=32, attention_bias=True)),

@@ -3,34 +3,18 @@
 Every family's attention projects q/k/v and applies its position embedding, then calls
 ``Attention.forward(q, k, v, kv_cache, attn)``, which writes the new keys/values into their slots
 (``ops.reshape_and_cache``) and attends over each token's sequence through its block table
-(``ops.paged_attention``, PagedAttention paper section 4.1). The step's ``AttentionMetadata`` is
-built by the model runner and passed through unchanged; ``_paged_attention`` below is the one call
-of the attention op, so a change of its arguments is a change to that one function.
+(``ops.paged_attention``, PagedAttention paper section 4.1). The step's ``AttentionMetadata``
+(``pagedgen.ops.metadata``) is built by the model runner and passed through unchanged; each layer
+adds its own sliding window. ``_paged_attention`` below is the one call of the attention op, so a
+change of its arguments is a change to that one function.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from pagedgen import ops
+from pagedgen.ops import AttentionMetadata
 from pagedgen.layers.module import Module
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step inputs of attention (built by the model runner).
-
-    Attributes:
-        slot_mapping: [T] int64, KV slot of each token (block * block_size + offset; negative:
-            padding, not written).
-        block_tables: [T, max_blocks] int32, the block table of each token's sequence.
-        seq_lens: [T] int32, tokens each token attends over (its position + 1).
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
 
 
 def _paged_attention(
@@ -42,10 +26,9 @@ def _paged_attention(
     scale: float,
     sliding_window: int,
 ) -> None:
-    """The one call of ``ops.paged_attention``."""
-    if sliding_window:
-        raise NotImplementedError("sliding-window attention needs the varlen paged_attention op")
-    ops.paged_attention(out, query, key_cache, value_cache, attn.block_tables, attn.seq_lens, scale)
+    """The one call of ``ops.paged_attention`` (the varlen op: each sequence's rows of ``query``
+    attend causally over its cached tokens, within ``sliding_window`` when it is not 0)."""
+    ops.paged_attention(out, query, key_cache, value_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, sliding_window)
 
 
 class Attention(Module):

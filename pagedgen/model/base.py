@@ -21,8 +21,8 @@ from typing import ClassVar
 import torch
 
 from pagedgen.config import ModelConfig
-from pagedgen.layers.attention import AttentionMetadata
 from pagedgen.layers.module import Module
+from pagedgen.ops import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 

@@ -20,12 +20,13 @@ from torch import nn
 
 from pagedgen.config import ModelConfig
 from pagedgen.layers.activation import get_act_fn
-from pagedgen.layers.attention import Attention, AttentionMetadata
+from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.model.base import CausalLM, KVCache
+from pagedgen.ops import AttentionMetadata
 
 
 class GPT2Attention(Module):

@@ -22,13 +22,14 @@ from torch import nn
 
 from pagedgen.config import ModelConfig
 from pagedgen.layers.activation import get_act_fn
-from pagedgen.layers.attention import Attention, AttentionMetadata
+from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope
 from pagedgen.model.base import CausalLM, KVCache
+from pagedgen.ops import AttentionMetadata
 
 
 class GPTNeoXAttention(Module):

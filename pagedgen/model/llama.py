@@ -28,13 +28,14 @@ from torch import nn
 
 from pagedgen.config import ModelConfig
 from pagedgen.layers.activation import ActAndMul
-from pagedgen.layers.attention import Attention, AttentionMetadata  # noqa: F401 (AttentionMetadata: the engine imports it from here)
+from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import RMSNorm
 from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_cos_sin  # noqa: F401 (rope_cos_sin: re-exported)
 from pagedgen.model.base import CausalLM, KVCache, layer_sliding_windows
+from pagedgen.ops import AttentionMetadata
 
 
 class LlamaAttention(Module):

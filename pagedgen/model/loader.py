@@ -112,9 +112,6 @@ def load_hf_config(path: str):
             name = field if field not in aliases else f"{field} (or {aliases[field]})"
             raise CheckpointError(file, f"the required field {name} is missing")
     cls.check_config(hf_config)
-    windows = layer_sliding_windows(hf_config, hf_config.num_hidden_layers)
-    if any(0 < w < hf_config.max_position_embeddings for w in windows):
-        raise ValueError(f"sliding-window attention (sliding_window={max(windows)}) is not supported yet")
     return hf_config
 
 
