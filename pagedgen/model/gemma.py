@@ -30,6 +30,11 @@ class GemmaForCausalLM(CausalLM):
     required_config_fields = LlamaForCausalLM.required_config_fields
     shape_fields = LlamaForCausalLM.shape_fields
 
+    @classmethod
+    def check_config(cls, hf_config) -> None:
+        if getattr(hf_config, "use_bidirectional_attention", None):
+            raise ValueError("config.json use_bidirectional_attention=True (an embedding model) is not supported: pagedgen's attention is causal")
+
     def __init__(self, hf_config, config: ModelConfig) -> None:
         super().__init__(hf_config, config)
         bias = bool(getattr(hf_config, "attention_bias", False))
