@@ -14,6 +14,11 @@ TARGETS = (("pagedgen", "vllm", 1.5), ("pagedgen", "static", 5.0), ("pagedgen", 
 ROOFLINE_TARGET = 0.60  # pagedgen, TinyStories, random-135m, bf16
 
 
+def rate(x: float) -> str:
+    """Tokens/s for a table: whole numbers from 100 on, three significant digits below."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def median_seconds(results: list[dict]) -> float:
     return statistics.median(r["seconds"] for r in results)
 
@@ -68,7 +73,7 @@ def report(runs: dict, useful_tokens: int, roofline_tok_s: float | None, repeats
         share = tps / roofline_tok_s if roofline_tok_s else None
         summary["tokens_per_s"][label], summary["peak_rss_gib"][label], summary["roofline_share"][label] = tps, rss, share
         shown = label + (" (best)" if label == best and sum(k.startswith("static") for k in runs) > 1 else "")
-        say(f"{shown:<26}{tps:>13,.0f}{median_seconds(results):>9.2f}{results[0]['computed_tokens']:>14,}"
+        say(f"{shown:<26}{rate(tps):>13}{median_seconds(results):>9.2f}{results[0]['computed_tokens']:>14,}"
             f"{rss:>8.2f} GiB{(f'{share:.1%}' if share is not None else '-'):>10}")
     say(f"output tok/s: {useful_tokens:,} useful output tokens (each request's own max_tokens) / median wall seconds of "
         f"{repeats} run(s); static batching computes every request of a batch to the batch's largest max_tokens "

@@ -160,7 +160,7 @@ def machine(device: str = "cpu") -> dict:
         pass
     info = dict(cpu=name, flags={f: f in flags for f in CPU_FLAGS}, cores=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), capability=torch.backends.cpu.get_cpu_capability(),
-                onednn_bf16=bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+                onednn_bf16=bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()))
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info

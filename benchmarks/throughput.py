@@ -198,7 +198,7 @@ def measure_roofline(args, info, shapes, prompts, max_tokens, say) -> dict:
         say(f"  {'/'.join(s['names']):<24} [{s['n']}, {s['k']}]  GFLOP/s {cells}")
     size, mm = flops["mm"]
     say(f"  torch.mm {size}x{size} (reference): {mm / 1e9:.3g} GFLOP/s")
-    say(f"roofline for this workload: {roof:,.0f} output tok/s (M_prefill {m_prefill}, M_decode {m_decode})")
+    say(f"roofline for this workload: {_report.rate(roof)} output tok/s (M_prefill {m_prefill}, M_decode {m_decode})")
     table = {f"{n}x{k}@{m}": v for (n, k, m), v in flops["linear"].items()}
     return dict(tokens_per_s=roof, m_prefill=m_prefill, m_decode=m_decode, linear_flops_per_s=table,
                 mm_size=size, mm_flops_per_s=mm, formula=_roofline.FORMULA)
@@ -221,7 +221,7 @@ def run_all(args, rows: dict, job: dict, workdir: str, vllm_env: dict, useful: i
                 say(f"run {rep + 1}/{args.repeats} {label}: FAILED\n{e}")
                 continue
             runs[label].append(result)
-            say(f"run {rep + 1}/{args.repeats} {label}: {result['seconds']:.2f} s, {useful / result['seconds']:,.0f} tok/s, "
+            say(f"run {rep + 1}/{args.repeats} {label}: {result['seconds']:.2f} s, {_report.rate(useful / result['seconds'])} tok/s, "
                 f"peak RSS {result['peak_rss_bytes'] / _report.GIB:.2f} GiB")
     return {label: r for label, r in runs.items() if r and label not in failed}, failed
 
