@@ -10,7 +10,7 @@ Job (written by throughput.py, the same token ids and limits for every system)::
     device            "cpu" | "cuda"
     prompts           [{"prompt_token_ids": [int, ...]}, ...]   vLLM's TokensPrompt, one per request
     max_tokens        [int, ...]   per-request output tokens (exact: ignore_eos)
-    ignore_eos, greedy, seed
+    ignore_eos, greedy, seed   both true: the runners implement greedy decoding with exact lengths only
     warmup_prompts    [{"prompt_token_ids": [...]}, ...]   run untimed with max_tokens 4 first
     options           system-specific settings (max_num_seqs, KV blocks, batch size, ...)
 
@@ -106,6 +106,8 @@ def main(run, argv=None) -> None:
     if len(argv) != 2:
         raise SystemExit(f"usage: {os.path.basename(sys.argv[0])} JOB.json RESULT.json")
     job = read_json(argv[0])
+    if not (job["greedy"] and job["ignore_eos"]):
+        raise SystemExit("the runners implement greedy, ignore_eos jobs only (exact lengths, comparable outputs)")
     with PeakRSS() as rss:
         result = run(job)
     result["peak_rss_bytes"] = rss.peak_bytes

@@ -44,7 +44,7 @@ def run_pagedgen(job: dict) -> dict:
         kwargs["device"] = job["device"]
     llm = LLM(job["model"], **kwargs)
     prompts, max_tokens = _job.token_ids(job), job["max_tokens"]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=job["ignore_eos"]) for m in max_tokens]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(_job.token_ids(job, "warmup_prompts"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     before = llm.get_stats()
     seconds, outs = timed(lambda: llm.generate(prompts, params, use_tqdm=False), job["device"])

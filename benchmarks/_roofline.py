@@ -134,10 +134,10 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
                                                         min_seconds, budget_seconds)
     probe = None
     for size in (512, 1024, 2048):
-        a = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
-        b = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
         if probe is not None and 2 * size**3 / probe > budget_seconds:
             break
+        a = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
+        b = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
         probe = _median_flops(lambda: torch.mm(a, b), 2 * size**3, sync, runs, min_seconds, budget_seconds)
         mm = (size, probe)
     return dict(linear=linear, mm=mm)

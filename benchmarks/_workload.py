@@ -118,7 +118,7 @@ def fold_ids(prompts: list[list[int]], vocab_size: int) -> tuple[list[list[int]]
     return [[t % vocab_size for t in p] for p in prompts], folded
 
 
-def load_workload(name: str, tokenizer, num_prompts: int, min_tokens: int, max_tokens: int,
+def load_workload(name: str, tokenizer, *, num_prompts: int, min_tokens: int, max_tokens: int,
                   max_prompt_tokens: int | None, max_model_len: int, seed: int) -> tuple[list[list[int]], list[int]]:
     """Prompt token ids and per-request max_tokens (output tokens, exact with ignore_eos).
 

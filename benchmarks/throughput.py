@@ -40,6 +40,7 @@ the rows that sample).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -58,6 +59,24 @@ BLOCK_SIZE = 16  # tokens per KV block, pagedgen's default; also the continuous 
 KV_MEMORY_FRACTION = 0.25  # KV cache cap as a share of available memory (pagedgen's default)
 VLLM_MAX_MODEL_LEN = 2048
 QUICK = dict(num_prompts=8, min_tokens=4, max_tokens=8, static_batch_sizes=[8], roofline_runs=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What one run works on, built once from the arguments (no model loaded)."""
+
+    info: dict  # _workload.model_info
+    prompts: list[list[int]]  # token ids per request
+    max_tokens: list[int]  # output tokens per request
+    folded: int  # prompt ids folded into the vocabulary
+    kv_blocks: int  # pagedgen's and continuous batching's KV cache, blocks of BLOCK_SIZE
+    shapes: list[dict]  # _roofline.gemm_shapes
+    rows: dict  # label -> (system, runner options)
+    vllm_env: dict  # VLLM_CPU_* variables of the vLLM runner
+
+    @property
+    def workload_rows(self) -> dict:
+        return _roofline.workload_rows([len(p) for p in self.prompts], self.max_tokens)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--roofline-runs", type=int, default=7, help="timed runs per GEMM shape; the median counts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 8 prompts, max_tokens 4-8, static batch 8, 3 runs per GEMM shape")
+                    help="smoke run: 8 prompts, max_tokens 4-8, static batch 8, 3 runs per GEMM shape (overrides those flags)")
     ap.add_argument("--out", default=None, help="folder for throughput.json, throughput.txt and the runners' logs")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (no model built, loaded or run)")
     args = ap.parse_args(argv)
@@ -151,11 +170,29 @@ def row_options(args, info: dict, tokenizer, kv_blocks: int) -> dict:
     return rows
 
 
-def plan(args, info: dict, prompts, max_tokens, kv_blocks: int, rows: dict, shapes, vllm_env: dict, say) -> None:
+def setup(args) -> Setup:
+    """Model facts, the workload's token ids and limits, KV size, GEMM shapes, table rows."""
+    from transformers import AutoTokenizer
+
+    info = _workload.model_info(args.model, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
+    prompts, max_tokens = _workload.load_workload(
+        args.workload, tokenizer, num_prompts=args.num_prompts, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, max_model_len=info["max_model_len"], seed=args.seed)
+    prompts, folded = _workload.fold_ids(prompts, info["config"]["vocab_size"])
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
+    kv_blocks = args.num_kv_blocks or default_kv_blocks(args, info, longest)
+    return Setup(info=info, prompts=prompts, max_tokens=max_tokens, folded=folded, kv_blocks=kv_blocks,
+                 shapes=_roofline.gemm_shapes(info["config"]), rows=row_options(args, info, tokenizer, kv_blocks),
+                 vllm_env=_launch.vllm_env(args.vllm_kv_cache_gib, args.vllm_threads_bind))
+
+
+def plan(args, su: Setup, say) -> None:
     """Print what the run does: machine, model shapes, workload, roofline formula, systems, commands."""
     import torch
     import transformers
 
+    info, shapes, max_tokens = su.info, su.shapes, su.max_tokens
     cfg = info["config"]
     say(_roofline.describe_machine(_roofline.machine(args.device)))
     say(f"model {args.model} ({info['dtype']}, max_model_len {info['max_model_len']}) on {args.device}; torch {torch.__version__}, "
@@ -167,30 +204,32 @@ def plan(args, info: dict, prompts, max_tokens, kv_blocks: int, rows: dict, shap
     say(f"  GEMM weights [N, K] x count per token row: " + ", ".join(
         f"{'/'.join(s['names'])} [{s['n']}, {s['k']}] x{s['count']}" for s in shapes))
     say(f"  parameters touched per token row: W = {w:,} (layers) + W_head = {w_head:,} (lm_head, sampled rows only)")
-    plens = [len(p) for p in prompts]
-    say(f"workload {args.workload}: {len(prompts)} requests, seed {args.seed}, greedy, ignore_eos")
+    plens = [len(p) for p in su.prompts]
+    say(f"workload {args.workload}: {len(plens)} requests, seed {args.seed}, greedy, ignore_eos")
     say(f"  prompt tokens min/mean/max {min(plens)}/{statistics.mean(plens):.1f}/{max(plens)}, total {sum(plens):,}")
     say(f"  max_tokens    min/mean/max {min(max_tokens)}/{statistics.mean(max_tokens):.1f}/{max(max_tokens)}, "
         f"total {sum(max_tokens):,} (the useful output tokens)")
-    wl = _roofline.workload_rows(plens, max_tokens)
+    wl = su.workload_rows
     say(f"  {_roofline.FORMULA}")
     say(f"  here P = {wl['P']:,}, D = {wl['D']:,}, O = {wl['O']:,}: {_roofline.workload_flops(shapes, wl) / 1e12:.3f} TFLOP")
-    say(f"systems: {', '.join(rows)}; repeats {args.repeats} (interleaved); max_num_seqs {args.max_num_seqs}; "
-        f"KV cache {kv_blocks} blocks of {BLOCK_SIZE} tokens (pagedgen, generate_batch)")
-    for system in dict.fromkeys(s for s, _ in rows.values()):
-        say(f"  {system}: {_launch.describe(system, args.vllm_venv, vllm_env if system == 'vllm' else {})}")
+    if su.folded:
+        say(f"  {su.folded:,} prompt token ids past the vocabulary ({cfg['vocab_size']}) folded into it (id % vocab)")
+    say(f"systems: {', '.join(su.rows)}; repeats {args.repeats} (interleaved); max_num_seqs {args.max_num_seqs}; "
+        f"KV cache {su.kv_blocks} blocks of {BLOCK_SIZE} tokens (pagedgen, generate_batch)")
+    for system in dict.fromkeys(s for s, _ in su.rows.values()):
+        say(f"  {system}: {_launch.describe(system, args.vllm_venv, su.vllm_env if system == 'vllm' else {})}")
 
 
-def measure_roofline(args, info, shapes, prompts, max_tokens, say) -> dict:
+def measure_roofline(args, su: Setup, say) -> dict:
     """Measure the F.linear FLOP/s of the model's GEMM shapes; print them and the roofline tok/s."""
     budget = args.max_num_batched_tokens or max(4096, args.max_num_seqs)
-    m_prefill, m_decode = _roofline.gemm_rows(args.max_num_seqs, len(prompts), budget, sum(len(p) for p in prompts))
+    wl, shapes = su.workload_rows, su.shapes
+    m_prefill, m_decode = _roofline.gemm_rows(args.max_num_seqs, len(su.prompts), budget, wl["P"])
     start = time.perf_counter()
     kw = dict(runs=args.roofline_runs, min_seconds=0.005, budget_seconds=0.5) if args.quick else dict(runs=args.roofline_runs)
-    flops = _roofline.measure(shapes, m_prefill, m_decode, info["dtype"], args.device, **kw)
-    wl = _roofline.workload_rows([len(p) for p in prompts], max_tokens)
+    flops = _roofline.measure(shapes, m_prefill, m_decode, su.info["dtype"], args.device, **kw)
     roof = _roofline.roofline_tokens_per_s(shapes, wl, flops["linear"], m_prefill, m_decode)
-    say(f"matmul FLOP/s here ({info['dtype']}, F.linear, median of {args.roofline_runs} runs, "
+    say(f"matmul FLOP/s here ({su.info['dtype']}, F.linear, median of {args.roofline_runs} runs, "
         f"{time.perf_counter() - start:.1f} s to measure):")
     for s in shapes:
         cells = ", ".join(f"M={m}: {flops['linear'][(s['n'], s['k'], m)] / 1e9:.3g}"
@@ -204,18 +243,20 @@ def measure_roofline(args, info, shapes, prompts, max_tokens, say) -> dict:
                 mm_size=size, mm_flops_per_s=mm, formula=_roofline.FORMULA)
 
 
-def run_all(args, rows: dict, job: dict, workdir: str, vllm_env: dict, useful: int, say) -> dict:
-    """Every row once per repeat, interleaved; a row that fails is reported and left out from then on."""
-    runs: dict[str, list[dict]] = {label: [] for label in rows}
+def run_all(args, su: Setup, job: dict, workdir: str, say) -> tuple[dict, dict]:
+    """Every row once per repeat, interleaved; a row that fails is reported and left out from then on.
+    Returns (label -> results of its runs, label -> error of a failed row)."""
+    runs: dict[str, list[dict]] = {label: [] for label in su.rows}
+    useful = sum(su.max_tokens)
     failed = {}
     for rep in range(args.repeats):
-        for label, (system, options) in rows.items():
+        for label, (system, options) in su.rows.items():
             if label in failed:
                 continue
             tag = f"{label.replace(', ', '-').replace(' ', '')}-{rep + 1}"
             try:
                 result = _launch.run_job(system, dict(job, options=options), workdir, tag, args.vllm_venv,
-                                         vllm_env if system == "vllm" else {})
+                                         su.vllm_env if system == "vllm" else {})
             except RuntimeError as e:
                 failed[label] = str(e)
                 say(f"run {rep + 1}/{args.repeats} {label}: FAILED\n{e}")
@@ -234,21 +275,9 @@ def main(argv=None) -> None:
         print(line, flush=True)
         lines.append(line)
 
-    info = _workload.model_info(args.model, args.dtype)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
-    prompts, max_tokens = _workload.load_workload(args.workload, tokenizer, args.num_prompts, args.min_tokens, args.max_tokens,
-                                                  args.max_prompt_tokens, info["max_model_len"], args.seed)
-    prompts, folded = _workload.fold_ids(prompts, info["config"]["vocab_size"])
-    longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
-    kv_blocks = args.num_kv_blocks or default_kv_blocks(args, info, longest)
-    shapes = _roofline.gemm_shapes(info["config"])
-    rows = row_options(args, info, tokenizer, kv_blocks)
-    vllm_env = _launch.vllm_env(args.vllm_kv_cache_gib, args.vllm_threads_bind)
-    plan(args, info, prompts, max_tokens, kv_blocks, rows, shapes, vllm_env, say)
-    if folded:
-        say(f"  {folded:,} prompt token ids past the vocabulary ({info['config']['vocab_size']}) folded into it (id % vocab)")
+    su = setup(args)
+    info = su.info
+    plan(args, su, say)
     problem = _launch.vllm_venv_problem(args.vllm_venv) if "vllm" in args.systems else None
     if args.dry_run:
         if problem:
@@ -264,15 +293,15 @@ def main(argv=None) -> None:
         model_path, built = _workload.ensure_random_model(args.model, info["dtype"])
         say(f"{'built' if built else 'cached'} {args.model} (random weights) at {model_path}"
             + (f" in {time.perf_counter() - start:.1f} s" if built else ""))
-    roofline = measure_roofline(args, info, shapes, prompts, max_tokens, say)
-    job = dict(model=model_path, dtype=info["dtype"], device=args.device, max_tokens=max_tokens, ignore_eos=True, greedy=True,
-               seed=args.seed, prompts=[{"prompt_token_ids": p} for p in prompts],
-               warmup_prompts=[{"prompt_token_ids": p} for p in _workload.warmup_prompts(prompts)])
-    useful = sum(max_tokens)
+    roofline = measure_roofline(args, su, say)
+    job = dict(model=model_path, dtype=info["dtype"], device=args.device, max_tokens=su.max_tokens, ignore_eos=True, greedy=True,
+               seed=args.seed, prompts=[{"prompt_token_ids": p} for p in su.prompts],
+               warmup_prompts=[{"prompt_token_ids": p} for p in _workload.warmup_prompts(su.prompts)])
+    useful = sum(su.max_tokens)
     with tempfile.TemporaryDirectory(prefix="pagedgen-bench-") as tmp:
         workdir = os.path.join(args.out, "logs") if args.out else tmp
         os.makedirs(workdir, exist_ok=True)
-        runs, failed = run_all(args, rows, job, workdir, vllm_env, useful, say)
+        runs, failed = run_all(args, su, job, workdir, say)
     if not runs:
         raise SystemExit("throughput.py: every system failed (see above)")
     summary = _report.report(runs, useful, roofline["tokens_per_s"], args.repeats, say)
@@ -287,14 +316,14 @@ def main(argv=None) -> None:
     if "vllm" in runs:
         v = runs["vllm"][-1]["info"]
         say(f"vllm: {v['version']}, max_num_seqs {v['max_num_seqs']}, max_num_batched_tokens {v['max_num_batched_tokens']}, "
-            f"{v['torch_threads']} torch threads; env {' '.join(f'{k}={x}' for k, x in vllm_env.items())}")
+            f"{v['torch_threads']} torch threads; env {' '.join(f'{k}={x}' for k, x in su.vllm_env.items())}")
     for label in failed:
         say(f"{label}: failed, not in the table (its log is quoted above)")
 
     if args.out:
         public = {label: [{k: v for k, v in r.items() if k != "output_token_ids"} for r in rs] for label, rs in runs.items()}
         data = dict(command=sys.argv, args=vars(args), machine=_roofline.machine(args.device), roofline=roofline,
-                    workload=_roofline.workload_rows([len(p) for p in prompts], max_tokens),
+                    workload=su.workload_rows,
                     summary=summary, runs=public, failed=failed)
         with open(os.path.join(args.out, "throughput.json"), "w") as f:
             json.dump(data, f, indent=2)

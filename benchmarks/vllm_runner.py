@@ -3,8 +3,8 @@
     benchmarks/.vllm-venv/bin/python benchmarks/vllm_runner.py JOB.json RESULT.json
 
 Job and result format: benchmarks/_job.py. vLLM gets the prompts as token ids
-(``{"prompt_token_ids": ids}``, vLLM's TokensPrompt), one ``SamplingParams(temperature=0 if greedy,
-max_tokens=m, ignore_eos=..., seed=...)`` per request, ``LLM(model, dtype=..., seed=...,
+(``{"prompt_token_ids": ids}``, vLLM's TokensPrompt), one ``SamplingParams(temperature=0,
+max_tokens=m, ignore_eos=True)`` per request, ``LLM(model, dtype=..., seed=...,
 max_model_len=options.max_model_len, enforce_eager=options.enforce_eager, max_num_seqs=...)``;
 everything else is vLLM's default (prefix caching on, its own chunked-prefill budget). Output text is
 detokenised as vLLM does by default, as pagedgen does. Timed: the one ``LLM.generate`` call over all
@@ -30,10 +30,8 @@ def run(job: dict) -> dict:
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
     llm = LLM(job["model"], **kwargs)
 
-    def params(m: int) -> SamplingParams:
-        if job["greedy"]:
-            return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=job["ignore_eos"])
-        return SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=job["ignore_eos"], seed=job["seed"])
+    def params(m: int) -> SamplingParams:  # greedy, exact length (checked by _job.main)
+        return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
 
     llm.generate(job["warmup_prompts"], params(4), use_tqdm=False)
     sampling = [params(m) for m in job["max_tokens"]]
