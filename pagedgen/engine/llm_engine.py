@@ -12,12 +12,14 @@ from typing import Callable, Optional
 
 import torch
 
+from pagedgen import _repr
 from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.scheduler import Scheduler, SchedulerOutput
 from pagedgen.engine.sequence import Sequence, SequenceStatus
+from pagedgen.engine.step_log import StepLog
 from pagedgen.sampling_params import SamplingParams
 
 
@@ -52,6 +54,12 @@ class EngineStats:
     peak_sharing_savings: float
     num_copy_on_write: int  # blocks copied because a shared block was written
 
+    def __repr__(self) -> str:
+        return _repr.render("EngineStats", _repr.engine_stats(self))
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        _repr.pretty(p, "EngineStats", _repr.engine_stats(self), cycle)
+
 
 class LLMEngine:
     """Drives scheduler, block manager and model runner over a set of sequences.
@@ -77,6 +85,7 @@ class LLMEngine:
         self._peak_blocks = 0
         self._savings_sum = 0.0
         self._peak_savings = 0.0
+        self.step_log: Optional[StepLog] = None  # set by LLM.start_recording(): one record per step
 
     def add_sequence(
         self,
@@ -142,6 +151,8 @@ class LLMEngine:
                     seq.add_logprobs(entry, tok)
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
         self._num_generated += len(out.token_ids)
+        if self.step_log is not None:
+            self.step_log.record(self._num_generated, len(finished))
         self.scheduler.finish_many(finished)
         return finished
 
