@@ -1,0 +1,259 @@
+"""examples/quickstart.ipynb run top to bottom by a real Jupyter kernel of this venv, and a kernel
+interrupted in the middle of a long ``generate`` (issue 16).
+
+The kernel is the test's own interpreter (``sys.executable``, the project's venv), started from a
+kernelspec written into a temporary folder; IPython's and Jupyter's config, data and runtime folders
+point there too, so nothing of the user's Jupyter set-up is read or written. The kernel imports the
+checkout's ``pagedgen`` (PYTHONPATH) and runs from the repository root, as the tests do.
+"""
+import base64
+import json
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+jupyter_client = pytest.importorskip("jupyter_client")
+
+NOTEBOOK = os.path.join(ROOT, "examples", "quickstart.ipynb")
+KERNEL = "pagedgen-test-venv"
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture(scope="module")
+def jupyter_env(tmp_path_factory, stories_path):
+    """(KernelSpecManager, kernel env): a kernelspec for ``sys.executable`` in a temp folder."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    home = tmp_path_factory.mktemp("jupyter")
+    spec_dir = home / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "pagedgen test venv", "language": "python",
+    }))
+    dirs = dict(IPYTHONDIR=home / "ipython", JUPYTER_CONFIG_DIR=home / "config", JUPYTER_DATA_DIR=home / "data",
+                JUPYTER_RUNTIME_DIR=home / "runtime")
+    env = dict(os.environ, **{k: str(v) for k, v in dirs.items()}, JUPYTER_PLATFORM_DIRS="1",
+               PYTHONPATH=os.pathsep.join(dict.fromkeys([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])),
+               OMP_NUM_THREADS="1")  # one torch thread: steady on a busy 2-core machine
+    saved = {k: os.environ.get(k) for k in dirs}
+    os.environ.update({k: str(v) for k, v in dirs.items()})  # this process writes connection files there
+    yield KernelSpecManager(kernel_dirs=[str(home / "kernels")]), env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _text(cell, kind: str) -> str:
+    """All the text a cell printed to ``kind`` ('stdout', 'stderr') or showed as its result ('result')."""
+    if kind == "result":
+        return "".join(o["data"].get("text/plain", "") for o in cell.outputs if o.output_type == "execute_result")
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == kind)
+
+
+def _find(nb, needle: str):
+    """The code cell whose source contains ``needle``, or is exactly ``needle`` if one is."""
+    exact = [c for c in nb.cells if c.cell_type == "code" and c.source.strip() == needle]
+    cells = exact or [c for c in nb.cells if c.cell_type == "code" and needle in c.source]
+    assert len(cells) == 1, needle
+    return cells[0]
+
+
+def _png(cell) -> bytes:
+    images = [o["data"]["image/png"] for o in cell.outputs if o.output_type in ("execute_result", "display_data") and "image/png" in o["data"]]
+    assert len(images) == 1, [o.output_type for o in cell.outputs]  # shown once, not twice
+    return base64.b64decode(images[0])
+
+
+def _check_png(data: bytes) -> None:
+    import io
+
+    from PIL import Image
+
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    image = Image.open(io.BytesIO(data))
+    image.verify()
+    image = Image.open(io.BytesIO(data)).convert("L")
+    assert image.width >= 400 and image.height >= 200
+    assert len(image.getcolors(maxcolors=1 << 16) or range(1 << 16)) > 16  # lines, text and fills, not a blank canvas
+
+
+def test_quickstart_notebook_is_stored_without_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+    # a short markdown cell before each step
+    kinds = [c.cell_type for c in nb.cells]
+    assert all(kinds[i - 1] == "markdown" for i, k in enumerate(kinds) if k == "code")
+
+
+def test_quickstart_notebook_runs_in_a_real_kernel(jupyter_env, llm):
+    from jupyter_client.manager import AsyncKernelManager
+
+    from pagedgen import BeamSearchParams, SamplingParams
+
+    ksm, env = jupyter_env
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    km = AsyncKernelManager(kernel_name=KERNEL, kernel_spec_manager=ksm)
+    client = nbclient.NotebookClient(nb, km=km, timeout=300, resources={"metadata": {"path": ROOT}})
+    client.execute(env=env)  # raises CellExecutionError if any cell raises
+
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        assert not [o for o in cell.outputs if o.output_type == "error"]
+        assert "Traceback" not in _text(cell, "stderr")
+
+    load = _find(nb, "llm = LLM(MODEL")
+    assert re.fullmatch(r"loaded stories260K: \d+ KV blocks of 16 tokens, max_model_len 512\n", _text(load, "stdout"))
+
+    # greedy completions: what the test's own LLM gives, one progress-bar widget for the call
+    gen = _find(nb, "outputs = llm.generate(prompts, greedy)")
+    prompts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big bear"]
+    want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert _text(gen, "stdout").splitlines() == [f"{p!r} -> {o.outputs[0].text!r}" for p, o in zip(prompts, want)]
+    bars = [o for o in gen.outputs if o.output_type == "display_data" and WIDGET in o["data"]]
+    assert len(bars) == 1 and bars[0]["data"]["text/plain"].startswith("Processed prompts")
+
+    shown = _text(_find(nb, "outputs[0]"), "result")
+    assert shown.startswith("RequestOutput(request_id='0'") and "prompt='Once upon a time'" in shown
+    assert "CompletionOutput(index=0" in shown and "finish_reason='length'" in shown and "(32 tokens)" in shown
+
+    chat = _text(_find(nb, "llm.chat("), "stdout").splitlines()
+    assert chat[0] == "prompt: 'Question: Where did the cat go?\\nAnswer:'"
+    template = _find(nb, "llm.chat(").source.split("template = (")[1].split(")\n")[0]
+    reply = llm.chat([{"role": "user", "content": "Where did the cat go?"}], SamplingParams(temperature=0, max_tokens=24),
+                     chat_template=eval("(" + template + ")"), use_tqdm=False)[0]
+    assert chat[1] == "reply:  " + repr(reply.outputs[0].text)
+
+    beams = _text(_find(nb, "llm.beam_search("), "stdout").splitlines()
+    ref = llm.beam_search(["Once upon a time"], BeamSearchParams(beam_width=4, max_tokens=24), use_tqdm=False)[0]
+    assert beams == [f"{r}  score {b.score:8.4f}  {b.text!r}" for r, b in enumerate(ref.sequences)]
+    scores = [float(line.split()[2]) for line in beams]
+    assert len(beams) == 4 and scores == sorted(scores, reverse=True)
+
+    samples = _text(_find(nb, "seed=1234"), "stdout").splitlines()
+    assert [line.split(" ", 1)[0] for line in samples[:3]] == ["0", "1", "2"] and len(samples) == 4
+    assert samples[3] == "same with the same seed: True"
+
+    lines = _text(_find(nb, "logprobs=2"), "stdout").splitlines()
+    tokens = [re.search(r"logprob +(-?\d+\.\d+)  rank (\d+)", line) for line in lines[:-1]]
+    assert len(tokens) == 8 and all(m and m.group(2) == "1" for m in tokens)  # greedy: always the top token
+    total = float(lines[-1].rsplit(" ", 1)[1])
+    assert abs(total - sum(float(m.group(1)) for m in tokens)) < 0.01
+
+    stats = _text(_find(nb, "llm.get_stats()"), "result")
+    assert stats.startswith("EngineStats(num_steps=") and "kv_utilization_mean=" in stats and "peak_used_blocks=" in stats
+
+    summary = _text(_find(nb, "small.start_recording()"), "result")
+    m = re.match(r"StepLog\((\d+) steps over [\d.]+ s, stopped; peak running (\d+), peak KV blocks (\d+)/96, "
+                 r"KV utilisation mean [\d.]+%, (\d+) preemptions, [\d,]+ tokens generated\)", summary)
+    assert m, summary
+    assert int(m.group(3)) == 96 and int(m.group(4)) > 0  # the small cache filled up and preempted
+
+    for needle in ("pagedgen.plot.steps(log)", "pagedgen.plot.output_tokens(run)"):
+        _check_png(_png(_find(nb, needle)))
+
+
+INTERRUPT_SETUP = """
+import json
+from pagedgen import LLM, SamplingParams
+MODEL = {model!r}
+# 32 prompts sharing a 2-block prefix (prefix cache), staggered lengths, a cache that forces preemption
+prefix = "Once upon a time there was a little girl named Lily. She liked to play in the park with her dog. Every day they ran and laughed together."
+prompts = [f"{{prefix}} Story {{i}}:" for i in range(32)]
+params = [SamplingParams(temperature=0, max_tokens=16 + 14 * i, ignore_eos=True) for i in range(32)]
+llm = LLM(MODEL, num_kv_blocks=96, seed=0)
+print(len(llm.tokenizer(prefix)["input_ids"]))
+"""
+
+INTERRUPT_AFTER = """
+from tqdm.auto import tqdm
+left = llm.get_stats()
+dangling = len(getattr(tqdm, "_instances", ()))
+again = llm.generate(prompts, params)
+fresh = LLM(MODEL, num_kv_blocks=96, seed=0).generate(prompts, params, use_tqdm=False)
+print(json.dumps(dict(dangling_bars=dangling, used_blocks=left.num_used_blocks, preemptions=left.num_preemptions,
+                      again=[o.outputs[0].token_ids for o in again], fresh=[o.outputs[0].token_ids for o in fresh])))
+"""
+
+
+def _run_cell(kc, code: str, timeout: float = 300) -> tuple[dict, str]:
+    """Execute ``code``; (the execute reply's content, what it printed to stdout)."""
+    out = []
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=lambda m: out.append(m["content"].get("text", "")) if m["msg_type"] == "stream" and m["content"]["name"] == "stdout" else None)
+    return reply["content"], "".join(out)
+
+
+def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path):
+    """Interrupt a long ``generate`` once requests have started finishing; the same prompts again
+    in the next cell give exactly a fresh LLM's tokens, no progress bar is left open, and the
+    kernel lives on."""
+    from jupyter_client import KernelManager
+
+    ksm, env = jupyter_env
+    km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=ksm)
+    km.start_kernel(env=env, cwd=ROOT)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        reply, printed = _run_cell(kc, INTERRUPT_SETUP.format(model=os.path.relpath(stories_path, ROOT)))
+        assert reply["status"] == "ok", reply
+        assert int(printed) > 32  # the shared prefix fills two 16-token blocks
+
+        msg_id = kc.execute("outputs = llm.generate(prompts, params)")
+        # wait until the progress bar counts finished requests: the engine is really stepping
+        deadline, started, danger = time.monotonic() + 240, False, False
+        while not started:
+            assert time.monotonic() < deadline, "the progress bar never moved"
+            msg = kc.get_iopub_msg(timeout=240)
+            content = msg["content"]
+            if msg["msg_type"] == "comm_msg":  # tqdm's widget: the FloatProgress value
+                value = content["data"].get("state", {}).get("value")
+                started = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 4
+            elif msg["msg_type"] == "stream" and content["name"] == "stderr":  # tqdm's text bar
+                started = bool(re.search(r"\b([4-9]|[12]\d|3[01])/32\b", content["text"]))
+        km.interrupt_kernel()
+        while True:
+            reply = kc.get_shell_msg(timeout=120)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        while True:  # the bar was closed and marked as failed (red), not left running
+            msg = kc.get_iopub_msg(timeout=60)
+            if msg["msg_type"] == "comm_msg" and msg["content"]["data"].get("state", {}).get("bar_style") == "danger":
+                danger = True
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle" and msg["parent_header"].get("msg_id") == msg_id:
+                break
+        assert danger or "ipywidgets" not in sys.modules and not _has_ipywidgets()
+
+        reply, printed = _run_cell(kc, INTERRUPT_AFTER)
+        assert reply["status"] == "ok", reply
+        result = json.loads(printed.strip().splitlines()[-1])
+        assert result["dangling_bars"] == 0
+        assert result["used_blocks"] == 0  # the interrupted requests hold no KV blocks
+        assert result["again"] == result["fresh"]
+        assert [len(t) for t in result["again"]] == [16 + 14 * i for i in range(32)]
+
+        assert km.is_alive()
+        reply, printed = _run_cell(kc, "print(6 * 7)")
+        assert reply["status"] == "ok" and printed == "42\n"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _has_ipywidgets() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
