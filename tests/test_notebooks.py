@@ -194,10 +194,12 @@ def _run_cell(kc, code: str, timeout: float = 300) -> tuple[dict, str]:
     return reply["content"], "".join(out)
 
 
-def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path):
+@pytest.mark.parametrize("bar", ["widget", "text"])
+def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path, bar):
     """Interrupt a long ``generate`` once requests have started finishing; the same prompts again
-    in the next cell give exactly a fresh LLM's tokens, no progress bar is left open, and the
-    kernel lives on."""
+    in the next cell give exactly a fresh LLM's tokens, the progress bar was closed once (the
+    widget marked failed, the text bar ended with its last state), and the kernel lives on.
+    ``text``: ipywidgets hidden from the kernel, so tqdm.auto falls back to its text bar."""
     from jupyter_client import KernelManager
 
     ksm, env = jupyter_env
@@ -207,35 +209,39 @@ def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path):
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=120)
-        reply, printed = _run_cell(kc, INTERRUPT_SETUP.format(model=os.path.relpath(stories_path, ROOT)))
+        hide = "import sys\nsys.modules['ipywidgets'] = None  # tqdm.auto: no widget\n" if bar == "text" else ""
+        reply, printed = _run_cell(kc, hide + INTERRUPT_SETUP.format(model=os.path.relpath(stories_path, ROOT)))
         assert reply["status"] == "ok", reply
         assert int(printed) > 32  # the shared prefix fills two 16-token blocks
 
         msg_id = kc.execute("outputs = llm.generate(prompts, params)")
         # wait until the progress bar counts finished requests: the engine is really stepping
-        deadline, started, danger = time.monotonic() + 240, False, False
+        deadline, started, widget = time.monotonic() + 240, False, False
         while not started:
             assert time.monotonic() < deadline, "the progress bar never moved"
             msg = kc.get_iopub_msg(timeout=240)
             content = msg["content"]
             if msg["msg_type"] == "comm_msg":  # tqdm's widget: the FloatProgress value
+                widget = True
                 value = content["data"].get("state", {}).get("value")
                 started = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 4
             elif msg["msg_type"] == "stream" and content["name"] == "stderr":  # tqdm's text bar
                 started = bool(re.search(r"\b([4-9]|[12]\d|3[01])/32\b", content["text"]))
+        assert widget == (bar == "widget")
         km.interrupt_kernel()
-        while True:
-            reply = kc.get_shell_msg(timeout=120)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                break
-        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
-        while True:  # the bar was closed and marked as failed (red), not left running
-            msg = kc.get_iopub_msg(timeout=60)
-            if msg["msg_type"] == "comm_msg" and msg["content"]["data"].get("state", {}).get("bar_style") == "danger":
-                danger = True
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle" and msg["parent_header"].get("msg_id") == msg_id:
-                break
-        assert danger or "ipywidgets" not in sys.modules and not _has_ipywidgets()
+        after = []  # iopub messages of the interrupted cell, until it is idle
+        while not (after and after[-1]["msg_type"] == "status" and after[-1]["content"]["execution_state"] == "idle"):
+            msg = kc.get_iopub_msg(timeout=120)
+            if msg["parent_header"].get("msg_id") == msg_id:
+                after.append(msg)
+        errors = [m["content"]["ename"] for m in after if m["msg_type"] == "error"]
+        assert errors == ["KeyboardInterrupt"]  # it stopped in the middle, not after finishing
+        if widget:  # closed and marked failed (red), not left running
+            assert any(m["msg_type"] == "comm_msg" and m["content"]["data"].get("state", {}).get("bar_style") == "danger" for m in after)
+            assert not [m for m in after if m["msg_type"] == "display_data"]  # no second bar
+        else:  # closed: its last state, then a new line; nothing printed again
+            text = "".join(m["content"]["text"] for m in after if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+            assert text.endswith("\n") and text.count("\n") == 1 and "/32" in text
 
         reply, printed = _run_cell(kc, INTERRUPT_AFTER)
         assert reply["status"] == "ok", reply
@@ -251,9 +257,3 @@ def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-
-
-def _has_ipywidgets() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("ipywidgets") is not None
