@@ -1,0 +1,139 @@
+"""Charts of the benchmarks' JSON output, written as PNG files for docs/benchmarks.md.
+
+    python benchmarks/throughput.py --out /tmp/tp && python benchmarks/memory.py --out /tmp/mem
+    python benchmarks/plots.py --throughput /tmp/tp/throughput.json --memory /tmp/mem/memory.json
+
+writes ``docs/benchmarks-throughput.png`` (output tokens/s of pagedgen and its peers, with the
+ratios to pagedgen) and ``docs/benchmarks-memory.png`` (KV-cache utilisation of the paged cache vs
+contiguous reservation, laid out like the PagedAttention paper's figure 2, and the memory saved by
+sharing beside the paper's ranges, when the memory run has that section). ``--out`` picks another
+folder. Needs matplotlib (``pip install 'pagedgen[plot]'``); no display.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory.py, beside this file (run as a script)
+from memory import PAPER  # noqa: E402
+
+from pagedgen.plot import COLORS, Figure  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGED, PEER, WASTE = COLORS["usage"], COLORS["other"], "#d9d9d9"
+
+
+def throughput_rows(data: dict) -> list[tuple[str, float]]:
+    """(system, output tok/s) from throughput.py's JSON, fastest first. Reads both layouts: the
+    current one (``summary.tokens_per_s``, one entry per system row) and the earlier one
+    (top-level ``tokens_per_s`` with ``static_batch_N`` rows, ``static`` = the best of them, and
+    ``a/b`` ratios)."""
+    if "summary" in data:
+        rows = dict(data["summary"]["tokens_per_s"])
+    else:
+        raw = data["tokens_per_s"]
+        rows = {k: v for k, v in raw.items() if "/" not in k and not (k == "static" and any(x.startswith("static_batch_") for x in raw))}
+        rows = {k.replace("static_batch_", "static, batch ") if k.startswith("static_batch_") else k: v for k, v in rows.items()}
+    if not rows:
+        raise ValueError("throughput JSON holds no systems")
+    return sorted(rows.items(), key=lambda kv: -kv[1])
+
+
+def throughput_chart(data: dict) -> Figure:
+    """Horizontal bars of output tokens/s per system; each peer labelled with pagedgen's ratio to it."""
+    rows = throughput_rows(data)
+    names, tps = [n for n, _ in rows], np.array([t for _, t in rows])
+    ours = dict(rows).get("pagedgen")
+    fig = Figure(figsize=(8, 0.5 * len(rows) + 1.6), layout="constrained")
+    ax = fig.subplots()
+    y = np.arange(len(rows))[::-1]
+    ax.barh(y, tps, color=[PAGED if n == "pagedgen" else PEER for n in names])
+    for yi, name, value in zip(y, names, tps):
+        note = f"{value:,.0f}" + (f"   (pagedgen {ours / value:.1f}×)" if ours and name != "pagedgen" else "")
+        ax.text(value, yi, "  " + note, va="center", fontsize="small")
+    ax.set_yticks(y, names)
+    ax.set_xlim(0, tps.max() * 1.45)
+    ax.set_xlabel("output tokens/s (higher is better)")
+    args = data.get("args", {})
+    model = os.path.basename(str(args.get("model", ""))) or "model"
+    ax.set_title(f"{model}, {args.get('workload', 'tinystories')} workload, {args.get('num_prompts', '?')} requests, "
+                 f"greedy; median of {args.get('repeats', 1)} run(s)", fontsize="medium")
+    if data.get("note"):
+        fig.supxlabel(data["note"], fontsize="x-small", color="#555555")
+    return fig
+
+
+def memory_chart(data: dict) -> Figure:
+    """Left: share of reserved KV memory holding real tokens vs wasted, per system (paper figure 2);
+    right, when present: memory saved by sharing per width, with the paper's ranges."""
+    if "util" not in data:
+        raise ValueError("memory JSON has no 'util' section (run benchmarks/memory.py with --sections util)")
+    u, sharing = data["util"], data.get("sharing")
+    fig = Figure(figsize=(12 if sharing else 6, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2, width_ratios=(1, 1.5)) if sharing else [fig.subplots()]
+    ax = axes[0]
+    systems = [("pagedgen\n(paged, 16-token blocks)", u["pagedgen"]), ("contiguous,\nreserve final\n(oracle)", u["contiguous_oracle"]),
+               ("contiguous,\nreserve pow2", u["contiguous_pow2"]), ("contiguous,\nreserve max_model_len", u["contiguous_max"])]
+    x = np.arange(len(systems))
+    used = np.array([v for _, v in systems]) * 100
+    ax.bar(x, used, color=[PAGED] + [PEER] * 3, label="token states")
+    ax.bar(x, 100 - used, bottom=used, color=WASTE, label="reserved, unused")
+    for xi, v in zip(x, used):
+        ax.text(xi, v / 2, f"{v:.1f}%", ha="center", va="center", color="white", fontsize="small", fontweight="bold")
+    lo, hi = PAPER["util"]["existing systems"]
+    ax.axhspan(100 * lo, 100 * hi, color=COLORS["waiting"], alpha=0.15, label=f"paper: existing systems {100 * lo:.0f}-{100 * hi:.0f}%")
+    ax.axhline(100 * PAPER["util"]["vLLM"][0], color=COLORS["preemption"], ls="--", lw=1, label=f"paper: vLLM {100 * PAPER['util']['vLLM'][0]:.1f}%")
+    ax.set_xticks(x, [s for s, _ in systems], fontsize="x-small")
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("KV cache memory (%)")
+    ax.set_title(f"KV utilisation, ShareGPT lengths, {u['num_requests']} requests", fontsize="medium")
+    ax.legend(loc="upper right", fontsize="x-small", framealpha=0.9)
+    if sharing:
+        ax = axes[1]
+        groups = [(w, m) for w in sharing for m in ("parallel", "beam")]
+        widths = sorted({int(k) for w, m in groups for k in sharing[w][m]})
+        step = 0.8 / len(widths)
+        for i, width in enumerate(widths):
+            vals = [100 * sharing[w][m][str(width)]["savings_mean"] for w, m in groups]
+            ax.bar(np.arange(len(groups)) + (i - (len(widths) - 1) / 2) * step, vals, step * 0.95,
+                   color=PAGED, alpha=0.45 + 0.55 * (i + 1) / len(widths), label=f"width {width}")
+        for g, (w, m) in enumerate(groups):
+            lo, hi = PAPER[m][w]
+            ax.plot([g + 0.45, g + 0.45], [100 * lo, 100 * hi], color=COLORS["preemption"], lw=3, solid_capstyle="butt",
+                    label="paper (widths 2-6)" if g == 0 else None)
+        ax.set_xticks(np.arange(len(groups)), [f"{w}\n{'parallel sampling' if m == 'parallel' else 'beam search'}" for w, m in groups],
+                      fontsize="x-small")
+        ax.set_ylabel("KV blocks saved by sharing (%)")
+        ax.set_title("Memory saved by sharing (mean over steps)", fontsize="medium")
+        ax.legend(loc="upper left", fontsize="x-small")
+    return fig
+
+
+def main(argv=None) -> list[str]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--throughput", help="throughput.json written by benchmarks/throughput.py --out")
+    ap.add_argument("--memory", help="memory.json written by benchmarks/memory.py --out")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs"), help="folder for the PNG files (default: docs/)")
+    args = ap.parse_args(argv)
+    if not args.throughput and not args.memory:
+        ap.error("give --throughput and/or --memory")
+    written = []
+    os.makedirs(args.out, exist_ok=True)
+    for source, name, chart in ((args.throughput, "benchmarks-throughput.png", throughput_chart),
+                                (args.memory, "benchmarks-memory.png", memory_chart)):
+        if source:
+            with open(source) as f:
+                fig = chart(json.load(f))
+            path = os.path.join(args.out, name)
+            fig.savefig(path, dpi=110)
+            written.append(path)
+            print(f"wrote {path}")
+    return written
+
+
+if __name__ == "__main__":
+    main()
