@@ -43,6 +43,16 @@ def throughput_rows(data: dict) -> list[tuple[str, float]]:
     return sorted(rows.items(), key=lambda kv: -kv[1])
 
 
+def label(system: str) -> str:
+    """A peer's name as a reader knows it: ``static, batch 64`` -> transformers' generate, ..."""
+    for key, name in (("static", "transformers generate, static"), ("generate_batch", "transformers generate_batch"),
+                      ("vllm", "vLLM")):
+        if system.startswith(key):
+            rest = system[len(key):].strip(", ()")
+            return name + (f" ({rest})" if rest else " (best batch)" if key == "static" else "")
+    return system
+
+
 def throughput_chart(data: dict) -> Figure:
     """Horizontal bars of output tokens/s per system; each peer labelled with pagedgen's ratio to it."""
     rows = throughput_rows(data)
@@ -55,13 +65,14 @@ def throughput_chart(data: dict) -> Figure:
     for yi, name, value in zip(y, names, tps):
         note = f"{value:,.0f}" + (f"   (pagedgen {ours / value:.1f}×)" if ours and name != "pagedgen" else "")
         ax.text(value, yi, "  " + note, va="center", fontsize="small")
-    ax.set_yticks(y, names)
+    ax.set_yticks(y, [label(n) for n in names])
     ax.set_xlim(0, tps.max() * 1.45)
     ax.set_xlabel("output tokens/s (higher is better)")
     args = data.get("args", {})
     model = os.path.basename(str(args.get("model", ""))) or "model"
-    ax.set_title(f"{model}, {args.get('workload', 'tinystories')} workload, {args.get('num_prompts', '?')} requests, "
-                 f"greedy; median of {args.get('repeats', 1)} run(s)", fontsize="medium")
+    runs = args.get("repeats", 1)
+    ax.set_title(f"{model}, {args.get('workload', 'tinystories')}, {args.get('num_prompts', '?')} requests, greedy, "
+                 + (f"median of {runs} runs" if runs > 1 else "one run"), fontsize="medium")
     if data.get("note"):
         fig.supxlabel(data["note"], fontsize="x-small", color="#555555")
     return fig
@@ -73,25 +84,25 @@ def memory_chart(data: dict) -> Figure:
     if "util" not in data:
         raise ValueError("memory JSON has no 'util' section (run benchmarks/memory.py with --sections util)")
     u, sharing = data["util"], data.get("sharing")
-    fig = Figure(figsize=(12 if sharing else 6, 4.2), layout="constrained")
+    fig = Figure(figsize=(12 if sharing else 6, 4.8), layout="constrained")
     axes = fig.subplots(1, 2, width_ratios=(1, 1.5)) if sharing else [fig.subplots()]
     ax = axes[0]
     systems = [("pagedgen\n(paged, 16-token blocks)", u["pagedgen"]), ("contiguous,\nreserve final\n(oracle)", u["contiguous_oracle"]),
                ("contiguous,\nreserve pow2", u["contiguous_pow2"]), ("contiguous,\nreserve max_model_len", u["contiguous_max"])]
     x = np.arange(len(systems))
     used = np.array([v for _, v in systems]) * 100
-    ax.bar(x, used, color=[PAGED] + [PEER] * 3, label="token states")
-    ax.bar(x, 100 - used, bottom=used, color=WASTE, label="reserved, unused")
+    ax.bar(x, used, color=[PAGED] + [PEER] * 3, label="token states", zorder=2)
+    ax.bar(x, 100 - used, bottom=used, color=WASTE, label="reserved, unused", zorder=2)
     for xi, v in zip(x, used):
-        ax.text(xi, v / 2, f"{v:.1f}%", ha="center", va="center", color="white", fontsize="small", fontweight="bold")
+        ax.text(xi, v / 2, f"{v:.1f}%", ha="center", va="center", color="white", fontsize="small", fontweight="bold", zorder=3)
     lo, hi = PAPER["util"]["existing systems"]
-    ax.axhspan(100 * lo, 100 * hi, color=COLORS["waiting"], alpha=0.15, label=f"paper: existing systems {100 * lo:.0f}-{100 * hi:.0f}%")
-    ax.axhline(100 * PAPER["util"]["vLLM"][0], color=COLORS["preemption"], ls="--", lw=1, label=f"paper: vLLM {100 * PAPER['util']['vLLM'][0]:.1f}%")
+    ax.axhspan(100 * lo, 100 * hi, color=COLORS["waiting"], alpha=0.25, zorder=0, label=f"paper: existing systems {100 * lo:.0f}-{100 * hi:.0f}%")
+    ax.axhline(100 * PAPER["util"]["vLLM"][0], color=COLORS["preemption"], ls="--", lw=1, zorder=4, label=f"paper: vLLM {100 * PAPER['util']['vLLM'][0]:.1f}%")
     ax.set_xticks(x, [s for s, _ in systems], fontsize="x-small")
     ax.set_ylim(0, 100)
     ax.set_ylabel("KV cache memory (%)")
     ax.set_title(f"KV utilisation, ShareGPT lengths, {u['num_requests']} requests", fontsize="medium")
-    ax.legend(loc="upper right", fontsize="x-small", framealpha=0.9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize="x-small")
     if sharing:
         ax = axes[1]
         groups = [(w, m) for w in sharing for m in ("parallel", "beam")]
