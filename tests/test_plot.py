@@ -24,7 +24,7 @@ def check_png(data: bytes, min_width: int = 400) -> None:
 
 @pytest.fixture(scope="module")
 def recorded(stories_path, one_torch_thread):
-    llm = LLM(stories_path, num_kv_blocks=24, max_num_seqs=8, seed=0)
+    llm = LLM(stories_path, num_kv_blocks=24, max_model_len=256, max_num_seqs=8, seed=0)
     prompts = ["Once upon a time", "The little dog", "Lily wanted to", "Tom and his mom"] * 4
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8 + 5 * i, n=1 + i % 2) for i in range(len(prompts))]
     log = llm.start_recording()

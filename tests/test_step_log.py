@@ -17,7 +17,7 @@ def _requests(n: int):
 @pytest.fixture(scope="module")
 def small(stories_path, one_torch_thread):
     """A small cache (24 blocks, 8 sequences) that fills up and preempts."""
-    return LLM(stories_path, num_kv_blocks=24, max_num_seqs=8, seed=0)
+    return LLM(stories_path, num_kv_blocks=24, max_model_len=256, max_num_seqs=8, seed=0)
 
 
 def test_off_by_default_and_stop_without_start(llm):
@@ -27,7 +27,7 @@ def test_off_by_default_and_stop_without_start(llm):
 
 
 def test_columns_add_up_to_the_engine_counters(stories_path, one_torch_thread):
-    llm = LLM(stories_path, num_kv_blocks=24, max_num_seqs=8, seed=0)
+    llm = LLM(stories_path, num_kv_blocks=24, max_model_len=256, max_num_seqs=8, seed=0)
     prompts, params = _requests(24)
     log = llm.start_recording()
     assert log.recording and len(log) == 0 and repr(log) == "StepLog(0 steps, recording)"
@@ -67,7 +67,7 @@ def test_recording_changes_no_output_and_a_second_start_begins_a_new_log(small):
 
 
 def test_swapped_sequences_are_recorded(stories_path, one_torch_thread):
-    llm = LLM(stories_path, num_kv_blocks=24, max_num_seqs=8, preemption_mode="swap", seed=0)
+    llm = LLM(stories_path, num_kv_blocks=24, max_model_len=256, max_num_seqs=8, preemption_mode="swap", seed=0)
     prompts, params = _requests(16)
     log = llm.start_recording()
     llm.generate(prompts, params, use_tqdm=False)
