@@ -101,12 +101,15 @@ def check_sampling_params(ids: list[list[int]], sampling_params, vocab_size: int
         params = list(sampling_params)
     else:
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+    # A prompt may fill max_model_len: its one sampled token comes from the last position's logits
+    # and is never fed back, so it needs no position or KV slot past max_model_len (vLLM v0's rule;
+    # what scoring a full context through prompt_logprobs needs, lm-evaluation-harness #2880).
     limit = max_model_len
     for i, p in enumerate(ids):
-        if len(p) + 1 > limit:
+        if len(p) > limit:
             raise ValueError(
-                f"prompts[{i}] has {len(p)} tokens; prompt + 1 generated token must fit max_model_len={limit} "
-                f"(allowed prompt length: 1 to {limit - 1} tokens)"
+                f"prompts[{i}] has {len(p)} tokens; the prompt must fit max_model_len={limit} "
+                f"(allowed prompt length: 1 to {limit} tokens)"
             )
     # Validate every distinct SamplingParams again (fields may have been changed after it was built)
     # and use a frozen copy from here on, so nothing fails or changes once requests are queued.
@@ -122,7 +125,11 @@ def check_sampling_params(ids: list[list[int]], sampling_params, vocab_size: int
             raise type(exc)(f"{where}: {exc}") from None
         if copy.n > max_num_seqs:
             raise ValueError(f"{where}.n must be at most max_num_seqs={max_num_seqs}, got {copy.n}")
-        for name, token_ids in (("stop_token_ids", copy.stop_token_ids), ("logit_bias", copy.logit_bias or ())):
+        for name, token_ids in (
+            ("stop_token_ids", copy.stop_token_ids),
+            ("logit_bias", copy.logit_bias or ()),
+            ("allowed_token_ids", copy.allowed_token_ids or ()),
+        ):
             bad = [t for t in token_ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{where}.{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")

@@ -70,7 +70,7 @@ class Scheduler:
         block_manager: the device KV block accounting this scheduler allocates from.
         cpu_block_manager: the CPU swap space's blocks (needed for ``preemption_mode="swap"``).
 
-    A sequence must fit the cache when alone (prompt + 1 <= max_model_len <= cache slots); callers
+    A sequence must fit the cache when alone (prompt <= max_model_len <= cache slots); callers
     reject those that cannot, so a lone running sequence never needs to preempt itself.
     """
 
