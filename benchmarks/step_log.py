@@ -83,7 +83,7 @@ def measure(args, max_num_seqs: int, prompts: list[str], max_tokens: list[int]) 
                 steps = len(log)
             outputs[setting] = [o.outputs[0].token_ids for o in out]
     # one record call and the "off" test, timed in place on this engine
-    engine = llm.engine
+    engine = llm.llm_engine
     log = llm.start_recording()
     n = args.timeit_calls
     record_s = timeit.timeit(lambda: log.record(0, 0), number=n) / n

@@ -21,7 +21,7 @@ EOS = 2
 def _seq(prompt: list[int], output: list[int], params: SamplingParams, seq_id: int = 0, generator=None) -> Sequence:
     return Sequence(
         seq_id=seq_id,
-        request_index=seq_id,
+        request_id=str(seq_id),
         token_ids=list(prompt) + list(output),
         num_prompt_tokens=len(prompt),
         sampling_params=params,

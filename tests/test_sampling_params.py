@@ -145,4 +145,4 @@ def test_clone_validates_again():
 def test_vocabulary_checks_before_any_work(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, **kwargs)], use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+    assert not llm.llm_engine.has_unfinished_requests()

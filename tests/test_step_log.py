@@ -21,7 +21,7 @@ def small(stories_path, one_torch_thread):
 
 
 def test_off_by_default_and_stop_without_start(llm):
-    assert llm.engine.step_log is None
+    assert llm.llm_engine.step_log is None
     with pytest.raises(RuntimeError, match="start_recording"):
         llm.stop_recording()
 
