@@ -174,10 +174,10 @@ INTERRUPT_SETUP = """
 import json
 from pagedgen import LLM, SamplingParams
 MODEL = {model!r}
-# 32 prompts sharing a 2-block prefix (prefix cache), staggered lengths, a cache that forces preemption
+# 24 prompts sharing a 2-block prefix (prefix cache), staggered lengths, a cache that forces preemption
 prefix = "Once upon a time there was a little girl named Lily. She liked to play in the park with her dog. Every day they ran and laughed together."
-prompts = [f"{{prefix}} Story {{i}}:" for i in range(32)]
-params = [SamplingParams(temperature=0, max_tokens=16 + 14 * i, ignore_eos=True) for i in range(32)]
+prompts = [f"{{prefix}} Story {{i}}:" for i in range(24)]
+params = [SamplingParams(temperature=0, max_tokens=16 + 10 * i, ignore_eos=True) for i in range(24)]
 llm = LLM(MODEL, num_kv_blocks=96, seed=0)
 print(len(llm.tokenizer(prefix)["input_ids"]))
 """
@@ -232,7 +232,7 @@ def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path, b
                 value = content["data"].get("state", {}).get("value")
                 started = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 4
             elif msg["msg_type"] == "stream" and content["name"] == "stderr":  # tqdm's text bar
-                started = bool(re.search(r"\b([4-9]|[12]\d|3[01])/32\b", content["text"]))
+                started = bool(re.search(r"\b([4-9]|1\d|2[0-3])/24\b", content["text"]))
         assert widget == (bar == "widget")
         km.interrupt_kernel()
         after = []  # iopub messages of the interrupted cell, until it is idle
@@ -247,7 +247,7 @@ def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path, b
             assert not [m for m in after if m["msg_type"] == "display_data"]  # no second bar
         else:  # closed: its last state, then a new line; nothing printed again
             text = "".join(m["content"]["text"] for m in after if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
-            assert text.endswith("\n") and text.count("\n") == 1 and "/32" in text
+            assert text.endswith("\n") and text.count("\n") == 1 and "/24" in text
 
         reply, printed = _run_cell(kc, INTERRUPT_AFTER)
         assert reply["status"] == "ok", reply
@@ -255,7 +255,7 @@ def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path, b
         assert result["dangling_bars"] == 0
         assert result["used_blocks"] == 0  # the interrupted requests hold no KV blocks
         assert result["again"] == result["fresh"]
-        assert [len(t) for t in result["again"]] == [16 + 14 * i for i in range(32)]
+        assert [len(t) for t in result["again"]] == [16 + 10 * i for i in range(24)]
 
         assert km.is_alive()
         reply, printed = _run_cell(kc, "print(6 * 7)")
