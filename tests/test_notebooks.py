@@ -179,7 +179,8 @@ prefix = "Once upon a time there was a little girl named Lily. She liked to play
 prompts = [f"{{prefix}} Story {{i}}:" for i in range(24)]
 params = [SamplingParams(temperature=0, max_tokens=16 + 10 * i, ignore_eos=True) for i in range(24)]
 llm = LLM(MODEL, num_kv_blocks=96, seed=0)
-print(len(llm.tokenizer(prefix)["input_ids"]))
+import signal
+print(len(llm.tokenizer(prefix)["input_ids"]), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 """
 
 INTERRUPT_AFTER = """
@@ -205,12 +206,23 @@ def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path, b
     """Interrupt a long ``generate`` once requests have started finishing; the same prompts again
     in the next cell give exactly a fresh LLM's tokens, the progress bar was closed once (the
     widget marked failed, the text bar ended with its last state), and the kernel lives on.
-    ``text``: ipywidgets hidden from the kernel, so tqdm.auto falls back to its text bar."""
+    ``text``: ipywidgets hidden from the kernel, so tqdm.auto falls back to its text bar.
+
+    The kernel is started with SIGINT ignored, as a process started in the background by a shell
+    without job control inherits it (see test_sigint.py): the interrupt still lands, because
+    ipykernel ignores SIGINT between requests whatever it inherited and installs Python's
+    ``default_int_handler`` around each cell, which the set-up cell checks."""
+    import signal
+
     from jupyter_client import KernelManager
 
     ksm, env = jupyter_env
     km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=ksm)
-    km.start_kernel(env=env, cwd=ROOT)
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the kernel
+    try:
+        km.start_kernel(env=env, cwd=ROOT)
+    finally:
+        signal.signal(signal.SIGINT, saved)
     kc = km.client()
     kc.start_channels()
     try:
@@ -218,7 +230,9 @@ def test_kernel_interrupt_in_the_middle_of_generate(jupyter_env, stories_path, b
         hide = "import sys\nsys.modules['ipywidgets'] = None  # tqdm.auto: no widget\n" if bar == "text" else ""
         reply, printed = _run_cell(kc, hide + INTERRUPT_SETUP.format(model=os.path.relpath(stories_path, ROOT)))
         assert reply["status"] == "ok", reply
-        assert int(printed) > 32  # the shared prefix fills two 16-token blocks
+        prefix_tokens, handler = printed.split()
+        assert int(prefix_tokens) > 32  # the shared prefix fills two 16-token blocks
+        assert handler == "True", "the kernel runs cells without Python's SIGINT handler: an interrupt would not land"
 
         msg_id = kc.execute("outputs = llm.generate(prompts, params)")
         # wait until the progress bar counts finished requests: the engine is really stepping
