@@ -1,19 +1,26 @@
 """Charts of the benchmarks' JSON output, written as PNG files for docs/benchmarks.md.
 
+After new benchmark runs, one command redraws both charts and keeps the JSON they are drawn from
+beside them (docs/benchmarks.md links both):
+
     python benchmarks/throughput.py --out /tmp/tp && python benchmarks/memory.py --out /tmp/mem
     python benchmarks/plots.py --throughput /tmp/tp/throughput.json --memory /tmp/mem/memory.json
 
-writes ``docs/benchmarks-throughput.png`` (output tokens/s of pagedgen and its peers, with the
-ratios to pagedgen) and ``docs/benchmarks-memory.png`` (KV-cache utilisation of the paged cache vs
-contiguous reservation, laid out like the PagedAttention paper's figure 2, and the memory saved by
-sharing beside the paper's ranges, when the memory run has that section). ``--out`` picks another
-folder. Needs matplotlib (``pip install 'pagedgen[plot]'``); no display.
+writes ``docs/benchmarks-throughput.png`` (output tokens/s of pagedgen and its peers, with
+pagedgen's ratio to each) and ``docs/benchmarks-memory.png`` (KV-cache utilisation of the paged
+cache vs contiguous reservation, laid out like the PagedAttention paper's figure 2, and the memory
+saved by sharing beside the paper's ranges, when the memory run has that section), and copies each
+JSON given to ``docs/benchmarks-throughput.json`` / ``docs/benchmarks-memory.json``. Either option
+alone redraws only its chart. Without options it redraws both charts from the JSON kept in docs/.
+``--out`` picks another folder for all four files. Needs matplotlib (``pip install
+'pagedgen[plot]'``); no display.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -70,8 +77,10 @@ def throughput_chart(data: dict) -> Figure:
     ax.set_xlabel("output tokens/s (higher is better)")
     args = data.get("args", {})
     model = os.path.basename(str(args.get("model", ""))) or "model"
+    setting = ", ".join(str(args[k]) for k in ("dtype", "device") if args.get(k) not in (None, "auto", "cpu"))
     runs = args.get("repeats", 1)
-    ax.set_title(f"{model}, {args.get('workload', 'tinystories')}, {args.get('num_prompts', '?')} requests, greedy, "
+    ax.set_title(f"{model}{f' ({setting})' if setting else ''}, {args.get('workload', 'tinystories')}, "
+                 f"{args.get('num_prompts', '?')} requests, greedy, "
                  + (f"median of {runs} runs" if runs > 1 else "one run"), fontsize="medium")
     if data.get("note"):
         fig.supxlabel(data["note"], fontsize="x-small", color="#555555")
@@ -124,24 +133,39 @@ def memory_chart(data: dict) -> Figure:
     return fig
 
 
+CHARTS = (("throughput", throughput_chart), ("memory", memory_chart))  # -> benchmarks-NAME.png / .json
+
+
 def main(argv=None) -> list[str]:
+    """Draw the charts; returns the paths of the PNG files written."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--throughput", help="throughput.json written by benchmarks/throughput.py --out")
     ap.add_argument("--memory", help="memory.json written by benchmarks/memory.py --out")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs"), help="folder for the PNG files (default: docs/)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs"), help="folder for the PNG and JSON files (default: docs/)")
     args = ap.parse_args(argv)
-    if not args.throughput and not args.memory:
-        ap.error("give --throughput and/or --memory")
-    written = []
+    sources = {name: getattr(args, name) for name, _ in CHARTS}
+    if not any(sources.values()):  # redraw from the JSON kept beside the charts
+        sources = {name: os.path.join(args.out, f"benchmarks-{name}.json") for name, _ in CHARTS}
+        missing = [p for p in sources.values() if not os.path.isfile(p)]
+        if missing:
+            ap.error(f"no --throughput or --memory given, and {', '.join(missing)} not found")
+    charts = []
+    for name, chart in CHARTS:  # all read and drawn before anything is written
+        if sources[name]:
+            with open(sources[name]) as f:
+                data = json.load(f)
+            charts.append((name, sources[name], chart(data)))
     os.makedirs(args.out, exist_ok=True)
-    for source, name, chart in ((args.throughput, "benchmarks-throughput.png", throughput_chart),
-                                (args.memory, "benchmarks-memory.png", memory_chart)):
-        if source:
-            with open(source) as f:
-                fig = chart(json.load(f))
-            path = os.path.join(args.out, name)
-            fig.savefig(path, dpi=110)
-            written.append(path)
+    written = []
+    for name, source, fig in charts:
+        path = os.path.join(args.out, f"benchmarks-{name}.png")
+        fig.savefig(path, dpi=110)
+        written.append(path)
+        kept = os.path.join(args.out, f"benchmarks-{name}.json")
+        if not os.path.exists(kept) or not os.path.samefile(source, kept):
+            shutil.copyfile(source, kept)
+            print(f"wrote {path} and {kept}")
+        else:
             print(f"wrote {path}")
     return written
 

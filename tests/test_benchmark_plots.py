@@ -54,3 +54,31 @@ def test_step_log_benchmark_tiny_run(stories_path, tmp_path, one_torch_thread):
     assert r["identical_outputs"] and r["steps_per_run"] > 0 and r["tok_s_on"] > 0 and r["tok_s_off"] > 0
     assert 0 < r["record_call_s"] < 1e-3 and 0 < r["off_check_s"] < r["record_call_s"]
     assert json.loads((tmp_path / "step_log.json").read_text())["results"][0]["max_num_seqs"] == 4
+
+
+def test_one_command_keeps_the_json_and_redraws_from_it(tmp_path):
+    """--throughput/--memory copy each JSON beside its PNG; without options both charts are redrawn
+    from those copies; a bad file writes nothing."""
+    tp, mem, docs = tmp_path / "tp.json", tmp_path / "mem.json", tmp_path / "docs"
+    harness = {"args": {"model": "random-135m", "dtype": "bfloat16", "device": "cpu", "workload": "sharegpt", "num_prompts": 128, "repeats": 3},
+               "summary": {"tokens_per_s": {"pagedgen": 349.0, "vllm": 439.0, "static, batch 64": 120.0}}}
+    tp.write_text(json.dumps(harness))
+    mem.write_text(json.dumps(MEMORY))
+    plots.main(["--throughput", str(tp), "--memory", str(mem), "--out", str(docs)])
+    assert json.loads((docs / "benchmarks-throughput.json").read_text()) == harness
+    assert json.loads((docs / "benchmarks-memory.json").read_text()) == MEMORY
+    title = plots.throughput_chart(harness).axes[0].get_title()
+    assert title.startswith("random-135m (bfloat16), sharegpt, 128 requests") and "median of 3 runs" in title
+    for png in docs.glob("*.png"):
+        png.unlink()
+    written = plots.main(["--out", str(docs)])
+    assert sorted(os.path.basename(p) for p in written) == ["benchmarks-memory.png", "benchmarks-throughput.png"]
+    for path in written:
+        with open(path, "rb") as f:
+            check_png(f.read())
+    (tmp_path / "bad.json").write_text(json.dumps({"summary": {"tokens_per_s": {}}}))
+    with pytest.raises(ValueError, match="no systems"):
+        plots.main(["--throughput", str(tmp_path / "bad.json"), "--memory", str(mem), "--out", str(tmp_path / "empty")])
+    assert not (tmp_path / "empty").exists()
+    with pytest.raises(SystemExit):
+        plots.main(["--out", str(tmp_path / "empty")])  # nothing given, nothing kept there
