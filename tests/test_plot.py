@@ -71,3 +71,37 @@ def test_plot_errors(recorded):
     with pytest.raises(TypeError, match="item 1"):
         pagedgen.plot.output_tokens([outputs[0], "text"])
     assert isinstance(outputs[0], RequestOutput)
+
+
+HEADLESS = r"""
+import sys
+from pagedgen import LLM, SamplingParams
+import pagedgen.plot
+llm = LLM(sys.argv[1], num_kv_blocks=24, max_model_len=256, seed=0)
+log = llm.start_recording()
+outputs = llm.generate(["Once upon a time", "The little dog"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+llm.stop_recording()
+pagedgen.plot.steps(log).savefig(sys.argv[2] + "/steps.png")
+pagedgen.plot.output_tokens(outputs).savefig(sys.argv[2] + "/tokens.png")
+print("pyplot" if "matplotlib.pyplot" in sys.modules else "no pyplot")
+"""
+
+
+def test_plot_needs_no_display_nor_pyplot(stories_path, tmp_path):
+    """In a fresh process without a display and with a GUI backend asked for (which would fail if
+    pyplot were used), both figures are written as PNG: Agg draws them, pyplot is never imported."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env.update(MPLBACKEND="QtAgg", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, "-c", HEADLESS, stories_path, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "no pyplot"
+    for name in ("steps.png", "tokens.png"):
+        check_png((tmp_path / name).read_bytes())
