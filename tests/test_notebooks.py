@@ -7,6 +7,7 @@ point there too, so nothing of the user's Jupyter set-up is read or written. The
 checkout's ``pagedgen`` (PYTHONPATH) and runs from the repository root, as the tests do.
 """
 import base64
+import html
 import json
 import os
 import re
@@ -75,6 +76,19 @@ def _png(cell) -> bytes:
     return base64.b64decode(images[0])
 
 
+def _bar_state(nb, output) -> tuple[dict, list[str]]:
+    """The final state of the tqdm widget a display_data output shows: (its FloatProgress state,
+    the texts of its HTML labels, left and right), from the widget state nbclient stores."""
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    box = state[output["data"][WIDGET]["model_id"]]["state"]
+    children = [state[c.removeprefix("IPY_MODEL_")] for c in box["children"]]
+    progress = [c["state"] for c in children if c["model_name"] == "FloatProgressModel"]
+    # tqdm writes the labels as HTML, with figure spaces (U+2007) for spaces
+    labels = [html.unescape(c["state"]["value"]).replace("\u2007", " ") for c in children if c["model_name"] == "HTMLModel"]
+    assert len(progress) == 1 and len(labels) == 2, [c["model_name"] for c in children]
+    return progress[0], labels
+
+
 def _check_png(data: bytes) -> None:
     import io
 
@@ -128,6 +142,9 @@ def test_quickstart_notebook_runs_in_a_real_kernel(jupyter_env, llm):
     assert _text(gen, "stdout").splitlines() == [f"{p!r} -> {o.outputs[0].text!r}" for p, o in zip(prompts, want)]
     bars = [o for o in gen.outputs if o.output_type == "display_data" and WIDGET in o["data"]]
     assert len(bars) == 1 and bars[0]["data"]["text/plain"].startswith("Processed prompts")
+    progress, labels = _bar_state(nb, bars[0])  # the widget's final state, as the notebook stores it
+    assert progress["value"] == progress["max"] == 4 and progress["bar_style"] == "success"
+    assert labels[0].startswith("Processed prompts") and re.search(r"4/4 .*output \d+ tok/s", labels[1]), labels
 
     shown = _text(_find(nb, "outputs[0]"), "result")
     assert shown.startswith("RequestOutput(request_id='0'") and "prompt='Once upon a time'" in shown
