@@ -1,0 +1,164 @@
+"""From an input row to an engine request: the prompt's token ids and its SamplingParams.
+
+A row's prompt is its ``--prompt-field`` (a string, or a list of token ids), or its
+``--messages-field`` (a conversation ``[{"role", "content"}, ...]`` rendered with the chat template,
+as ``LLM.chat`` does), or, in the OpenAI batch format, the request body's ``prompt`` / ``messages``
+with the body's sampling fields over the command line's. Text is tokenized here (as
+``LLM.generate`` does: special tokens added; a rendered chat is tokenized without them, the
+template writes BOS itself), so that a prompt too long for ``max_model_len`` is a bad row with a
+clear reason, or is cut to its last ``--truncate-prompt-tokens`` tokens (vLLM's
+``SamplingParams.truncate_prompt_tokens``; pagedgen's SamplingParams has no such field, so the
+command line truncates before the request is added).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from pagedgen.cli import openai_batch
+from pagedgen.cli.errors import BadRow
+from pagedgen.cli.readers import Row
+from pagedgen.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """Where a row's prompt is and how it becomes tokens.
+
+    Attributes:
+        mode: "prompt" (``prompt_field``), "messages" (``messages_field``) or "openai".
+        prompt_field, messages_field: field (column) names.
+        index_field, output_field: names the output adds to each row (a row may not have them).
+        chat_template: a Jinja template overriding the tokenizer's, or None.
+        truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len - 1), or None.
+    """
+
+    mode: str
+    prompt_field: str = "prompt"
+    messages_field: Optional[str] = None
+    index_field: str = "index"
+    output_field: str = "completions"
+    chat_template: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+
+
+@dataclass
+class Request:
+    """One row made ready for ``add_request``."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    openai: Optional[openai_batch.OpenAIRequest] = None
+
+
+class RequestBuilder:
+    """Builds a ``Request`` per row; raises ``BadRow`` (with the reason) for a row that cannot run.
+
+    Args:
+        tokenizer: the LLM's Hugging Face tokenizer.
+        spec: where prompts are (``PromptSpec``).
+        params: the command line's SamplingParams (a row without its own fields shares it).
+        max_model_len: the engine's limit on prompt + generated tokens.
+    """
+
+    def __init__(self, tokenizer, spec: PromptSpec, params: SamplingParams, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.params = params
+        self.max_model_len = max_model_len
+
+    def build(self, row: Row) -> Request:
+        if row.error is not None:
+            raise BadRow(row.error)
+        fields = row.fields
+        spec = self.spec
+        if spec.mode == "openai":
+            req = openai_batch.parse_request(fields)
+            params = self._with(req.overrides)
+            if req.kind == "chat":
+                ids = self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message)
+            else:
+                ids = self._prompt_ids(req.prompt, "body.prompt")
+            truncate = req.truncate_prompt_tokens if req.truncate_prompt_tokens is not None else spec.truncate_prompt_tokens
+            return Request(self._fit(ids, truncate), params, req)
+        for name in (spec.index_field, spec.output_field):
+            if name in fields:
+                raise BadRow(f"the row has its own field {name!r}, which the output adds; choose another name with "
+                             f"{'--index-field' if name == spec.index_field else '--output-field'}")
+        if spec.mode == "messages":
+            if spec.messages_field not in fields:
+                raise BadRow(f"no field {spec.messages_field!r} (fields: {', '.join(map(str, fields))}); use --messages-field")
+            ids = self._chat_ids(fields[spec.messages_field], True, False)
+        else:
+            if spec.prompt_field not in fields:
+                raise BadRow(f"no field {spec.prompt_field!r} (fields: {', '.join(map(str, fields))}); use --prompt-field")
+            ids = self._prompt_ids(fields[spec.prompt_field], spec.prompt_field)
+        return Request(self._fit(ids, spec.truncate_prompt_tokens), self.params)
+
+    def _with(self, overrides: dict) -> SamplingParams:
+        if not overrides:
+            return self.params
+        try:
+            return dataclasses.replace(self.params, **overrides)
+        except (ValueError, TypeError) as exc:
+            raise BadRow(str(exc)) from None
+
+    def _prompt_ids(self, prompt, where: str) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)  # token ids (checked against the vocabulary by the engine)
+        else:
+            raise BadRow(f"{where} must be a string or a list of token ids, got {type(prompt).__name__}")
+        return self._nonempty(ids)
+
+    def _chat_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        conversation = normalize_messages(messages)
+        if self.spec.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise BadRow("the tokenizer has no chat template: pass one with --chat-template FILE")
+        import jinja2
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.spec.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            raise BadRow(f"the chat template failed on this conversation: {exc}") from None
+        return self._nonempty(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+
+    def _nonempty(self, ids: list[int]) -> list[int]:
+        if not ids:  # an empty prompt starts from BOS, as in LLM.generate
+            if self.tokenizer.bos_token_id is None:
+                raise BadRow("the prompt is empty and the tokenizer has no BOS token to start from")
+            ids = [self.tokenizer.bos_token_id]
+        return ids
+
+    def _fit(self, ids: list[int], truncate: Optional[int]) -> list[int]:
+        limit = self.max_model_len - 1  # room for at least one generated token
+        if truncate is not None:
+            keep = limit if truncate == -1 else truncate
+            ids = ids[-keep:]
+        if len(ids) > limit:
+            raise BadRow(f"the prompt has {len(ids)} tokens; with one generated token it must fit max_model_len="
+                         f"{self.max_model_len} (at most {limit} prompt tokens): pass --truncate-prompt-tokens N to keep its last N tokens")
+        return ids
+
+
+def normalize_messages(messages) -> list[dict]:
+    """A conversation as a list of {"role": str, "content": str}; OpenAI content parts
+    (``[{"type": "text", "text": ...}]``) are joined with newlines. Raises BadRow."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRow(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+    out = []
+    for j, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise BadRow(f"message {j}: only text content parts ({{'type': 'text', 'text': ...}}) are supported")
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise BadRow(f"message {j} must be an object with a str 'role' and 'content', got {m!r:.100}")
+        out.append({**m, "content": content})
+    return out
