@@ -1,0 +1,182 @@
+"""The CLI's bad rows (both --on-error modes, line numbers the file's own), its refusal to resume
+from a changed input, model or parameters, and every user error as one `pagedgen: error:` line
+with exit code 2 and no traceback (in-process)."""
+import json
+import os
+import shutil
+
+import pytest
+
+from cli_util import error_lines, read_jsonl, run_cli
+from conftest import story_openings
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPTS = story_openings(8)
+
+
+def _base(stories_path, src, dst, *extra):
+    return ("--model", stories_path, "--input", src, "--output", dst, "--temperature", "0", "--max-tokens", 4, *extra)
+
+
+def _bad_file(path):
+    lines = [json.dumps({"prompt": PROMPTS[0]}),
+             "",  # blank lines count in line numbers but are not rows
+             '{"prompt": "unterminated',  # line 3, row 1
+             json.dumps({"prompt": PROMPTS[1]}),
+             json.dumps({"text": "no prompt field"}),  # line 5, row 3
+             json.dumps({"prompt": [5] * 600}),  # line 6, row 4: over max_model_len=512
+             json.dumps({"prompt": 7}),  # line 7, row 5
+             json.dumps({"prompt": PROMPTS[2]})]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_bad_rows_stop_then_resume_after_the_fix(stories_path, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _bad_file(src)
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and error_lines(err) == [
+        f"pagedgen: error: {src}: line 3: not valid JSON (Unterminated string starting at: column 12) (stopped there: "
+        f"1 rows are in {str(dst)!r}; fix the row and rerun the same command to resume, or pass --on-error skip)"]
+    assert [r["index"] for r in read_jsonl(dst)] == [0]
+    # fixing the bad line changes the input after the rows already done: the rerun resumes
+    lines = src.read_text().splitlines()
+    lines[2] = json.dumps({"prompt": "fixed"})
+    src.write_text("\n".join(lines) + "\n")
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and "line 5: no field 'prompt' (fields: text); use --prompt-field" in err
+    assert "1 skipped as already done" in err
+    assert [r["index"] for r in read_jsonl(dst)] == [0, 1, 2]
+
+
+def test_bad_rows_skip_to_errors_file(stories_path, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _bad_file(src)
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--on-error", "skip"))
+    assert rc == 0, err
+    assert [r["index"] for r in read_jsonl(dst)] == [0, 2, 6]
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [(r["index"], r["line"]) for r in errors] == [(1, 3), (3, 5), (4, 6), (5, 7)]
+    assert errors[0]["error"].startswith("not valid JSON") and errors[0]["row"] == '{"prompt": "unterminated'
+    assert errors[1]["row"] == {"text": "no prompt field"}
+    assert "the prompt has 600 tokens" in errors[2]["error"] and "--truncate-prompt-tokens" in errors[2]["error"]
+    assert "must be a string or a list of token ids" in errors[3]["error"]
+    assert "7 rows: 3 generated, 0 skipped as already done, 4 bad" in err and "bad rows in" in err
+    # a rerun finds every row done: nothing is generated or written twice
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--on-error", "skip"))
+    assert rc == 0 and "0 generated, 7 skipped as already done" in err
+    assert len(read_jsonl(dst)) == 3 and len(read_jsonl(tmp_path / "out.errors.jsonl")) == 4
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(stories_path, tmp_path, capsys, llm):
+    from pagedgen import SamplingParams
+
+    ids = [int(t) for t in (list(range(3, 400)) * 2)[:700]]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": ids}) + "\n")
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--truncate-prompt-tokens", 100))
+    assert rc == 0, err
+    want = llm.generate([ids[-100:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    assert read_jsonl(dst)[0]["completions"][0]["token_ids"] == want
+
+
+def test_changed_input_model_or_params_are_refused(stories_path, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(stories_path, model)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    rc, err = run_cli(capsys, *_base(model, src, dst))
+    assert rc == 0, err
+    first = dst.read_bytes()
+    rc, err = run_cli(capsys, *_base(model, src, dst, "--max-tokens", 5))
+    assert rc == 2 and "the parameters differ" in err and "max_tokens: 4 -> 5" in err and "--overwrite" in err
+    rc, err = run_cli(capsys, *_base(model, src, dst, "--max-num-seqs", 3, "--no-enable-prefix-caching"))
+    assert rc == 0 and "8 skipped as already done" in err  # performance flags may change
+    src.write_text(src.read_text().replace(PROMPTS[3], PROMPTS[3] + " changed"))
+    rc, err = run_cli(capsys, *_base(model, src, dst))
+    assert rc == 2 and "changed since" in err and "differ" in err
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    rc, err = run_cli(capsys, *_base(model, src, dst))
+    assert rc == 2 and "the model differs" in err and "config.json" in err
+    assert dst.read_bytes() == first
+    rc, err = run_cli(capsys, *_base(model, src, dst, "--overwrite"))
+    assert rc == 0 and "8 generated" in err
+
+
+def test_output_is_the_input(stories_path, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "a"}) + "\n")
+    os.link(src, tmp_path / "same.jsonl")
+    for out in (src, tmp_path / "same.jsonl", tmp_path / "." / "in.jsonl"):
+        rc, err = run_cli(capsys, *_base(stories_path, src, out))
+        assert rc == 2 and "is the input file" in err
+    assert src.read_text() == json.dumps({"prompt": "a"}) + "\n"
+
+
+def _broken_model(tmp_path, stories_path, how):
+    model = tmp_path / f"model-{how}"
+    shutil.copytree(stories_path, model)
+    weights = model / "model.safetensors"
+    if how == "corrupt-safetensors":
+        weights.write_bytes(os.urandom(4096))
+    elif how == "truncated-safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "config-not-json":
+        (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    elif how == "no-tokenizer":
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+            (model / name).unlink()
+    elif how == "no-weights":
+        weights.unlink()
+    return model
+
+
+@pytest.mark.parametrize("case", ["missing-input", "input-is-a-folder", "bad-flag-value", "bad-sampling-value",
+                                  "missing-model", "corrupt-safetensors", "truncated-safetensors", "config-not-json",
+                                  "no-tokenizer", "no-weights", "output-folder-missing", "output-is-a-folder",
+                                  "missing-chat-template", "messages-from-csv", "bad-engine-value"])
+def test_user_errors_are_one_line(case, stories_path, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "a"}) + "\n")
+    model, extra = stories_path, []
+    if case == "missing-input":
+        src = tmp_path / "nope.jsonl"
+    elif case == "input-is-a-folder":
+        src = tmp_path
+    elif case == "bad-flag-value":
+        extra = ["--max-num-seqs", "many"]
+    elif case == "bad-sampling-value":
+        extra = ["--top-p", "0"]
+    elif case == "bad-engine-value":
+        extra = ["--max-num-seqs", "0"]
+    elif case == "missing-model":
+        model = tmp_path / "nope"
+    elif case in ("corrupt-safetensors", "truncated-safetensors", "config-not-json", "no-tokenizer", "no-weights"):
+        model = _broken_model(tmp_path, stories_path, case)
+    elif case == "output-folder-missing":
+        dst = tmp_path / "no" / "out.jsonl"
+    elif case == "output-is-a-folder":
+        dst = tmp_path
+    elif case == "missing-chat-template":
+        extra = ["--chat-template", tmp_path / "nope.jinja"]
+    elif case == "messages-from-csv":
+        src = tmp_path / "in.csv"
+        src.write_text("prompt\na\n")
+        extra = ["--messages-field", "prompt"]
+    rc, err = run_cli(capsys, *_base(model, src, dst, *extra))
+    assert rc == 2, err
+    assert len(error_lines(err)) == 1 and "Traceback" not in err, err
+    assert not dst.is_file() or dst.stat().st_size == 0
+
+
+def test_debug_shows_the_traceback(stories_path, tmp_path):
+    from pagedgen.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "a"}) + "\n")
+    from pagedgen.cli.errors import CLIError
+
+    with pytest.raises(CLIError, match="model folder not found") as info:
+        main(["--model", str(tmp_path / "nope"), "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--debug", "--no-tqdm"])
+    assert isinstance(info.value.__cause__, FileNotFoundError)
