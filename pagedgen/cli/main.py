@@ -49,33 +49,34 @@ def _say(text: str) -> None:
     print(f"pagedgen: {text}", file=sys.stderr, flush=True)
 
 
-def _user_errors(what: str):
-    """A context manager turning the user error types into CLIError (``what`` prefixes the message)."""
+class _UserErrors:
+    """Turns the exception classes a user can cause (``types``, default ``user_error_types()``) into
+    a CLIError whose message starts with ``what``."""
 
-    class _Convert:
-        def __enter__(self):
-            return self
+    def __init__(self, what: str = "", types: Optional[tuple] = None) -> None:
+        self.what, self.types = what, types
 
-        def __exit__(self, tp, exc, tb):
-            if exc is not None and not isinstance(exc, CLIError) and isinstance(exc, user_error_types()):
-                raise CLIError(f"{what}{one_line(exc)}") from exc
-            return False
+    def __enter__(self) -> "_UserErrors":
+        return self
 
-    return _Convert()
+    def __exit__(self, tp, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, CLIError) and isinstance(exc, self.types or user_error_types()):
+            raise CLIError(f"{self.what}{one_line(exc)}") from exc
+        return False
 
 
 def _run(args) -> int:
     from pagedgen.engine_args import EngineArgs
     from pagedgen.sampling_args import sampling_params_from_args
 
-    with _user_errors(""):
+    with _UserErrors(""):
         params = sampling_params_from_args(args)
     engine_args = EngineArgs.from_cli_args(args)
     fmt = _check_input(args)
     out_sidecar, out_errors = sidecar.paths_for(args.output)
     _check_output(args, (args.output, out_sidecar, out_errors))
     spec = _prompt_spec(args, fmt)
-    with _user_errors(""):
+    with _UserErrors(""):
         from pagedgen.model import loader
 
         folders = [args.model] + ([args.tokenizer] if args.tokenizer else [])
@@ -84,7 +85,7 @@ def _run(args) -> int:
     fingerprint = _params_fingerprint(args, fmt, params, spec)
     state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
 
-    with _user_errors(""):
+    with _UserErrors(""):
         llm = engine_args.create_llm()
     if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
         raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
@@ -105,24 +106,24 @@ def _run(args) -> int:
         if scan.torn_bytes:
             resume.truncate_to(scan)
             _say(f"repaired {scan.path}: cut {scan.torn_bytes} bytes of an unfinished last line (that row is generated again)")
-    with _user_errors(f"cannot write --output {args.output!r}: "):
+    with _UserErrors(f"cannot write --output {args.output!r}: "):
         car.save()  # first the sidecar, then the output: an output never exists without one
         if not os.path.exists(args.output):
             open(args.output, "ab").close()
             sidecar.fsync_dir(args.output)
-    return _generate(args, llm, fmt, spec, params, car, done, out_errors)
+    return _generate(args, llm, fmt, spec, params, car, done, out_errors, scans[0].rows if scans else 0)
 
 
 def _check_input(args) -> str:
     """The input format; CLIError for a missing or unreadable input or bad flag combinations."""
     if args.input != "-":
-        with _user_errors("cannot read --input: "):
+        with _UserErrors("cannot read --input: "):
             if os.path.isdir(args.input):
                 raise IsADirectoryError(21, "Is a directory", args.input)
             open(args.input, "rb").close()
     fmt = args.input_format
     if fmt == "auto":
-        with _user_errors("cannot read --input: "):
+        with _UserErrors("cannot read --input: "):
             fmt = readers.detect_format(args.input, sys.stdin.buffer if args.input == "-" else None)
     if args.messages_field and fmt in ("text", "csv", "tsv", "openai"):
         raise CLIError(f"--messages-field needs JSON rows (jsonl, json or parquet input), not {fmt}"
@@ -153,7 +154,7 @@ def _prompt_spec(args, fmt: str) -> PromptSpec:
     template = None
     if args.chat_template is not None:
         if os.path.isfile(args.chat_template):
-            with _user_errors("cannot read --chat-template: "):
+            with _UserErrors("cannot read --chat-template: "):
                 with open(args.chat_template, encoding="utf-8") as f:
                     template = f.read()
         elif "{{" in args.chat_template or "{%" in args.chat_template:
@@ -194,7 +195,7 @@ def _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint):
                        f"resumable pagedgen run: pass --overwrite to replace it, or choose another output")
     car.check(model_fp, fingerprint, args.output)
     if args.input != "-":
-        with _user_errors("cannot read --input: "):
+        with _UserErrors("cannot read --input: "):
             car.check_input_file(args.input, fmt, args.output)
     kind = "openai" if fmt == "openai" else "rows"
     scans = [resume.scan(args.output, kind, done, args.index_field), resume.scan(out_errors, kind, done, args.index_field)]
@@ -229,7 +230,7 @@ def _remaining(rows: Iterator, done: resume.DoneSet, tracker: sidecar.InputTrack
                        f"({expect['rows']}); pass --overwrite to start again")
 
 
-def _generate(args, llm, fmt, spec, params, car, done, out_errors) -> int:
+def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_output: int) -> int:
     max_in_flight = args.max_in_flight or 2 * llm.scheduler_config.max_num_seqs
     tracker = sidecar.InputTracker()
     stats = progress_mod.RunStats()
@@ -250,7 +251,7 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors) -> int:
     if args.input != "-" and not args.no_tqdm:
         counter = progress_mod.RowCounter(args.input, fmt)
         counter.start()
-    with _user_errors("cannot read --input: "):
+    with _UserErrors("cannot read --input: "):
         rows = readers.read_rows(args.input, fmt, prompt_field=spec.prompt_field,
                                  required_column=(spec.messages_field or spec.prompt_field) if fmt in ("csv", "tsv", "parquet") else None)
         remaining = _remaining(rows, done, tracker, stats, car.data["input"] if args.input == "-" else None)
@@ -259,14 +260,14 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors) -> int:
                            created=car.data["created"], model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)))
     write_error = f"cannot write --output {args.output!r}: "
     try:
-        with StopSignals() as signals, _user_errors("cannot read --input: "):
+        with StopSignals() as signals, _UserErrors("cannot read --input: ", (OSError,)):
             run_rows(llm, remaining, builder, writer, spec, settings, stats, bar, signals, outcome)
-        with _user_errors(write_error):
+        with _UserErrors(write_error):
             writer.close()
             car.update_input(verified())
     except BaseException:
         bar.close()
-        with _user_errors(write_error):  # keep what finished (in order) before reporting
+        with _UserErrors(write_error):  # keep what finished (in order) before reporting
             writer.abandon()
             writer.close()
         raise
@@ -277,7 +278,7 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors) -> int:
         row, reason = outcome.bad_row
         where = "<stdin>" if args.input == "-" else args.input
         unit = "row" if fmt == "parquet" else "line"
-        raise CLIError(f"{where}: {unit} {row.line}: {reason} (stopped there: {total_done:,} rows are in {args.output!r}; "
+        raise CLIError(f"{where}: {unit} {row.line}: {reason} (stopped there: {rows_in_output + writer.rows_written:,} rows are in {args.output!r}; "
                        f"fix the row and rerun the same command to resume, or pass --on-error skip)")
     if outcome.signal is not None:
         name = signal.Signals(outcome.signal).name

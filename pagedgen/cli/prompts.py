@@ -80,8 +80,7 @@ class RequestBuilder:
                 ids = self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message)
             else:
                 ids = self._prompt_ids(req.prompt, "body.prompt")
-            truncate = req.truncate_prompt_tokens if req.truncate_prompt_tokens is not None else spec.truncate_prompt_tokens
-            return Request(self._fit(ids, truncate), params, req)
+            return Request(self._fit(ids, req.truncate_prompt_tokens, params), params, req)
         for name in (spec.index_field, spec.output_field):
             if name in fields:
                 raise BadRow(f"the row has its own field {name!r}, which the output adds; choose another name with "
@@ -94,7 +93,7 @@ class RequestBuilder:
             if spec.prompt_field not in fields:
                 raise BadRow(f"no field {spec.prompt_field!r} (fields: {', '.join(map(str, fields))}); use --prompt-field")
             ids = self._prompt_ids(fields[spec.prompt_field], spec.prompt_field)
-        return Request(self._fit(ids, spec.truncate_prompt_tokens), self.params)
+        return Request(self._fit(ids, None, self.params), self.params)
 
     def _with(self, overrides: dict) -> SamplingParams:
         if not overrides:
@@ -135,7 +134,11 @@ class RequestBuilder:
             ids = [self.tokenizer.bos_token_id]
         return ids
 
-    def _fit(self, ids: list[int], truncate: Optional[int]) -> list[int]:
+    def _fit(self, ids: list[int], truncate: Optional[int], params: SamplingParams) -> list[int]:
+        """Cut to the last ``truncate`` tokens (the request's, else the command line's, else the
+        SamplingParams' own field if it has one); BadRow if still too long for max_model_len."""
+        for fallback in (self.spec.truncate_prompt_tokens, getattr(params, "truncate_prompt_tokens", None)):
+            truncate = fallback if truncate is None else truncate
         limit = self.max_model_len - 1  # room for at least one generated token
         if truncate is not None:
             keep = limit if truncate == -1 else truncate

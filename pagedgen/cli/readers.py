@@ -127,7 +127,7 @@ def read_json_lines(f: BinaryIO, prompt_field: str) -> Iterator[Row]:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                error = f"not valid JSON ({exc.msg} at column {exc.colno})"
+                error = f"not valid JSON ({exc.msg}: column {exc.colno})"
             else:
                 fields, error = _as_fields(value, prompt_field)
         yield Row(index, lineno, fields, error, span)

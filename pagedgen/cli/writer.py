@@ -21,6 +21,7 @@ import os
 import time
 from typing import Callable, Optional
 
+from pagedgen.cli.errors import CLIError
 from pagedgen.cli.sidecar import fsync_dir
 
 
@@ -121,8 +122,12 @@ class RowWriter:
         if top < 0:
             return
         self.before_write(top)
-        self.errors.write_pending()
-        self.output.write_pending()
+        for appender in (self.errors, self.output):
+            try:
+                appender.write_pending()
+            except OSError as exc:
+                raise CLIError(f"cannot write {appender.path!r}: {exc.strerror or exc} (the rows written before stay; "
+                               f"rerun the same command to resume)") from exc
         self._last_write = time.monotonic()
 
     def abandon(self) -> int:
