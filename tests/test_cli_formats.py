@@ -142,3 +142,49 @@ def test_openai_batch_bad_requests(stories_path, tmp_path, capsys):
     assert "stream=True is not supported" in messages[1] and "tools not supported" in messages[2]
     assert messages[3].startswith("line 5: not valid JSON") and "temperature must be in [0, inf)" in messages[4]
     assert "5 bad" in err
+
+
+def _drop_tail(path, keep: int, torn: bytes = b"") -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:keep]) + torn)
+
+
+@pytest.mark.parametrize("unordered", [False, True])
+def test_resume_finishes_what_is_missing(unordered, stories_path, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write("jsonl", src)
+    flags = ["--unordered"] if unordered else []
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
+    assert rc == 0, err
+    full = dst.read_bytes()
+    _drop_tail(dst, 5, torn=b'{"index": 5, "prompt": "cut sh')
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
+    assert rc == 0, err
+    assert "5 skipped as already done" in err and "cut 31 bytes of an unfinished last line" in err
+    if unordered:
+        assert sorted(dst.read_bytes().splitlines()) == sorted(full.splitlines())
+    else:
+        assert dst.read_bytes() == full
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *([] if unordered else ["--unordered"])))
+    assert rc == 2 and "unordered: " in err  # the order is part of what the output was started with
+
+
+def test_stdin_resume_checks_the_rows_as_they_stream(stories_path, tmp_path, capsys, monkeypatch):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write("jsonl", src)
+
+    def stdin(data: bytes):
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(data))))
+
+    stdin(src.read_bytes())
+    assert run_cli(capsys, *_base(stories_path, "-", dst))[0] == 0
+    full = dst.read_bytes()
+    _drop_tail(dst, 4)
+    lines = src.read_bytes().splitlines(keepends=True)
+    stdin(b"".join(lines[:2]) + b'{"prompt": "another row"}\n' + b"".join(lines[3:]))
+    rc, err = run_cli(capsys, *_base(stories_path, "-", dst))
+    assert rc == 2 and "the input on stdin is not the one the output was started from" in err
+    assert dst.read_bytes() == full[: len(b"".join(full.splitlines(keepends=True)[:4]))]
+    stdin(src.read_bytes())
+    rc, err = run_cli(capsys, *_base(stories_path, "-", dst))
+    assert rc == 0 and "4 skipped as already done" in err and dst.read_bytes() == full

@@ -131,3 +131,16 @@ def test_rows_stream_lazily(tmp_path):
     first = next(rows)
     assert first.fields == {"prompt": "row 0"}
     rows.close()
+
+
+@pytest.mark.parametrize("name, data", [
+    ("a.jsonl", b'{"a": 1}\n\n \n{"b": 2}\n{"c": 3}'),
+    ("a.txt", b"x\n\ny\nz"),
+    ("a.csv", b'p\n"multi\nline"\n\nb\n'),
+    ("a.json", b'[{"a": "]"}, "s", 3]'),
+])
+def test_count_rows_matches_the_readers(tmp_path, name, data):
+    from pagedgen.cli.progress import count_rows
+
+    fmt, rows = _rows(tmp_path, name, data)
+    assert count_rows(str(tmp_path / name), fmt) == len(rows)

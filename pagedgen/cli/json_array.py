@@ -56,12 +56,13 @@ def _element_end(buf: bytes, i: int) -> int:
     return m.start()
 
 
-def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20) -> Iterator[tuple[int, int, bytes, object, str | None]]:
+def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bool = True) -> Iterator[tuple[int, int, bytes, object, str | None]]:
     """Yield ``(line, end, span, value, error)`` per element of the array in binary file ``f``.
 
     ``line``: 1-based line where the element starts; ``end``: byte offset just past it; ``span``:
     the bytes since the previous element's end through this one's (their concatenation is the
-    file); ``value``: the parsed element, or None with ``error`` saying why it is not valid JSON.
+    file); ``value``: the parsed element, or None with ``error`` saying why it is not valid JSON
+    (both None without ``parse``: counting elements only).
 
     Raises:
         CLIError: the file is not a JSON array, or its structure breaks between elements.
@@ -136,11 +137,12 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20) -> Iterat
                         raise CLIError(f"{name}:{where(start)}: the file ends inside an array element") from None
                     end = len(buf)  # a scalar running to the end of the file
                     break
-        raw = buf[start:end]
-        try:
-            value, error = json.loads(raw), None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            value, error = None, f"not valid JSON ({getattr(exc, 'msg', None) or exc.reason})"
+        value = error = None
+        if parse:
+            try:
+                value = json.loads(buf[start:end])
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                error = f"not valid JSON ({getattr(exc, 'msg', None) or exc.reason})"
         elem_line = where(start)
         span = buf[consumed:end]
         consumed = pos = end

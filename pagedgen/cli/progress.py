@@ -13,6 +13,7 @@ from typing import Optional
 
 from pagedgen.cli import readers
 from pagedgen.cli.errors import CLIError
+from pagedgen.cli.json_array import iter_json_array
 
 _BLANK_LINE = re.compile(rb"^[ \t\r]*\n", re.M)
 _CHUNK = 4 << 20
@@ -22,7 +23,10 @@ def count_rows(path: str, fmt: str) -> int:
     """Rows in ``path`` as ``readers`` numbers them (blank lines are rows only in text files)."""
     if fmt == "parquet":
         return readers.import_pyarrow_parquet().ParquetFile(path).metadata.num_rows
-    if fmt in ("csv", "tsv", "json"):
+    if fmt == "json":
+        with open(path, "rb") as f:
+            return sum(1 for _ in iter_json_array(f, path, parse=False))
+    if fmt in ("csv", "tsv"):
         return sum(1 for _ in readers.read_rows(path, fmt, prompt_field="prompt", required_column=None))
     rows, carry = 0, b""
     with open(path, "rb") as f:
