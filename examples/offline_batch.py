@@ -47,13 +47,14 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="most tokens per sequence (default: the model's); the KV cache must hold one")
     ap.add_argument("--n", type=int, default=1, help="completions per prompt (parallel sampling)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
 
     prompts = story_openings(args.data, args.num_prompts, args.seed)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed, device=args.device)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed, device=args.device)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
 
     start = time.perf_counter()

@@ -60,7 +60,8 @@ class LLM:
         max_num_batched_tokens: most tokens in one step; longer prompts are prefilled in chunks.
             Default max(4096, max_num_seqs).
         max_model_len: most tokens (prompt + output) per sequence; default and upper bound the
-            model's ``max_position_embeddings``. Lowered to the KV cache's size when that is smaller.
+            model's ``max_position_embeddings``. The KV cache must hold one sequence of this many
+            tokens (else ValueError: a larger cache, or a smaller max_model_len).
         seed: seed of the sampler's generator (requests without their own seed).
         enforce_extension: raise instead of falling back to the PyTorch reference ops when the
             compiled extension ``pagedgen._C`` is missing.
@@ -78,7 +79,8 @@ class LLM:
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
-        ValueError: unsupported architecture, a bad argument value, or a KV cache under one block.
+        ValueError: unsupported architecture, a bad argument value, or a KV cache smaller than one
+            sequence of ``max_model_len`` tokens.
         TypeError: an argument of the wrong type.
         RuntimeError: ``enforce_extension=True`` and the extension is not available.
     """
@@ -143,6 +145,7 @@ class LLM:
         model = os.fspath(model)
         hf_config = loader.load_hf_config(model)
         model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
+        max_model_len_given = max_model_len is not None
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
         elif max_model_len > model_config.max_position_embeddings:
@@ -165,6 +168,7 @@ class LLM:
         del weights
 
         block_bytes = model_config.kv_bytes_per_token() * block_size
+        sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
         if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
             kv_cache_memory_bytes = kv_sizing.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
         num_blocks = kv_sizing.num_kv_blocks(block_bytes, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs * cdiv(max_model_len, block_size))
@@ -180,12 +184,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
         )
-        if cache_config.num_slots < max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens, fewer than max_model_len=%d: max_model_len lowered to %d",
-                cache_config.num_slots, max_model_len, cache_config.num_slots,
-            )
-            max_model_len = cache_config.num_slots
+        kv_sizing.check_max_model_len(num_blocks, block_size, block_bytes, max_model_len, max_model_len_given, sized_by)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -316,9 +315,9 @@ class LLM:
         seqs: list[Sequence] = []
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):
-                seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp))
+                seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp, p))
                 # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
-                seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp)) for j in range(1, sp.n)]
+                seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp, p)) for j in range(1, sp.n)]
                 seqs.append(seq)
         except BaseException:
             self.engine.scheduler.abort_all()  # nothing half-queued survives into the next call
@@ -369,7 +368,7 @@ class LLM:
                 BeamSearchSequence(
                     tokens=p + h.token_ids,
                     output_token_ids=h.token_ids,
-                    text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                    text=self.detokenizer.decode_in_context(h.token_ids, p),
                     cum_logprob=h.cum_logprob,
                     score=h.score,
                     finish_reason=h.finish_reason,
@@ -379,9 +378,9 @@ class LLM:
             results.append(BeamSearchOutput(sequences))
         return results
 
-    def _stream(self, sp: SamplingParams):
+    def _stream(self, sp: SamplingParams, prompt_token_ids: list[int]):
         """An incremental detokenizer for a completion that has stop strings (else None)."""
-        return self.detokenizer.stream(sp) if sp.stop else None
+        return self.detokenizer.stream(sp, prompt_token_ids) if sp.stop else None
 
     def _run(self, completions_per_request: list[int], use_tqdm: bool, desc: str = "Processed prompts", done: Optional[Callable[[], int]] = None) -> None:
         """Run the engine until done. The bar counts finished requests (a request is finished when
@@ -432,7 +431,7 @@ class LLM:
         elif seq.detokenizer is not None:
             text = seq.detokenizer.text
         else:
-            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop")
+            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop", prompt_token_ids=seq.prompt_token_ids)
         return CompletionOutput(
             index=seq.index,
             text=text,

@@ -126,7 +126,7 @@ def test_seeded_requests_ignore_order_and_other_seeds(llm, others, alone):
 
 
 def test_seeded_request_after_preemption(stories_path, others, alone):
-    small = LLM(stories_path, block_size=8, num_kv_blocks=12)
+    small = LLM(stories_path, block_size=8, num_kv_blocks=12, max_model_len=96)  # the cache holds 96 tokens
     prompts = others + [PROMPT]
     params = [SamplingParams(temperature=1.0, max_tokens=30)] * len(others) + [SEEDED]
     outs = small.generate(prompts, params, use_tqdm=False)

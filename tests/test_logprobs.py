@@ -71,7 +71,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, prompts, hf_logpro
 def test_chunked_prefill_and_preemption_give_the_same_logprobs(stories_path, llm, prompts, hf_logprobs):
     """A token budget of 5 splits every prompt over several steps; 16 blocks of 8 slots for 4
     sequences force recompute preemptions (prompt logprobs must not be recorded twice)."""
-    small = LLM(stories_path, block_size=8, num_kv_blocks=16, max_num_batched_tokens=5)
+    small = LLM(stories_path, block_size=8, num_kv_blocks=16, max_num_batched_tokens=5, max_model_len=128)
     outs = small.generate(prompts, PARAMS.clone(max_tokens=16), use_tqdm=False)
     assert small.get_stats().num_preemptions > 0
     for out in outs:

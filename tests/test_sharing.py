@@ -93,7 +93,7 @@ def test_beam_search_matches_transformers(stories_path, prompts, hf_beams, width
 def test_beam_search_shares_blocks_and_survives_preemption(stories_path, prompts, llm):
     params = BeamSearchParams(beam_width=4, max_tokens=40)
     reference = [[s.output_token_ids for s in o.sequences] for o in llm.beam_search(prompts, params, use_tqdm=False)]
-    small = LLM(stories_path, num_kv_blocks=24)
+    small = LLM(stories_path, num_kv_blocks=24, max_model_len=384)  # the cache holds 384 tokens
     got = [[s.output_token_ids for s in o.sequences] for o in small.beam_search(prompts, params, use_tqdm=False)]
     assert got == reference
     stats = small.get_stats()
