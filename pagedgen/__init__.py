@@ -5,12 +5,14 @@ The API follows vLLM's offline one, so switching is one import::
     from pagedgen import LLM, SamplingParams
 """
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedgen.engine.llm_engine import LLMEngine
 from pagedgen.llm import LLM
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "LLMEngine",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",

@@ -7,10 +7,11 @@
 """
 from __future__ import annotations
 
-import logging
+import contextlib
+import itertools
 import os
-import time
-from typing import Callable, Optional, Sequence as Seq, Union
+import threading
+from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -18,19 +19,18 @@ from pagedgen import inputs, ops
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.engine import kv_sizing
-from pagedgen.engine.beam_group import BeamGroup
+from pagedgen.engine.beam_group import beam_score
 from pagedgen.engine.block_manager import cdiv
-from pagedgen.engine.detokenizer import Detokenizer
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
 from pagedgen.engine.model_runner import ModelRunner
-from pagedgen.engine.sampler import Sampler, make_generator
-from pagedgen.engine.sequence import Sequence
+from pagedgen.engine.processor import Request, RequestProcessor
+from pagedgen.engine.sampler import Sampler
 from pagedgen.model import loader
 from pagedgen.model.llama import LlamaForCausalLM, rope_cos_sin
-from pagedgen.outputs import CompletionOutput, RequestOutput
+from pagedgen.outputs import RequestOutput
+from pagedgen.progress import Progress
 from pagedgen.sampling_params import SamplingParams
 
-logger = logging.getLogger("pagedgen")
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 
@@ -44,6 +44,21 @@ ChatMessage = dict  # {"role": str, "content": str}
 
 class LLM:
     """Loads a Hugging Face Llama checkpoint and generates completions for lists of prompts.
+
+    ``generate``, ``chat`` and ``beam_search`` run a batch to the end; ``generate_stream`` pulls
+    prompts lazily from any iterable and yields results as they finish; ``llm_engine`` is the
+    request-level engine underneath (``add_request`` / ``step`` / ``abort_request``).
+
+    Threads: calls on one LLM are serialised by a lock (``generate``, ``chat``, ``beam_search`` and
+    ``generate_stream``, which holds it from its first item until it is exhausted or closed), so
+    threads sharing an LLM each get the results they would get alone, one call at a time. A call
+    made by a thread while it is inside a ``generate_stream`` of the same LLM (in the loop over it)
+    raises RuntimeError at once instead of waiting for itself forever. The engine itself
+    (``llm_engine``) is not thread-safe: drive it from one thread.
+
+    Interrupts: a call stopped by any exception, KeyboardInterrupt included, aborts its requests
+    and leaves the KV block pool whole; the next call's greedy and seeded outputs equal a fresh
+    LLM's (see ``pagedgen.engine.llm_engine``).
 
     Args:
         model: path of a checkpoint folder (config.json, model.safetensors or a sharded
@@ -159,8 +174,7 @@ class LLM:
 
         tok_path = os.fspath(tokenizer) if tokenizer is not None else model
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
-        self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
+        eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
         weights = loader.load_safetensors(model, model_config.dtype)
         cos, sin = rope_cos_sin(hf_config, model_config.head_dim, max_model_len)
@@ -197,41 +211,54 @@ class LLM:
         self.scheduler_config = scheduler_config
         use_graphs = device.type == "cuda" and not enforce_eager
         runner = ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=max_num_seqs if use_graphs else 0, max_model_len=max_model_len)
-        self.engine = LLMEngine(cache_config, scheduler_config, runner, self.eos_token_ids)
-        self._seed = seed
+        self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs)
+        self.llm_engine = LLMEngine(cache_config, scheduler_config, runner, self.processor, eos_token_ids)
+        self._lock = threading.Lock()
+        self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
 
-    # ----- inputs ----------------------------------------------------------------------------------
-    def _tokenize(self, prompts: PromptsType) -> tuple[list[Optional[str]], list[list[int]]]:
-        return inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
+    @property
+    def engine(self) -> LLMEngine:
+        """The same object as ``llm_engine`` (the older name)."""
+        return self.llm_engine
 
-    def _fill_empty(self, ids: list[list[int]]) -> list[list[int]]:
-        return inputs.fill_empty(self.tokenizer, ids)
+    @property
+    def detokenizer(self):
+        return self.processor.detokenizer
 
-    def _check_params(self, ids: list[list[int]], sampling_params) -> list[SamplingParams]:
-        cfg = self.scheduler_config
-        return inputs.check_sampling_params(ids, sampling_params, self.model_config.vocab_size, cfg.max_model_len, cfg.max_num_seqs)
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Tokens that end a completion or a beam (from generation_config.json / config.json)."""
+        return self.llm_engine.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.llm_engine.eos_token_ids = frozenset(ids)
 
     # ----- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for every prompt; results in the order of ``prompts``.
 
         Args:
-            prompts: a str, a list of str, or a list of token-id lists (not mixed).
+            prompts: a str, or a list of prompts: str, token-id lists (bare str and token-id
+                lists not mixed), ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
             sampling_params: one SamplingParams for all prompts, or one per prompt (default: vLLM's
                 defaults, i.e. temperature 1.0 and max_tokens 16).
-            use_tqdm: show a progress bar of finished sequences (n per prompt) with output tokens/s.
+            use_tqdm: show a progress bar of finished requests (all n completions) with output tok/s.
 
         Returns:
-            one RequestOutput per prompt, holding its ``n`` completions ordered by index. An empty
-            list gives [].
+            one RequestOutput per prompt (``request_id`` and ``index`` its position), holding its
+            ``n`` completions ordered by index. An empty list gives [].
 
         Raises:
             TypeError / ValueError: bad prompts or parameters (naming the index and the allowed
                 range), raised before any work starts; the LLM stays usable.
+            RuntimeError: requests added with ``llm_engine.add_request`` are still unfinished, or
+                this thread is inside a ``generate_stream`` of this LLM.
         """
-        texts, ids = self._tokenize(prompts)
-        params = self._check_params(ids, sampling_params)
-        return self._generate(texts, ids, params, use_tqdm)
+        _check_use_tqdm(use_tqdm)
+        with self._exclusive("generate"):
+            texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
+            return self._run(self.processor.process_batch(texts, ids, sampling_params), use_tqdm)
 
     def chat(
         self,
@@ -263,67 +290,13 @@ class LLM:
                 without a str role and content, or both add_generation_prompt and
                 continue_final_message.
             TypeError: messages of the wrong shape.
+            RuntimeError: as ``generate``.
         """
-        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
-            conversations = [messages]
-        elif isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
-            conversations = list(messages)
-        else:
-            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of conversations")
-        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
-            raise ValueError(f"chat_template must be a non-empty Jinja template string, got {chat_template!r}")
-        for i, conv in enumerate(conversations):
-            if not conv:
-                raise ValueError(f"conversation {i} is empty: it needs at least one message")
-            for j, m in enumerate(conv):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError(f"conversation {i}, message {j} must be a dict with str 'role' and 'content', got {m!r}")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "the tokenizer has no chat template: pass chat_template=... (a Jinja template string) to LLM.chat, "
-                "or use LLM.generate with plain prompts"
-            )
-        if not conversations:
-            return []
-        import jinja2
-
-        texts = []
-        for i, conv in enumerate(conversations):
-            try:
-                texts.append(
-                    self.tokenizer.apply_chat_template(
-                        list(conv),
-                        chat_template=chat_template,
-                        add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message,
-                        tokenize=False,
-                    )
-                )
-            except jinja2.TemplateError as exc:
-                raise ValueError(f"the chat template failed on conversation {i}: {exc}") from exc
-        ids = self._fill_empty([list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]])
-        params = self._check_params(ids, sampling_params)
-        return self._generate(texts, ids, params, use_tqdm)
-
-    def _generate(self, texts: list[Optional[str]], ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        """Queue n sequences per prompt, run them all, gather them per prompt."""
-        if not ids:
-            return []
         _check_use_tqdm(use_tqdm)
-        seqs: list[Sequence] = []
-        try:
-            for i, (p, sp) in enumerate(zip(ids, params)):
-                seq = self.engine.add_sequence(i, p, sp, make_generator(sp.seed, 0), index=0, detokenizer=self._stream(sp, p))
-                # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
-                seq.pending_forks = [(j, make_generator(sp.seed, j), self._stream(sp, p)) for j in range(1, sp.n)]
-                seqs.append(seq)
-        except BaseException:
-            self.engine.scheduler.abort_all()  # nothing half-queued survives into the next call
-            raise
-        self._run([sp.n for sp in params], use_tqdm)
-        return [self._request_output(i, texts[i], [seq] + seq.forked) for i, seq in enumerate(seqs)]
+        with self._exclusive("chat"):
+            texts = inputs.render_chats(self.tokenizer, messages, chat_template, add_generation_prompt, continue_final_message)
+            ids = inputs.fill_empty(self.tokenizer, [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]) if texts else []
+            return self._run(self.processor.process_batch(texts, ids, sampling_params), use_tqdm)
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search for each prompt; beams of one prompt share their common history's KV blocks.
@@ -336,7 +309,7 @@ class LLM:
         (see ``pagedgen.engine.beam_group``), so results match it.
 
         Args:
-            prompts: a str, a list of str, or a list of token-id lists.
+            prompts: as in ``generate``.
             params: a BeamSearchParams (beam_width, max_tokens, ignore_eos, length_penalty,
                 early_stopping).
             use_tqdm: show a progress bar of finished prompts.
@@ -346,110 +319,160 @@ class LLM:
 
         Raises:
             TypeError / ValueError: bad prompts or params (before any work starts).
+            RuntimeError: as ``generate``.
         """
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if params.beam_width > self.scheduler_config.max_num_seqs:
-            raise ValueError(
-                f"BeamSearchParams.beam_width must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {params.beam_width}"
-            )
-        texts, ids = self._tokenize(prompts)  # empty prompts already start from BOS
-        self._check_params(ids, SamplingParams(temperature=0))
         _check_use_tqdm(use_tqdm)
-        groups = []
-        for i, p in enumerate(ids):
-            group = BeamGroup(params, len(p), self.eos_token_ids, self.scheduler_config.max_model_len)
-            self.engine.add_beam_search(i, p, group)
-            groups.append(group)
-        self._run([1] * len(groups), use_tqdm, desc="Beam search", done=lambda: sum(g.done for g in groups))
-        results = []
-        for p, group in zip(ids, groups):
-            sequences = [
+        with self._exclusive("beam_search"):
+            texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
+            outputs = self._run(self.processor.beam_batch(texts, ids, params), use_tqdm, desc="Beam search")
+        return [
+            BeamSearchOutput([
                 BeamSearchSequence(
-                    tokens=p + h.token_ids,
-                    output_token_ids=h.token_ids,
-                    text=self.detokenizer.decode_in_context(h.token_ids, p),
-                    cum_logprob=h.cum_logprob,
-                    score=h.score,
-                    finish_reason=h.finish_reason,
+                    tokens=out.prompt_token_ids + c.token_ids,
+                    output_token_ids=c.token_ids,
+                    text=c.text,
+                    cum_logprob=c.cumulative_logprob,
+                    score=beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty),
+                    finish_reason=c.finish_reason,
                 )
-                for h in group.finished
-            ]
-            results.append(BeamSearchOutput(sequences))
+                for c in out.outputs
+            ])
+            for out in outputs
+        ]
+
+    def generate_stream(
+        self,
+        prompts: Iterable,
+        sampling_params: Optional[SamplingParams] = None,
+        *,
+        max_in_flight: Optional[int] = None,
+        use_tqdm: bool = False,
+    ) -> Iterator[RequestOutput]:
+        """Generate for prompts pulled lazily from any iterable, yielding results as they finish.
+
+        At most ``max_in_flight`` requests are queued or running at a time; the next prompts are
+        pulled as requests finish, so a generator over a file of any size works and memory stays
+        flat in the number of prompts (nothing of a finished request is kept).
+
+        Args:
+            prompts: an iterable of prompts as ``generate`` takes them one by one (a str, a token-id
+                list, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``), or of ``(prompt,
+                SamplingParams)`` tuples for per-item parameters. A single str is one prompt.
+            sampling_params: for the items without their own (default: vLLM's defaults).
+            max_in_flight: most requests in flight (default: 4 * max_num_seqs).
+            use_tqdm: show a progress bar of finished requests.
+
+        Yields:
+            RequestOutputs in the order they finish, each with ``index`` (and ``request_id``, as
+            a str) its position in ``prompts``.
+
+        Raises:
+            TypeError / ValueError: at once for bad arguments; for a bad item, after the items
+                before it have finished and been yielded, naming its index (``prompts[i]``).
+            RuntimeError: as ``generate``, at the first item.
+        Closing the generator early (``close()``, ``break`` out of a loop that drops it) aborts the
+        requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
+        """
+        _check_use_tqdm(use_tqdm)
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
+        default = self.processor.check_params(sampling_params, "sampling_params")
+        if max_in_flight is None:
+            max_in_flight = 4 * self.scheduler_config.max_num_seqs
+        elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
+            raise TypeError(f"max_in_flight must be an int, got {type(max_in_flight).__name__}")
+        elif max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        total = len(prompts) if hasattr(prompts, "__len__") else None
+        return self._stream(iter(prompts), default, max_in_flight, use_tqdm, total)
+
+    def _stream(self, items: Iterator, default: SamplingParams, max_in_flight: int, use_tqdm: bool, total: Optional[int]) -> Iterator[RequestOutput]:
+        engine = self.llm_engine
+        with self._exclusive("generate_stream"):
+            self._check_engine_idle()
+            index, error, exhausted = 0, None, False
+            progress = Progress(use_tqdm, total, "Processed prompts", engine.num_generated_tokens)
+            try:
+                while True:
+                    room = max_in_flight - engine.get_num_unfinished_requests()
+                    if not exhausted and error is None and room > 0:
+                        batch = list(itertools.islice(items, room))  # tokenized together: one tokenizer call
+                        exhausted = len(batch) < room
+                        requests, error = self.processor.process_stream_items(index, batch, default)
+                        for request in requests:  # those before a bad item; its error is raised at the end
+                            engine.enqueue(request)
+                        index += len(batch)
+                    if not engine.has_unfinished_requests():
+                        break
+                    outputs = engine.step()
+                    progress.update(len(outputs), engine.num_generated_tokens)
+                    for out in outputs:
+                        yield out
+                        self._holder = (threading.get_ident(), "generate_stream")  # resumed by this thread
+                if error is not None:
+                    raise error
+            except BaseException:  # an error, an interrupt, or close() at a yield: abort what is in flight
+                engine.abort_all()
+                raise
+            finally:
+                progress.close()
+
+    # ----- the loop under generate, chat and beam_search -----------------------------------------------
+    def _run(self, requests: list[Request], use_tqdm: bool, desc: str = "Processed prompts") -> list[RequestOutput]:
+        """Queue every request, step until all have finished; results in input order. Any error or
+        interrupt aborts them all (the engine repairs the block pool) before it propagates."""
+        if not requests:
+            return []
+        self._check_engine_idle()
+        engine = self.llm_engine
+        results: list[Optional[RequestOutput]] = [None] * len(requests)
+        progress = Progress(use_tqdm, len(requests), desc, engine.num_generated_tokens)
+        try:
+            for request in requests:
+                engine.enqueue(request)
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                for out in outputs:
+                    results[out.index] = out
+                progress.update(len(outputs), engine.num_generated_tokens)
+        except BaseException:
+            engine.abort_all()
+            raise
+        finally:
+            progress.close()
         return results
 
-    def _stream(self, sp: SamplingParams, prompt_token_ids: list[int]):
-        """An incremental detokenizer for a completion that has stop strings (else None)."""
-        return self.detokenizer.stream(sp, prompt_token_ids) if sp.stop else None
+    def _check_engine_idle(self) -> None:
+        n = self.llm_engine.get_num_unfinished_requests()
+        if n:
+            raise RuntimeError(
+                f"the engine holds {n} unfinished requests added with llm_engine.add_request: finish them "
+                "(llm_engine.step()) or abort them (llm_engine.abort_request) before calling generate"
+            )
 
-    def _run(self, completions_per_request: list[int], use_tqdm: bool, desc: str = "Processed prompts", done: Optional[Callable[[], int]] = None) -> None:
-        """Run the engine until done. The bar counts finished requests (a request is finished when
-        all its completions are; ``done()``, when given, says how many are instead)."""
-        if not use_tqdm:
-            self.engine.run()
-            return
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(completions_per_request), desc=desc, dynamic_ncols=True)
-        remaining = list(completions_per_request)
-        start, generated = time.perf_counter(), 0
-
-        def on_step(finished: list[Sequence], num_tokens: int) -> None:
-            nonlocal generated
-            generated += num_tokens
-            count = bar.n
-            for seq in finished:
-                remaining[seq.request_index] -= 1
-                count += remaining[seq.request_index] == 0
-            if done is not None:
-                count = done()
-            if count != bar.n:
-                bar.update(count - bar.n)
-                bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.0f} tok/s", refresh=False)
-
-        try:
-            self.engine.run(on_step)
-        finally:
-            bar.close()
-
-    def _request_output(self, index: int, text: Optional[str], seqs: list[Sequence]) -> RequestOutput:
-        first = seqs[0]
-        return RequestOutput(
-            request_id=str(index),
-            prompt=text,
-            prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=self._decoded(first.prompt_logprobs, first.sampling_params),
-            outputs=[self._completion(seq) for seq in seqs],
-            finished=True,
-            num_cached_tokens=first.num_cached_tokens or 0,
-        )
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        sp = seq.sampling_params
-        if not sp.detokenize:
-            text = ""
-        elif seq.detokenizer is not None:
-            text = seq.detokenizer.text
-        else:
-            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop", prompt_token_ids=seq.prompt_token_ids)
-        return CompletionOutput(
-            index=seq.index,
-            text=text,
-            token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=self._decoded(seq.logprobs, sp),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-
-    def _decoded(self, logprobs: Optional[list], sp: SamplingParams) -> Optional[list]:
-        """Fill ``Logprob.decoded_token`` (with ``detokenize``)."""
-        if logprobs is not None and sp.detokenize:
-            for entry in logprobs:
-                for token_id, lp in (entry or {}).items():
-                    lp.decoded_token = self.detokenizer.token_text(token_id)
-        return logprobs
+    @contextlib.contextmanager
+    def _exclusive(self, call: str):
+        """Hold the LLM's lock for one call; RuntimeError at once if this thread already holds it."""
+        me = threading.get_ident()
+        holder = self._holder
+        if holder is not None and holder[0] == me:
+            raise RuntimeError(
+                f"LLM.{call} called while this thread is inside LLM.{holder[1]} of the same LLM, which holds its "
+                "lock until it is done (a generate_stream until it is exhausted or closed): this call would wait "
+                "for itself forever. Finish or close() the stream first."
+            )
+        with self._lock:
+            self._holder = (me, call)
+            try:
+                yield
+            finally:
+                self._holder = None
 
     def get_stats(self) -> EngineStats:
         """KV cache and scheduling counters since this LLM was made (see ``EngineStats``)."""
-        return self.engine.stats()
+        return self.llm_engine.stats()
+

@@ -1,4 +1,4 @@
-"""What ``LLM.generate`` and ``LLM.chat`` return, with vLLM's class and field names
+"""What ``LLM.generate``, ``LLM.chat`` and ``LLMEngine.step`` return, with vLLM's class and field names
 (``vllm.outputs``, ``vllm.logprobs``)."""
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ class RequestOutput:
     """The result of one prompt, in the order the prompts were given.
 
     Attributes:
-        request_id: the request's id (its index in the ``generate`` call, as a string).
+        request_id: the request's id: its index in the ``generate`` / ``chat`` / ``generate_stream``
+            call as a string, or the id given to ``LLMEngine.add_request``.
         prompt: the prompt text (None when token ids were given).
         prompt_token_ids: the prompt's token ids as fed to the model.
         prompt_logprobs: per prompt token, {token id: Logprob} (the prompt token + top-k); the
@@ -70,6 +71,8 @@ class RequestOutput:
         outputs: the completions, ordered by ``index``.
         finished: True once every completion has finished.
         num_cached_tokens: prompt tokens found in the prefix cache (not recomputed).
+        index: the prompt's position in the ``generate`` / ``chat`` / ``generate_stream`` input
+            (None for requests added with ``LLMEngine.add_request``).
     """
 
     request_id: str
@@ -79,3 +82,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    index: Optional[int] = None

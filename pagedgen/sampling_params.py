@@ -67,6 +67,9 @@ class SamplingParams:
         include_stop_str_in_output: keep the stop string (or the stop token's text) in ``text``.
         logit_bias: {token id: bias} added to the logits before sampling (OpenAI semantics).
             Bias range [-100, 100]; token ids >= 0 (and inside the vocabulary, checked by ``LLM``).
+        allowed_token_ids: None, or a non-empty list of the only token ids that may be sampled (the
+            others' logits become -inf before sampling; logprobs stay those of the raw model
+            distribution). Token ids >= 0 (and inside the vocabulary, checked by ``LLM``).
 
     Raises:
         ValueError: a field outside its range (the message names the field and the range).
@@ -94,6 +97,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
@@ -150,6 +154,12 @@ class SamplingParams:
                 _check(tok >= 0, "logit_bias", "keyed by non-negative token ids", tok)
                 _check(-100.0 <= bias <= 100.0, "logit_bias", "valued in [-100, 100]", bias)
             self.logit_bias = {tok: float(bias) for tok, bias in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(_is_int(t) for t in self.allowed_token_ids):
+                raise TypeError("SamplingParams.allowed_token_ids must be a list of int (or None)")
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "None or a non-empty list of token ids", self.allowed_token_ids)
+            _check(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids", "non-negative token ids", self.allowed_token_ids)
+            self.allowed_token_ids = list(self.allowed_token_ids)
 
     @staticmethod
     def _stop_list(stop) -> list[str]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set-up: makes .venv, installs the pinned dependencies (requirements.txt) and builds the extension
-# pagedgen._C. Idempotent: each step runs only when what it depends on has changed.
+# Set-up: makes .venv, installs the pinned dependencies (requirements.txt, then the integrations'
+# requirements-extras.txt) and builds the extension pagedgen._C. Idempotent: each step runs only when
+# what it depends on has changed.
 # Facts behind the flags: ../shared/ENVIRONMENT.md (torch 2.14.1 CUDA 13.0 build, CUDA_HOME, -g0).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,6 +20,15 @@ if [ "$(cat "$VENV/.pagedgen-req" 2>/dev/null)" != "$req_hash" ]; then
   "$PY" -m pip install -q --upgrade pip setuptools wheel
   "$PY" -m pip install -q -r requirements.txt
   echo "$req_hash" > "$VENV/.pagedgen-req"
+fi
+
+# The integrations' dependencies (lm_eval, ray), constrained by requirements.txt so that they leave
+# torch and friends alone; installed so that their tests run instead of skipping.
+extras_hash=$(cat requirements.txt requirements-extras.txt | sha256sum | cut -c1-16)
+if [ "$(cat "$VENV/.pagedgen-extras" 2>/dev/null)" != "$extras_hash" ]; then
+  echo "[setup] installing the integrations' dependencies (requirements-extras.txt: lm_eval, ray)"
+  "$PY" -m pip install -q -r requirements-extras.txt -c requirements.txt
+  echo "$extras_hash" > "$VENV/.pagedgen-extras"
 fi
 
 # CUDA toolkit for compiling csrc/cuda/*.cu (the wrapper nvcc on PATH lives elsewhere).

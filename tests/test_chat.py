@@ -56,7 +56,7 @@ def test_no_template_is_a_clear_error(llm):
 def test_bad_chat_input(llm, messages, kwargs, error, match):
     with pytest.raises(error, match=match):
         llm.chat(messages, GREEDY, chat_template=TEMPLATE, use_tqdm=False, **kwargs)
-    assert not llm.engine.has_unfinished()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(
@@ -66,4 +66,4 @@ def test_bad_chat_input(llm, messages, kwargs, error, match):
 def test_bad_chat_template(llm, template, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(CONV, GREEDY, chat_template=template, use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -11,8 +11,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
 def _assert_clean_and_working(llm: LLM, expected: list[int]) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished()
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     out = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == expected
@@ -56,7 +56,7 @@ def test_empty_list_and_empty_prompt(llm, expected):
 
 
 def test_error_during_a_step_frees_everything(llm, expected, monkeypatch):
-    runner = llm.engine.model_runner
+    runner = llm.llm_engine.model_runner
     real = runner.execute
     calls = {"n": 0}
 

@@ -21,7 +21,7 @@ EOS = 2
 def _seq(prompt: list[int], output: list[int], params: SamplingParams, seq_id: int = 0, generator=None) -> Sequence:
     return Sequence(
         seq_id=seq_id,
-        request_index=seq_id,
+        request_id=str(seq_id),
         token_ids=list(prompt) + list(output),
         num_prompt_tokens=len(prompt),
         sampling_params=params,
@@ -225,3 +225,28 @@ def test_zero_exponential_draw_never_picks_a_filtered_token(monkeypatch):
     logits = torch.tensor([[0.0, float("-inf"), float("-inf")]]).expand(8, -1).clone()
     seqs = [_seq([1], [], SamplingParams(), i) for i in range(8)]
     assert set(Sampler(0)(logits, seqs).token_ids) == {0}
+
+
+def test_allowed_token_ids_match_prefix_constrained_processor():
+    """allowed_token_ids keeps only its tokens (as transformers' PrefixConstrainedLogitsProcessor with a
+    fixed set); a row without it is untouched; the sampled tokens come from the set while the returned
+    logprobs stay those of the raw distribution (rank among all tokens)."""
+    logits, prompts, outputs = _random_case(5, rows=3)
+    allowed = [[3, 17, 40], None, [9]]
+    params = [SamplingParams(temperature=0, allowed_token_ids=a, logprobs=0) for a in allowed]
+    ours = _process(logits, prompts, outputs, params)
+    sets = [a if a is not None else list(range(VOCAB)) for a in allowed]
+    oracle = hf.PrefixConstrainedLogitsProcessor(lambda batch_id, ids: sets[batch_id], num_beams=1)
+    _same(ours, oracle(torch.tensor([p + o for p, o in zip(prompts, outputs)]), logits.clone()))
+
+    seqs = [_seq(p, o, sp, i) for i, (p, o, sp) in enumerate(zip(prompts, outputs, params))]
+    out = Sampler(0)(logits.clone(), seqs)
+    raw = logits.log_softmax(dim=-1)
+    assert out.token_ids == [max(a, key=lambda t: logits[0, t]) for a in [allowed[0]]] + [int(logits[1].argmax()), 9]
+    for row, token in enumerate(out.token_ids):
+        lp_row = out.logprobs[row][token]
+        assert lp_row.logprob == pytest.approx(float(raw[row, token]), abs=1e-6)
+        assert lp_row.rank == int((raw[row] >= raw[row, token]).sum())
+    random_rows = [SamplingParams(temperature=1.0, allowed_token_ids=[4, 5])] * 200
+    drawn = Sampler(7)(logits[:1].expand(200, -1).clone(), [_seq([1], [], sp, i) for i, sp in enumerate(random_rows)]).token_ids
+    assert set(drawn) <= {4, 5}

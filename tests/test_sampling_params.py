@@ -30,6 +30,7 @@ VLLM_DEFAULTS = dict(
     spaces_between_special_tokens=True,
     include_stop_str_in_output=False,
     logit_bias=None,
+    allowed_token_ids=None,
 )
 
 
@@ -81,6 +82,8 @@ def test_unknown_keyword_is_a_type_error():
         (dict(prompt_logprobs=-2), r"prompt_logprobs must be None or an int >= 0, got -2"),
         (dict(logit_bias={5: 150.0}), r"logit_bias must be valued in \[-100, 100\], got 150.0"),
         (dict(logit_bias={-5: 1.0}), r"logit_bias must be keyed by non-negative token ids, got -5"),
+        (dict(allowed_token_ids=[]), r"allowed_token_ids must be None or a non-empty list of token ids, got \[\]"),
+        (dict(allowed_token_ids=[3, -1]), r"allowed_token_ids must be non-negative token ids"),
     ],
 )
 def test_out_of_range_is_a_value_error_naming_field_and_range(kwargs, match):
@@ -113,6 +116,8 @@ def test_out_of_range_is_a_value_error_naming_field_and_range(kwargs, match):
         (dict(include_stop_str_in_output=0), r"include_stop_str_in_output must be a bool"),
         (dict(logit_bias=[(1, 2.0)]), r"logit_bias must be a dict"),
         (dict(logit_bias={"a": 2.0}), r"logit_bias must map int token ids to numbers"),
+        (dict(allowed_token_ids=3), r"allowed_token_ids must be a list of int"),
+        (dict(allowed_token_ids=[1, "2"]), r"allowed_token_ids must be a list of int"),
     ],
 )
 def test_wrong_type_is_a_type_error(kwargs, match):
@@ -132,6 +137,7 @@ def test_clone_validates_again():
     [
         (dict(stop_token_ids=[2, 512]), r"sampling_params\[1\].stop_token_ids has token id 512 outside the vocabulary \[0, 512\)"),
         (dict(logit_bias={600: 1.0}), r"sampling_params\[1\].logit_bias has token id 600 outside the vocabulary \[0, 512\)"),
+        (dict(allowed_token_ids=[1, 512]), r"sampling_params\[1\].allowed_token_ids has token id 512 outside the vocabulary \[0, 512\)"),
         (dict(logprobs=513), r"sampling_params\[1\].logprobs must be in \[0, 512\]"),
         (dict(prompt_logprobs=1000), r"sampling_params\[1\].prompt_logprobs must be in \[0, 512\]"),
     ],
@@ -139,4 +145,4 @@ def test_clone_validates_again():
 def test_vocabulary_checks_before_any_work(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, **kwargs)], use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+    assert not llm.llm_engine.has_unfinished_requests()

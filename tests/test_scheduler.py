@@ -9,7 +9,7 @@ from pagedgen.sampling_params import SamplingParams
 def _seq(i: int, prompt_len: int, max_tokens: int = 100) -> Sequence:
     return Sequence(
         seq_id=i,
-        request_index=i,
+        request_id=str(i),
         token_ids=list(range(3, 3 + prompt_len)),
         num_prompt_tokens=prompt_len,
         sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
@@ -26,7 +26,7 @@ def _make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64):
 def _advance(sched: Scheduler, out, token: int = 7) -> list[Sequence]:
     """What the engine does after a step: count computed tokens, append a token, retire finished."""
     finished = []
-    for seq, n in zip(out.seqs, out.num_new_tokens):
+    for seq, n in zip([sched.seqs[i] for i in out.seq_ids], out.num_new_tokens):
         seq.num_computed_tokens += n
         if seq.num_computed_tokens == seq.num_tokens and seq.append_token(token):
             finished.append(seq)
@@ -40,7 +40,7 @@ def test_fcfs_admission_respects_max_num_seqs():
     for s in seqs:
         sched.add(s)
     out = sched.schedule()
-    assert [s.seq_id for s in out.seqs] == [0, 1, 2]
+    assert out.seq_ids == [0, 1, 2]
     assert [s.seq_id for s in sched.waiting] == [3, 4]
 
 
@@ -66,8 +66,8 @@ def test_running_decodes_come_before_new_prefills():
     _advance(sched, sched.schedule())  # a prefilled, sampled one token
     sched.add(b)
     out = sched.schedule()
-    assert out.seqs[0] is a and out.num_new_tokens[0] == 1  # a's decode first
-    assert out.seqs[1] is b and out.num_new_tokens[1] == 5  # b gets what is left of the budget
+    assert out.seq_ids[0] == a.seq_id and out.num_new_tokens[0] == 1  # a's decode first
+    assert out.seq_ids[1] == b.seq_id and out.num_new_tokens[1] == 5  # b gets what is left of the budget
 
 
 def test_preemption_evicts_newest_and_requeues_it_first():
@@ -79,10 +79,10 @@ def test_preemption_evicts_newest_and_requeues_it_first():
     _advance(sched, sched.schedule())  # all prefilled, each now has 9 tokens: the 9th needs a new block
     assert bm.num_free_blocks == 0
     out = sched.schedule()
-    assert [s.seq_id for s in out.preempted] == [2]  # the newest
+    assert out.preempted_seq_ids == [2]  # the newest
     assert seqs[2].status is SequenceStatus.WAITING and seqs[2].num_computed_tokens == 0
     assert sched.waiting[0] is seqs[2]
-    assert [s.seq_id for s in out.seqs] == [0, 1]  # the two freed blocks serve the older two
+    assert out.seq_ids == [0, 1]  # the two freed blocks serve the older two
     assert sched.stats.num_preemptions == 1
     assert bm.block_table(2) == []
 
@@ -96,7 +96,7 @@ def test_everything_finishes_and_pool_refills():
         if not sched.has_unfinished():
             break
         out = sched.schedule()
-        assert out.seqs, "empty step with work pending"
+        assert out.seq_ids, "empty step with work pending"
         assert len(sched.running) <= 4
         _advance(sched, out)
     assert not sched.has_unfinished()

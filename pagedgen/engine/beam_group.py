@@ -14,6 +14,12 @@ from pagedgen.beam_search import BeamSearchParams
 _NEG = -1.0e9  # transformers' "impossible" score
 
 
+def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """A finished beam's score: ``cum_logprob / length ** length_penalty``, length counting the
+    generated tokens (EOS included), as transformers' ``BeamHypotheses.add``."""
+    return cum_logprob / (length ** length_penalty)
+
+
 @dataclass
 class Hypothesis:
     """A finished beam: its generated tokens, summed log-probability and length-penalised score."""
@@ -94,7 +100,7 @@ class BeamGroup:
                 Hypothesis(
                     histories[parents[r]] + [tokens[r]],
                     vals[r],
-                    vals[r] / (gen_len ** self.params.length_penalty),
+                    beam_score(vals[r], gen_len, self.params.length_penalty),
                     "stop" if (not self.params.ignore_eos and tokens[r] in self.eos_token_ids) else "length",
                 )
                 for r in range(k)

@@ -1,14 +1,30 @@
-"""The step loop: schedule, run the model, append tokens, retire finished sequences.
+"""The request-level engine: ``add_request``, ``step``, ``abort_request`` (vLLM's ``LLMEngine``
+API; nano-vllm's ``llm_engine.py`` has the same shape).
 
-Tensor-free apart from the model runner it drives. One ``LLMEngine`` serves many ``generate`` calls;
-after an error every unfinished sequence is aborted so that the next call starts from a clean pool.
+Each ``step`` schedules (``Scheduler.schedule`` returns a plain-data ``SchedulerOutput``), runs the
+model over the batch, appends the sampled tokens, advances beam searches, retires what finished
+and returns the ``RequestOutput`` of every request that finished in it. ``LLM.generate``,
+``LLM.chat``, ``LLM.beam_search`` and ``LLM.generate_stream`` are loops over these calls.
+
+Commit or roll back. A step that raises (any exception, KeyboardInterrupt included, at any point:
+scheduling, forks, the forward pass, sampling, the detokenizer) cannot be completed for some
+sequences and not others, and the random draws of seeded requests could not be replayed, so the
+engine rolls everything back to the empty state: every unfinished request is aborted, the block
+pools are repaired (``BlockManager.repair``: the prefix cache emptied, every block free exactly
+once), and the error propagates; the next request runs exactly as on a fresh engine. The
+same happens at the next call if an interrupt landed inside ``add_request``, ``abort_request`` or
+that rollback itself (``_clean`` is False from the first change of such a call to its end).
+
+Not thread-safe: one thread at a time (``LLM`` serialises its calls with a lock). Tensor-free apart
+from the model runner it drives and the beam-search step.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -16,9 +32,15 @@ from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.model_runner import ModelRunner
-from pagedgen.engine.scheduler import Scheduler, SchedulerOutput
+from pagedgen.engine.processor import Params, Request, RequestProcessor
+from pagedgen.engine.sampler import make_generator
+from pagedgen.engine.scheduler import Scheduler
+from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence, SequenceStatus
+from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedgen")
 
 
 @dataclass
@@ -54,86 +76,195 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Drives scheduler, block manager and model runner over a set of sequences.
+    """Runs requests over the paged KV cache, one step at a time.
 
     Args:
         cache_config, scheduler_config: frozen limits (validated by ``LLM``).
         model_runner: tensors and the model; shares ``cache_config``.
-        eos_token_ids: tokens that end a sequence unless its request sets ignore_eos.
+        processor: checks and tokenizes requests, builds their outputs.
+        eos_token_ids: tokens that end a sequence (or a beam) unless its request sets ignore_eos.
+
+    ``LLM(...).llm_engine`` is the engine of an LLM.
     """
 
-    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, model_runner: ModelRunner, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        model_runner: ModelRunner,
+        processor: RequestProcessor,
+        eos_token_ids: frozenset[int],
+    ) -> None:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         cpu_blocks = BlockManager(cache_config.num_cpu_blocks, cache_config.block_size) if cache_config.num_cpu_blocks else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, cpu_blocks)
         self.model_runner = model_runner
+        self.processor = processor
         self.eos_token_ids = eos_token_ids
+        self._requests: dict[str, Request] = {}  # unfinished requests, in arrival order
+        self._clean = True  # False while a step or a change of the queues is under way
         self._seq_ids = itertools.count()
-        self._num_generated = 0
+        self.num_generated_tokens = 0  # tokens sampled (or chosen by beam search) since creation
         self._util_sum = 0.0
         self._last_util = 1.0
         self._peak_blocks = 0
         self._savings_sum = 0.0
         self._peak_savings = 0.0
 
-    def add_sequence(
-        self,
-        request_index: int,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        generator=None,
-        *,
-        index: int = 0,
-        detokenizer=None,
-    ) -> Sequence:
-        """Queue one sequence (inputs already validated): completion ``index`` of its request.
+    # ----- the request API -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None) -> None:
+        """Queue a request; it runs in the next ``step`` calls.
 
-        ``detokenizer``: its ``IncrementalDetokenizer`` when the request has stop strings. Prompt
-        logprobs are collected by completion 0 only (they are the same for all n).
+        Args:
+            request_id: unique among the unfinished requests.
+            prompt: a str, a list of int token ids, ``{"prompt": str}`` or ``{"prompt_token_ids":
+                [...]}`` (vLLM's TextPrompt / TokensPrompt).
+            sampling_params: a SamplingParams (default: vLLM's defaults), or a BeamSearchParams for
+                beam search (its RequestOutput holds the finished beams, best first).
+
+        Raises:
+            TypeError / ValueError: a bad id, prompt or parameter, naming the request id and the
+                field; the engine is left exactly as it was.
         """
-        seq = Sequence(
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already queued and unfinished: request ids must be unique")
+        self.enqueue(self.processor.process(request_id, prompt, sampling_params))
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request already checked by ``processor`` (``add_request`` does both)."""
+        self._recover_if_needed()
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already queued and unfinished: request ids must be unique")
+        seq = self._new_sequence(request)
+        self._clean = False
+        try:
+            self._requests[request.request_id] = request
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        except BaseException:
+            self._drop(request)
+            raise
+        self._clean = True
+
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Drop unfinished requests (one id or several; unknown ids are ignored); their blocks
+        return to the pool at once."""
+        self._recover_if_needed()
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._clean = False
+        for rid in ids:
+            request = self._requests.get(rid)
+            if request is not None:
+                self._drop(request)
+        self._clean = True
+
+    def has_unfinished_requests(self) -> bool:
+        self._recover_if_needed()
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        self._recover_if_needed()
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step. Returns the RequestOutputs of the requests that finished in it
+        (all their completions done), in the order they finished; [] when nothing is queued.
+
+        Raises whatever interrupted the step, after aborting every unfinished request and repairing
+        the block pool (see the module docstring); RuntimeError if a request cannot fit the cache.
+        """
+        self._recover_if_needed()
+        if not self._requests:
+            return []
+        self._clean = False
+        try:
+            outputs = self._step()
+        except BaseException:
+            self.abort_all()
+            raise
+        self._clean = True
+        return outputs
+
+    def abort_all(self) -> None:
+        """Drop every request and make the block pools whole again: see ``BlockManager.repair``."""
+        self._clean = False
+        self.scheduler.abort_all()
+        self._requests = {}
+        for bm in (self.block_manager, self.scheduler.cpu_block_manager):
+            if bm is not None:
+                problems = bm.repair()
+                if problems:
+                    logger.warning("KV block pool repaired after an aborted step: %s", "; ".join(problems[:5]))
+        self._clean = True
+
+    # ----- internals -----------------------------------------------------------------------------
+    def _recover_if_needed(self) -> None:
+        if not self._clean:  # an interrupt landed inside a change of the queues or a rollback
+            self.abort_all()
+
+    def _drop(self, request: Request) -> None:
+        """Forget a request and free its sequences' blocks."""
+        self.scheduler.finish_many(request.live_seqs())
+        self._requests.pop(request.request_id, None)
+
+    def _new_sequence(self, request: Request) -> Sequence:
+        """Completion 0 of a request (or its first beam); the n - 1 other completions fork from it
+        once its prompt is computed, sharing its blocks."""
+        params = request.params
+        if isinstance(params, SamplingParams):
+            seq = self._sequence(request, params, make_generator(params.seed, 0), self.processor.new_stream(request))
+            # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
+            seq.pending_forks = [(j, make_generator(params.seed, j), self.processor.new_stream(request)) for j in range(1, params.n)]
+            return seq
+        group = BeamGroup(params, len(request.prompt_token_ids), self.eos_token_ids, self.scheduler_config.max_model_len)
+        seq = self._sequence(request, SamplingParams(temperature=0, max_tokens=None), None, None)
+        seq.beam_group = group
+        group.beams = [seq]
+        request.beam_group = group
+        return seq
+
+    def _sequence(self, request: Request, params: SamplingParams, generator, detokenizer) -> Sequence:
+        """A new sequence of ``request``. Prompt logprobs are collected by completion 0 only."""
+        return Sequence(
             seq_id=next(self._seq_ids),
-            request_index=request_index,
-            token_ids=list(prompt_token_ids),
-            num_prompt_tokens=len(prompt_token_ids),
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.scheduler_config.max_model_len,
             generator=generator,
-            index=index,
             detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
-        self.scheduler.add(seq)
-        return seq
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    def step(self) -> list[Sequence]:
-        """Run one model step. Returns the sequences that finished in it."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+    def _step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.seq_ids:
             raise RuntimeError("scheduler planned an empty step with work pending (a request cannot fit the KV cache)")
-        bm = self.block_manager
+        bm, live = self.block_manager, self.scheduler.seqs
         self._last_util = bm.utilization()
         self._util_sum += self._last_util
         self._peak_blocks = max(self._peak_blocks, bm.num_used_blocks)
         savings = bm.sharing_savings()
         self._savings_sum += savings
         self._peak_savings = max(self._peak_savings, savings)
+        batch = ScheduledBatch(plan, [live[i] for i in plan.seq_ids])
         self._fork_parallel_samples(batch)
         out = self.model_runner.execute(batch, bm)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n in zip(batch.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += n
         for child, parent in batch.forked:
             child.num_computed_tokens = parent.num_computed_tokens
+        finished_requests: list[Request] = []
         if out.beam_logprobs:
-            self._advance_beams(out.beam_logprobs)
+            self._advance_beams(out.beam_logprobs, finished_requests)
         for seq, position, entries in out.prompt_logprobs:
             seq.add_prompt_logprobs(position, entries)
         if out.logprobs is not None:
@@ -141,16 +272,18 @@ class LLMEngine:
                 if entry is not None:
                     seq.add_logprobs(entry, tok)
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
-        self._num_generated += len(out.token_ids)
+        self.num_generated_tokens += len(out.token_ids)
         self.scheduler.finish_many(finished)
-        return finished
-
-    def add_beam_search(self, request_index: int, prompt_token_ids: list[int], group: BeamGroup) -> Sequence:
-        """Queue the first beam of a beam search (the prompt); ``group`` decides every step after."""
-        seq = self.add_sequence(request_index, prompt_token_ids, SamplingParams(temperature=0, max_tokens=None))
-        seq.beam_group = group
-        group.beams = [seq]
-        return seq
+        requests = self._requests
+        for seq in finished:
+            request = requests[seq.request_id]
+            request.num_finished += 1
+            if request.is_finished:
+                finished_requests.append(request)
+        outputs = [self.processor.make_output(r) for r in finished_requests]
+        for r in finished_requests:
+            del requests[r.request_id]
+        return outputs
 
     def _fork(self, parent: Sequence, index: int = 0, generator=None, detokenizer=None) -> Sequence:
         """A new sequence sharing ``parent``'s tokens and KV blocks (copy-on-write), queued beside it."""
@@ -162,20 +295,23 @@ class LLMEngine:
         self.scheduler.add_fork(child, parent)
         return child
 
-    def _fork_parallel_samples(self, batch: SchedulerOutput) -> None:
+    def _fork_parallel_samples(self, batch: ScheduledBatch) -> None:
         """Parallel sampling (n > 1): when a request's prompt is done, its n - 1 other completions
         fork from it and sample from the same logits, sharing the prompt's blocks (paper 4.4)."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n in zip(batch.seqs, batch.plan.num_new_tokens):
             if seq.pending_forks and seq.num_computed_tokens + n == seq.num_tokens:
+                request = self._requests[seq.request_id]
                 for index, generator, detokenizer in seq.pending_forks:
                     child = self._fork(seq, index, generator, detokenizer)
-                    seq.forked.append(child)
+                    request.seqs.append(child)
                     batch.forked.append((child, seq))
+                    batch.plan.forked.append((child.seq_id, seq.seq_id))
                 seq.pending_forks = []
 
-    def _advance_beams(self, rows: list[tuple[Sequence, torch.Tensor]]) -> None:
+    def _advance_beams(self, rows: list[tuple[Sequence, torch.Tensor]], finished_requests: list[Request]) -> None:
         """Store each beam's log-probabilities; a group whose running beams all have theirs takes
-        a beam-search step: selected beams fork (sharing blocks), the others are freed."""
+        a beam-search step: selected beams fork (sharing blocks), the others are freed. A group
+        whose search is over adds its request to ``finished_requests``."""
         ready = []
         for seq, row in rows:
             group = seq.beam_group
@@ -199,28 +335,15 @@ class LLMEngine:
                 beam.token_ids.append(c.token)
                 beam.beam_cum_logprob = c.cum_logprob
             group.beams = new_beams
-            self._num_generated += len(new_beams)
-
-    def run(self, on_finished: Optional[Callable[[list[Sequence], int], None]] = None) -> None:
-        """Step until every queued sequence has finished; after any error, abort them all.
-
-        ``on_finished(finished_seqs, num_tokens_generated_in_step)`` is called after each step.
-        """
-        try:
-            while self.has_unfinished():
-                before = self._num_generated
-                finished = self.step()
-                if on_finished is not None:
-                    on_finished(finished, self._num_generated - before)
-        except BaseException:
-            self.scheduler.abort_all()
-            raise
+            self.num_generated_tokens += len(new_beams)
+            if group.done:
+                finished_requests.append(self._requests[beams[0].request_id])
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler.stats, self.block_manager
         return EngineStats(
             **dataclasses.asdict(s),  # the scheduler's counters
-            num_generated_tokens=self._num_generated,
+            num_generated_tokens=self.num_generated_tokens,
             num_kv_blocks=bm.num_blocks,
             num_used_blocks=bm.num_used_blocks,
             num_free_blocks=bm.num_free_blocks,

@@ -12,6 +12,8 @@ is not modified). A filtered-out token gets -inf. Semantics, checked against tra
   with one-token sequences).
 - ``apply_token_ban``: x[j] = -inf for the given (row, token) pairs (min_tokens suppressing EOS
   and stop tokens, as ``MinNewTokensLengthLogitsProcessor``).
+- ``apply_allowed_token_ids``: x[j] = -inf for every token outside a row's allowed set (vLLM's
+  ``allowed_token_ids``; ``PrefixConstrainedLogitsProcessor`` with a fixed set).
 - ``apply_min_p``: drop tokens with p[j] < min_p * max(p) (``MinPLogitsWarper``; Nguyen et al. 2024).
 - ``apply_top_k_top_p``: ``TopKLogitsWarper`` then ``TopPLogitsWarper`` (Holtzman et al. 2019),
   always keeping the most likely token.
@@ -64,6 +66,15 @@ def apply_logit_bias(
 def apply_token_ban(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Set ``logits[rows[b], token_ids[b]]`` to -inf (rows, token_ids: [B] int64)."""
     return logits.index_put((rows, token_ids), torch.tensor(float("-inf")))
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Keep only the (row, token) pairs given (rows, token_ids: [B] int64) in the rows that appear
+    in ``rows``; the other tokens of those rows get -inf, other rows are unchanged."""
+    drop = torch.zeros(logits.shape, dtype=torch.bool)  # [R, V]
+    drop[rows] = True
+    drop[rows, token_ids] = False
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

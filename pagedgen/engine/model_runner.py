@@ -36,7 +36,7 @@ from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.cuda_graphs import CUDAGraphRunner
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler
-from pagedgen.engine.scheduler import SchedulerOutput
+from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence
 from pagedgen.model.llama import AttentionMetadata, LlamaForCausalLM
 from pagedgen.outputs import Logprob
@@ -159,7 +159,7 @@ class ModelRunner:
             except RuntimeError as exc:  # run eagerly rather than not at all
                 warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {exc}", RuntimeWarning)
 
-    def prepare(self, batch: SchedulerOutput, block_manager: BlockManager):
+    def prepare(self, batch: ScheduledBatch, block_manager: BlockManager):
         """Host-side lists -> the step's tensors (see the module docstring). Also returns the
         sequences that sample a token this step, in ``logits_indices`` order, and the prompt
         positions whose logits are wanted for prompt logprobs (after those in ``logits_indices``)."""
@@ -221,7 +221,7 @@ class ModelRunner:
         """A host-built input on the model's device (skipped on the CPU, where it is already)."""
         return t if self.on_cpu else t.to(self.model.device, non_blocking=True)
 
-    def move_blocks(self, batch: SchedulerOutput) -> None:
+    def move_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write copies, in every layer (before the step's forward:
         a block freed by a swap-out may be written by this very step)."""
         for pairs, direction in ((batch.blocks_to_swap_out, "out"), (batch.blocks_to_swap_in, "in")):
@@ -240,7 +240,7 @@ class ModelRunner:
             for k, v in self.kv_caches:
                 ops.copy_blocks(k, v, mapping)
 
-    def execute(self, batch: SchedulerOutput, block_manager: BlockManager) -> StepOutput:
+    def execute(self, batch: ScheduledBatch, block_manager: BlockManager) -> StepOutput:
         """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs."""
         self.move_blocks(batch)
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch, block_manager)

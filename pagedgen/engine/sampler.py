@@ -2,7 +2,8 @@
 
 Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
 1. logprobs, if a row asks: log-softmax of the raw logits (see engine/logprobs.py);
-2. logit bias and min_tokens (EOS / stop tokens banned while fewer than min_tokens are generated);
+2. allowed_token_ids, logit bias and min_tokens (EOS / stop tokens banned while fewer than
+   min_tokens are generated);
 3. repetition, frequency and presence penalties;
 4. greedy rows take the argmax here;
 5. other rows: temperature, min-p, top-k, top-p (engine/logits_processors.py), then sampling with
@@ -12,8 +13,9 @@ A sequence with its own generator (its request has a seed) draws its ``q`` from 
 per sampled token, and every step of the pipeline is row-wise: its tokens do not depend on what
 else shares the batch, on the batch order, or on preemption. Others share the engine's generator.
 
-Fast path: when every row is greedy and no row asks for logprobs, penalties, logit bias or
-min_tokens, a step is one argmax; deciding that looks only at the distinct SamplingParams.
+Fast path: when every row is greedy and no row asks for logprobs, penalties, logit bias,
+allowed_token_ids or min_tokens, a step is one argmax; deciding that looks only at the distinct
+SamplingParams.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ class Sampler:
         kinds = {id(p): p for p in params}.values()
         all_greedy = all(p.greedy for p in kinds)
         want_logprobs = any(p.logprobs is not None for p in kinds)
-        processed = any(p.has_penalties or p.logit_bias or p.min_tokens for p in kinds)
+        processed = any(p.has_penalties or p.logit_bias or p.min_tokens or p.allowed_token_ids for p in kinds)
         if all_greedy and not want_logprobs and not processed:  # the fast path: one argmax
             return SamplerOutput(greedy_ids(logits).tolist())
 
@@ -97,10 +99,14 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, seqs: Seq[Sequence], params) -> torch.Tensor:
-        """Logit bias, min_tokens bans and penalties, for the rows that ask (steps 2-3)."""
+        """Allowed token ids, logit bias, min_tokens bans and penalties, for the rows that ask (steps 2-3)."""
         vocab = logits.shape[1]
         bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, pen_rows = [], [], [], [], [], []
+        allow_rows, allow_ids = [], []
         for i, (seq, p) in enumerate(zip(seqs, params)):
+            if p.allowed_token_ids:
+                allow_rows.extend([i] * len(p.allowed_token_ids))
+                allow_ids.extend(p.allowed_token_ids)
             if p.logit_bias:
                 bias_rows.extend([i] * len(p.logit_bias))
                 bias_ids.extend(p.logit_bias.keys())
@@ -111,6 +117,8 @@ class Sampler:
                 ban_ids.extend(banned)
             if p.has_penalties:
                 pen_rows.append(i)
+        if allow_rows:
+            logits = lp.apply_allowed_token_ids(logits, torch.tensor(allow_rows), torch.tensor(allow_ids, dtype=torch.int64))
         if bias_rows:
             logits = lp.apply_logit_bias(
                 logits, torch.tensor(bias_rows), torch.tensor(bias_ids), torch.tensor(bias_vals, dtype=torch.float32)

@@ -13,40 +13,20 @@ head of the waiting queue; its prompt and the tokens it had generated are prefil
 is readmitted. *Swap*: its blocks are copied to CPU swap space and freed; it comes back (copied
 in again) before any waiting sequence is admitted. Evicting the newest first keeps FCFS: the oldest
 requests, which hold the most work already done, finish first, and no request starves. No tensors.
+
+The plan of a step is plain data (``SchedulerOutput``: ids, token ids, block-table deltas, block
+moves), so that it can be sent to model workers in other processes; see ``scheduler_output``.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from pagedgen.config import SchedulerConfig
 from pagedgen.engine.block_manager import BlockManager
+from pagedgen.engine.scheduler_output import SchedulerOutput
 from pagedgen.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan of one step: ``seqs[i]`` computes ``num_new_tokens[i]`` tokens starting at its
-    ``num_computed_tokens``; a sequence samples when that reaches the end of its tokens.
-
-    Block moves to run before the model step, in this order (each a list of (src, dst) block ids):
-    ``blocks_to_swap_out`` (device -> CPU swap space), ``blocks_to_swap_in`` (CPU -> device),
-    ``blocks_to_copy`` (copy-on-write, within the device cache).
-    """
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # parallel sampling: (child, parent) forked this step; the child samples from the parent's logits
-    forked: list[tuple[Sequence, Sequence]] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
 
 @dataclass
@@ -70,7 +50,7 @@ class Scheduler:
         block_manager: the device KV block accounting this scheduler allocates from.
         cpu_block_manager: the CPU swap space's blocks (needed for ``preemption_mode="swap"``).
 
-    A sequence must fit the cache when alone (prompt + 1 <= max_model_len <= cache slots); callers
+    A sequence must fit the cache when alone (prompt <= max_model_len <= cache slots); callers
     reject those that cannot, so a lone running sequence never needs to preempt itself.
     """
 
@@ -83,10 +63,17 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
         self.stats = SchedulerStats()
+        # block tables as the last SchedulerOutputs gave them (what a worker's mirror holds), and
+        # the sequences freed since the last step: the next output's deltas are computed from them
+        self._sent_tables: dict[int, list[int]] = {}
+        self._freed: list[int] = []
+        self._planned: list[Sequence] = []  # during schedule(): the sequences planned so far
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -95,6 +82,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Allocates blocks for every planned token."""
         out = SchedulerOutput()
+        if self._freed:
+            out.freed_seq_ids, self._freed = self._freed, []
+        self._planned = []  # the sequences of this step so far, in batch order
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
 
@@ -127,24 +117,57 @@ class Scheduler:
             break  # seq itself was preempted: everything after it is gone too
 
         # 2.-3. Swapped-out, then waiting sequences; none while preemption is under way.
-        if not out.preempted:
+        if not out.preempted_seq_ids:
             budget = self._admit(out, budget)
         # Sequences with nothing to compute (beams waiting for their group) may hold every block
         # while a sibling waits: recompute the newest later (behind the queue) until something runs.
-        while not out.seqs and self.running and (self.waiting or self.swapped):
+        while not self._planned and self.running and (self.waiting or self.swapped):
             self._preempt(self.running.pop(), out, allow_swap=False, requeue_last=True)
             budget = self._admit(out, budget)
 
         out.blocks_to_copy = bm.take_copies()
+        self._fill_plan(out, self._planned)
+        self._planned = []
         self.stats.num_steps += 1
         return out
+
+    def _fill_plan(self, out: SchedulerOutput, planned: list[Sequence]) -> None:
+        """The plain data of the planned sequences: ids, first positions, token ids, and
+        block-table deltas (what changed in each table since the last output that held it).
+        Tables only grow at the end, except that copy-on-write replaces the last block, so
+        comparing the length and the last block sent is enough."""
+        out.seq_ids = [seq.seq_id for seq in planned]
+        out.num_computed_tokens = starts = [seq.num_computed_tokens for seq in planned]
+        out.token_ids = [seq.token_ids[c : c + n] for seq, c, n in zip(planned, starts, out.num_new_tokens)]
+        sent_tables, tables = self._sent_tables, self.block_manager.block_table
+        table_starts, new_ids = out.block_table_starts, out.new_block_ids
+        unchanged: list[int] = []
+        for seq_id in out.seq_ids:
+            table = tables(seq_id)
+            sent = sent_tables.get(seq_id)
+            if sent is None:
+                sent_tables[seq_id] = list(table)
+                table_starts.append(0)
+                new_ids.append(list(table))
+                continue
+            start = len(sent)
+            if start == len(table) and sent[-1] == table[-1]:  # the decode case: nothing new
+                table_starts.append(start)
+                new_ids.append(unchanged)
+                continue
+            if start and sent[-1] != table[start - 1]:
+                start -= 1
+            delta = table[start:]
+            sent[start:] = delta
+            table_starts.append(start)
+            new_ids.append(delta)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Bring back swapped-out sequences, then admit waiting ones, first come first served,
         while the token budget, ``max_num_seqs`` (sequences computing in this step, counting the
         completions a parallel-sampling request forks into) and free blocks allow."""
         bm, limit = self.block_manager, self.config.max_num_seqs
-        while self.swapped and budget > 0 and len(out.seqs) < limit:
+        while self.swapped and budget > 0 and len(self._planned) < limit:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
@@ -155,7 +178,7 @@ class Scheduler:
             if n:
                 self._plan(seq, n, out)
                 budget -= n
-        while self.waiting and not self.swapped and budget > 0 and len(out.seqs) + 1 + len(self.waiting[0].pending_forks) <= limit:
+        while self.waiting and not self.swapped and budget > 0 and len(self._planned) + 1 + len(self.waiting[0].pending_forks) <= limit:
             seq = self.waiting[0]
             # prompt logprobs need the logits of every prompt position: no prefix-cache hits then
             wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
@@ -184,7 +207,7 @@ class Scheduler:
 
     def _add(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Add a sequence whose slots are allocated to the step, and count its tokens."""
-        out.seqs.append(seq)
+        self._planned.append(seq)
         out.num_new_tokens.append(n)
         if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == len(seq.token_ids) - 1:
             self.stats.num_decode_tokens += 1
@@ -202,12 +225,14 @@ class Scheduler:
             self.swapped = deque(s for s in self.swapped if id(s) not in done)
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
+            self.seqs.pop(seq.seq_id, None)
             self._release(seq)
 
     def add_fork(self, seq: Sequence, parent: Sequence) -> None:
         """Queue a sequence forked from ``parent``: right behind it among the running ones (same
         admission age) when the parent runs and the fork shares its blocks; otherwise at the head
         of the waiting queue, to compute its tokens when admitted."""
+        self.seqs[seq.seq_id] = seq
         if parent.status is SequenceStatus.RUNNING:
             seq.status = SequenceStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, seq)
@@ -216,26 +241,36 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def abort_all(self) -> list[Sequence]:
-        """Drop every sequence and free their blocks (after an error)."""
-        dropped = list(self.running) + list(self.swapped) + list(self.waiting)
-        self.running, self.swapped, self.waiting = [], deque(), deque()
+        """Drop every sequence and free their blocks (after an error). Also frees the blocks of
+        any sequence the queues lost track of (an interrupt between two of their updates)."""
+        dropped = list({id(s): s for s in [*self.running, *self.swapped, *self.waiting, *self.seqs.values()]}.values())
+        self.running, self.swapped, self.waiting, self.seqs = [], deque(), deque(), {}
         for seq in dropped:
             seq.status = SequenceStatus.FINISHED
             self._release(seq)
+        self._freed.extend(self._sent_tables)  # a worker's mirror forgets every table
+        self._sent_tables = {}
         self.block_manager.take_copies()
         return dropped
 
     def _release(self, seq: Sequence) -> None:
+        """Free the sequence's blocks (device and swap space)."""
+        self._forget_table(seq.seq_id)
         self.block_manager.free(seq.seq_id)
         if self.cpu_block_manager is not None:
             self.cpu_block_manager.free(seq.seq_id)
+
+    def _forget_table(self, seq_id: int) -> None:
+        if self._sent_tables.pop(seq_id, None) is not None:
+            self._freed.append(seq_id)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, allow_swap: bool = True, requeue_last: bool = False) -> None:
         """Preempt a running sequence, all or nothing: swap it out if configured and there is
         room in swap space, else free everything and requeue it at the head for recompute."""
         bm, cpu = self.block_manager, self.cpu_block_manager
         table = bm.block_table(seq.seq_id)
-        out.preempted.append(seq)
+        out.preempted_seq_ids.append(seq.seq_id)
+        self._forget_table(seq.seq_id)
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         if allow_swap and self.config.preemption_mode == "swap" and cpu is not None and table and cpu.can_allocate(seq.seq_id, bm.num_tokens(seq.seq_id)):

@@ -32,7 +32,7 @@ class Sequence:
 
     Attributes:
         seq_id: unique id in the engine (also the block manager's key).
-        request_index: index of the request in the caller's prompt list.
+        request_id: the id of the request this sequence is a completion (or a beam) of.
         token_ids: prompt tokens followed by the generated ones.
         num_prompt_tokens: length of the prompt inside ``token_ids``.
         num_computed_tokens: tokens whose keys and values are in the KV cache.
@@ -49,7 +49,7 @@ class Sequence:
     """
 
     seq_id: int
-    request_index: int
+    request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
@@ -70,7 +70,6 @@ class Sequence:
     # parallel sampling: (index, generator, detokenizer) of the n - 1 completions that fork from this
     # one when its prompt is done, sharing its blocks (copy-on-write)
     pending_forks: list = field(default_factory=list)
-    forked: list = field(default_factory=list)  # the completions that forked from this one
     beam_group: Optional[Any] = None  # the BeamGroup of a beam-search sequence
     beam_cum_logprob: float = 0.0
 
@@ -86,7 +85,6 @@ class Sequence:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None,
             pending_forks=[],
-            forked=[],
         )
         return child
 

@@ -1,0 +1,210 @@
+"""Requests in and out of the engine: a request's prompt and parameters checked and tokenized
+(``RequestProcessor.process`` for ``add_request``, ``process_batch`` for a ``generate`` call,
+``process_stream_items`` for a window of ``generate_stream``), its state
+while it runs (``Request``), and its ``RequestOutput`` once it has finished (``make_output``).
+Tensor-free (the tokenizer runs here, the model does not).
+
+Every check runs before the request touches the engine and raises TypeError / ValueError naming
+the request (``request 'abc'`` for ``add_request``, ``prompts[3]`` for a ``generate`` call) and
+the field, so a bad request leaves the engine exactly as it was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from pagedgen import inputs
+from pagedgen.beam_search import BeamSearchParams
+from pagedgen.engine.beam_group import BeamGroup
+from pagedgen.engine.detokenizer import Detokenizer
+from pagedgen.engine.sequence import Sequence
+from pagedgen.outputs import CompletionOutput, RequestOutput
+from pagedgen.sampling_params import SamplingParams
+
+Params = Union[SamplingParams, BeamSearchParams]
+
+
+@dataclass(eq=False)
+class Request:
+    """One request while the engine runs it.
+
+    Attributes:
+        request_id: unique among the engine's unfinished requests.
+        prompt: the prompt text (None when token ids were given); ``prompt_token_ids`` as fed to
+            the model (an empty prompt starts from BOS).
+        params: a validated private copy of its SamplingParams, or its BeamSearchParams.
+        index: its position in a ``generate`` / ``generate_stream`` input (None otherwise).
+        seqs: its completions so far, completion 0 first (the others fork from it when its prompt
+            is computed); for beam search, the first beam.
+        num_finished: completions finished. ``beam_group``: the search of a beam-search request.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: Params
+    index: Optional[int] = None
+    seqs: list[Sequence] = field(default_factory=list)
+    num_finished: int = 0
+    beam_group: Optional[BeamGroup] = None
+
+    @property
+    def is_finished(self) -> bool:
+        if self.beam_group is not None:
+            return self.beam_group.done
+        return self.num_finished == self.params.n
+
+    def live_seqs(self) -> list[Sequence]:
+        """The sequences that still hold (or wait for) KV blocks."""
+        seqs = self.beam_group.beams if self.beam_group is not None else self.seqs
+        return [s for s in seqs if not s.is_finished]
+
+
+class RequestProcessor:
+    """Checks and tokenizes requests for one engine, and builds their outputs.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: the model's vocabulary size (token ids must lie in [0, vocab_size)).
+        max_model_len: most tokens of prompt + output; a prompt must leave room for one token.
+        max_num_seqs: most sequences in a step (``n`` and ``beam_width`` cannot exceed it).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int) -> None:
+        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+
+    # ----- in ------------------------------------------------------------------------------------
+    def process(self, request_id: str, prompt, params: Optional[Params]) -> Request:
+        """One request of ``add_request``: ``prompt`` as ``inputs.parse_prompt`` takes it; ``params``
+        a SamplingParams (None: vLLM's defaults) or a BeamSearchParams. Errors name the request
+        (``request 'request_id' prompt ...``) and the field."""
+        name = f"request {request_id!r} prompt"
+        text, ids = inputs.tokenize_prompt(self.tokenizer, prompt, self.vocab_size, name)
+        inputs.check_prompt_length(ids, self.max_model_len, name)
+        return Request(request_id, text, ids, self.check_params(params, f"request {request_id!r} sampling_params"))
+
+    def process_batch(self, texts: list[Optional[str]], ids: list[list[int]], sampling_params) -> list[Request]:
+        """The requests of a ``generate`` / ``chat`` call, already tokenized: ``sampling_params`` one
+        SamplingParams (or None) for all, or one per prompt. Request ids are the indices."""
+        params = inputs.check_sampling_params(ids, sampling_params, self.vocab_size, self.max_model_len, self.max_num_seqs)
+        return [Request(str(i), t, p, sp, i) for i, (t, p, sp) in enumerate(zip(texts, ids, params))]
+
+    def process_stream_items(self, first_index: int, items: list, default: SamplingParams) -> tuple[list[Request], Optional[Exception]]:
+        """The requests of ``generate_stream`` items ``first_index ..``: each a prompt or a (prompt,
+        SamplingParams) tuple; ``default`` (already checked) for the others. Texts are tokenized in
+        one call. Stops at the first bad item: returns the requests before it and its error
+        (TypeError / ValueError naming ``prompts[i]``), or None."""
+        parsed, error = [], None
+        for index, item in enumerate(items, start=first_index):
+            try:
+                if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], SamplingParams):
+                    item, params = item[0], self.check_params(item[1], f"sampling_params of prompts[{index}]")
+                else:
+                    params = default
+                text, ids = inputs.parse_prompt(item, f"prompts[{index}]")
+                if ids is not None:
+                    inputs.check_token_ids(ids, self.vocab_size, f"prompts[{index}]")
+            except (TypeError, ValueError) as exc:
+                error = exc
+                break
+            parsed.append((index, text, ids, params))
+        texts = [text for _, text, ids, _ in parsed if ids is None]
+        encoded = iter(self.tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else ())
+        requests = []
+        for index, text, ids, params in parsed:
+            name = f"prompts[{index}]"
+            try:
+                ids = inputs.fill_empty(self.tokenizer, [list(next(encoded)) if ids is None else ids], [name])[0]
+                inputs.check_prompt_length(ids, self.max_model_len, name)
+            except ValueError as exc:
+                return requests, exc
+            requests.append(Request(str(index), text, ids, params, index))
+        return requests, error
+
+    def beam_batch(self, texts: list[Optional[str]], ids: list[list[int]], params: BeamSearchParams) -> list[Request]:
+        """The requests of a ``beam_search`` call, already tokenized; ids are the indices."""
+        params = self.check_params(params, "params")
+        for i, p in enumerate(ids):
+            inputs.check_prompt_length(p, self.max_model_len, f"prompts[{i}]")
+        return [Request(str(i), t, p, params, i) for i, (t, p) in enumerate(zip(texts, ids))]
+
+    def check_params(self, params: Optional[Params], where: str) -> Params:
+        """A checked SamplingParams copy (``inputs.checked_params``), or a BeamSearchParams whose
+        width fits max_num_seqs. Raises TypeError / ValueError starting with ``where``."""
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, BeamSearchParams):
+            if params.beam_width > self.max_num_seqs:
+                raise ValueError(f"BeamSearchParams.beam_width must be at most max_num_seqs={self.max_num_seqs}, got {params.beam_width}")
+            return params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where} must be a SamplingParams or a BeamSearchParams, got {type(params).__name__}")
+        return inputs.checked_params(params, where, self.vocab_size, self.max_num_seqs)
+
+    def new_stream(self, request: Request):
+        """An incremental detokenizer for one completion of ``request`` when it has stop strings
+        (else None: its text is decoded once, at the end)."""
+        sp = request.params
+        return self.detokenizer.stream(sp, request.prompt_token_ids) if sp.stop else None
+
+    # ----- out -----------------------------------------------------------------------------------
+    def make_output(self, request: Request) -> RequestOutput:
+        """The RequestOutput of a finished request (completions ordered by index; for beam search,
+        the finished beams best first, ``cumulative_logprob`` their summed log-probabilities)."""
+        first = request.seqs[0]
+        if request.beam_group is not None:
+            outputs = [
+                CompletionOutput(
+                    index=rank,
+                    text=self.detokenizer.decode_in_context(h.token_ids, request.prompt_token_ids),
+                    token_ids=h.token_ids,
+                    cumulative_logprob=h.cum_logprob,
+                    finish_reason=h.finish_reason,
+                )
+                for rank, h in enumerate(request.beam_group.finished)
+            ]
+            prompt_logprobs = None
+        else:
+            outputs = [self._completion(seq) for seq in request.seqs]
+            prompt_logprobs = self._decoded(first.prompt_logprobs, request.params)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            index=request.index,
+        )
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        sp = seq.sampling_params
+        if not sp.detokenize:
+            text = ""
+        elif seq.detokenizer is not None:
+            text = seq.detokenizer.text
+        else:
+            text = self.detokenizer.completion_text(seq.output_token_ids, sp, stopped_on_token=seq.finish_reason == "stop", prompt_token_ids=seq.prompt_token_ids)
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=seq.output_token_ids,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=self._decoded(seq.logprobs, sp),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _decoded(self, logprobs: Optional[list], sp: SamplingParams) -> Optional[list]:
+        """Fill ``Logprob.decoded_token`` (with ``detokenize``)."""
+        if logprobs is not None and sp.detokenize:
+            for entry in logprobs:
+                for token_id, lp in (entry or {}).items():
+                    lp.decoded_token = self.detokenizer.token_text(token_id)
+        return logprobs
+
