@@ -58,7 +58,7 @@ def _interrupt(proc, out, at_rows: int, sig, timeout=120.0):
 
 def _check_prefix(out, reference: bytes):
     """The file is a prefix of the uninterrupted output, up to a torn tail (cut off on resume)."""
-    data = out.read_bytes()
+    data = out.read_bytes() if out.exists() else b""
     whole = data[: data.rfind(b"\n") + 1]
     assert reference.startswith(whole)
 
@@ -67,7 +67,7 @@ def test_sigkill_at_random_moments(dataset, reference, stories_path, tmp_path):
     src, _ = dataset
     out = tmp_path / "out.jsonl"
     rng = random.Random(20261201)
-    targets = [0] + sorted(rng.sample(range(50, ROWS - 100), 3))
+    targets = [0] + sorted(rng.sample(range(50, ROWS - 100), 2))
     for target in targets:
         proc = popen_cli("--model", stories_path, "--input", src, "--output", out, *ARGS)
         if target == 0:  # during start-up or the first rows

@@ -125,7 +125,7 @@ def read_json_lines(f: BinaryIO, prompt_field: str) -> Iterator[Row]:
         fields = None
         if text is not None:
             try:
-                value = json.loads(text)
+                value = json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 error = f"not valid JSON ({exc.msg}: column {exc.colno})"
             else:
