@@ -1,11 +1,14 @@
-"""python -m pagedgen as a subprocess: prompts file in, completions .jsonl out, summary on stderr; a
-user error is one `pagedgen: error:` line and exit code 2 (more in test_cli_formats.py,
-test_cli_errors.py and test_cli_interrupt.py)."""
+"""The command line: prompts file in, completions .jsonl out, summary on stderr (``python -m pagedgen``
+as a subprocess once, in-process otherwise); a user error is one `pagedgen: error:` line and exit
+code 2 (more in test_cli_formats.py, test_cli_errors.py and test_cli_interrupt.py)."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
+from cli_util import run_cli
 from conftest import ROOT
 
 
@@ -37,38 +40,39 @@ def test_cli_jsonl_roundtrip(stories_path, tmp_path, llm):
     assert sidecar["input"]["rows"] == 3 and sidecar["params"]["max_tokens"] == 12
 
 
-def test_cli_text_file_and_bad_input(stories_path, tmp_path):
+@pytest.mark.usefixtures("one_torch_thread")
+def test_cli_text_file_and_bad_input(stories_path, tmp_path, capsys):
     txt = tmp_path / "in.txt"
     txt.write_text("Once upon a time\nThe cat\n")
-    ok = _run("--model", stories_path, "--input", str(txt), "--output", str(tmp_path / "o.jsonl"), "--max-tokens", "4", "--no-tqdm")
-    assert ok.returncode == 0, ok.stderr
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", txt, "--output", tmp_path / "o.jsonl", "--max-tokens", "4")
+    assert rc == 0, err
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    proc = _run("--model", stories_path, "--input", str(bad), "--output", str(tmp_path / "x.jsonl"), "--no-tqdm")
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", bad, "--output", tmp_path / "x.jsonl")
     # the row before the bad one is generated and kept; the message names the line and says how to go on
-    assert proc.returncode == 2 and f"{bad}: line 2: no field 'prompt' (fields: text); use --prompt-field" in proc.stderr
-    assert "1 rows are in" in proc.stderr and "--on-error skip" in proc.stderr and "Traceback" not in proc.stderr
+    assert rc == 2 and f"{bad}: line 2: no field 'prompt' (fields: text); use --prompt-field" in err
+    assert "1 rows are in" in err and "--on-error skip" in err and "Traceback" not in err
     assert len((tmp_path / "x.jsonl").read_text().splitlines()) == 1
-    proc = _run("--model", stories_path, "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "y.jsonl"))
-    assert proc.returncode == 2 and "No such file" in proc.stderr
-    proc = _run("--model", stories_path, "--input", str(txt), "--output", str(tmp_path / "y.jsonl"), "--temperature", "-1")
-    assert proc.returncode == 2 and "temperature must be in [0, inf)" in proc.stderr
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", tmp_path / "missing.jsonl", "--output", tmp_path / "y.jsonl")
+    assert rc == 2 and "No such file" in err
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", txt, "--output", tmp_path / "y.jsonl", "--temperature", "-1")
+    assert rc == 2 and "temperature must be in [0, inf)" in err
     assert not (tmp_path / "y.jsonl").exists()
 
 
-def test_cli_unwritable_output_fails_before_generating(stories_path, tmp_path):
+def test_cli_unwritable_output_fails_before_generating(stories_path, tmp_path, capsys):
     txt = tmp_path / "in.txt"
     txt.write_text("Once upon a time\n")
-    proc = _run("--model", stories_path, "--input", str(txt), "--output", str(tmp_path / "no" / "dir" / "o.jsonl"))
-    assert proc.returncode == 2 and "cannot write --output" in proc.stderr and "No such file" in proc.stderr
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", txt, "--output", tmp_path / "no" / "dir" / "o.jsonl")
+    assert rc == 2 and "cannot write --output" in err and "No such file" in err
     # a failing run (bad model folder) leaves an existing output file as it was
     old = tmp_path / "old.jsonl"
     old.write_text("earlier results\n")
-    proc = _run("--model", str(tmp_path / "missing-model"), "--input", str(txt), "--output", str(old))
-    assert proc.returncode == 2 and "model folder not found" in proc.stderr
+    rc, err = run_cli(capsys, "--model", tmp_path / "missing-model", "--input", txt, "--output", old)
+    assert rc == 2 and "model folder not found" in err
     assert old.read_text() == "earlier results\n"
     # ... and so does a run that finds it was not written by a resumable pagedgen run
-    proc = _run("--model", stories_path, "--input", str(txt), "--output", str(old))
-    assert proc.returncode == 2 and "has no sidecar" in proc.stderr and "--overwrite" in proc.stderr
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", txt, "--output", old)
+    assert rc == 2 and "has no sidecar" in err and "--overwrite" in err
     assert old.read_text() == "earlier results\n"

@@ -63,7 +63,7 @@ def _check_prefix(out, reference: bytes):
     assert reference.startswith(whole)
 
 
-def test_sigkill_at_random_moments(dataset, reference, stories_path, tmp_path):
+def test_sigkill_at_random_moments(dataset, reference, stories_path, tmp_path, capsys):
     src, _ = dataset
     out = tmp_path / "out.jsonl"
     rng = random.Random(20261201)
@@ -75,9 +75,8 @@ def test_sigkill_at_random_moments(dataset, reference, stories_path, tmp_path):
         rc, err = _interrupt(proc, out, target, signal.SIGKILL)
         assert rc in (-signal.SIGKILL, 0), err
         _check_prefix(out, reference)
-    proc = popen_cli("--model", stories_path, "--input", src, "--output", out, *ARGS)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", out, *ARGS)
+    assert rc == 0, err
     assert "skipped as already done" in err
     assert out.read_bytes() == reference
 

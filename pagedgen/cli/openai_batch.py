@@ -16,7 +16,7 @@ Body fields: OpenAI's (``max_tokens``, ``max_completion_tokens``, ``temperature`
 ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``logprobs``,
 ``top_logprobs``) and vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
-``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
+``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
 ``add_generation_prompt``, ``continue_final_message``). A field the body leaves out takes the
 command line's value. Anything else (streaming, tools, echo, suffix...) makes the request a bad row.
 """
@@ -30,7 +30,7 @@ from pagedgen.cli.errors import BadRow
 URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _SAMPLING = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
              "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
-             "spaces_between_special_tokens", "include_stop_str_in_output")
+             "spaces_between_special_tokens", "include_stop_str_in_output", "allowed_token_ids")
 _COMMON = set(_SAMPLING) | {"model", "max_tokens", "logit_bias", "user", "metadata", "stream", "best_of", "truncate_prompt_tokens"}
 _FIELDS = {
     "completions": _COMMON | {"prompt", "logprobs", "echo", "suffix"},
