@@ -77,6 +77,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(stories_path, tmp_path, ca
     assert rc == 0, err
     want = llm.generate([ids[-100:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
     assert read_jsonl(dst)[0]["completions"][0]["token_ids"] == want
+    # a long text prompt: the engine's length check, with the hint; cut, its last tokens are kept
+    text = " ".join(PROMPTS * 40)
+    src.write_text(json.dumps({"prompt": text}) + "\n")
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--overwrite"))
+    assert rc == 2 and "max_model_len=512" in err and "pass --truncate-prompt-tokens N" in err
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--overwrite", "--truncate-prompt-tokens", -1))
+    assert rc == 0, err
+    ids = llm.tokenizer(text)["input_ids"][-512:]
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    assert read_jsonl(dst)[0]["completions"][0]["token_ids"] == want
 
 
 def test_changed_input_model_or_params_are_refused(stories_path, tmp_path, capsys):

@@ -60,7 +60,7 @@ def _truncation(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1 and value != -1:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 1, or -1 (max_model_len - 1), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 1, or -1 (max_model_len), got {text!r}")
     return value
 
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model name in OpenAI batch responses whose request names none (default: the --model folder's name)")
     if not ENGINE_TRUNCATES:
         io.add_argument("--truncate-prompt-tokens", type=_truncation, default=None, metavar="N",
-                        help="keep only the last N tokens of a longer prompt (-1: max_model_len - 1) instead of reporting it as a bad row")
+                        help="keep only the last N tokens of a longer prompt (-1: max_model_len) instead of reporting it as a bad row")
     run = ap.add_argument_group("resume, errors and progress")
     run.add_argument("--unordered", action="store_true", help="write rows as they finish instead of in input order")
     run.add_argument("--on-error", choices=("stop", "skip"), default="stop",

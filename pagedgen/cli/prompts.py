@@ -1,14 +1,14 @@
-"""From an input row to an engine request: the prompt's token ids and its SamplingParams.
+"""From an input row to an engine request: its prompt and its SamplingParams.
 
 A row's prompt is its ``--prompt-field`` (a string, or a list of token ids), or its
 ``--messages-field`` (a conversation ``[{"role", "content"}, ...]`` rendered with the chat template,
 as ``LLM.chat`` does), or, in the OpenAI batch format, the request body's ``prompt`` / ``messages``
-with the body's sampling fields over the command line's. Text is tokenized here (as
-``LLM.generate`` does: special tokens added; a rendered chat is tokenized without them, the
-template writes BOS itself), so that a prompt too long for ``max_model_len`` is a bad row with a
-clear reason, or is cut to its last ``--truncate-prompt-tokens`` tokens (vLLM's
-``SamplingParams.truncate_prompt_tokens``; pagedgen's SamplingParams has no such field, so the
-command line truncates before the request is added).
+with the body's sampling fields over the command line's. Text goes to the engine as text (tokenized
+there with special tokens, as ``LLM.generate`` does) unless it is to be cut to its last
+``--truncate-prompt-tokens`` tokens (vLLM's ``SamplingParams.truncate_prompt_tokens``; pagedgen's
+SamplingParams has no such field, so the command line tokenizes and cuts before adding the
+request). A rendered chat is tokenized here without special tokens (the template writes BOS).
+A prompt longer than ``max_model_len`` is a bad row with a reason that suggests the flag.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class PromptSpec:
         prompt_field, messages_field: field (column) names.
         index_field, output_field: names the output adds to each row (a row may not have them).
         chat_template: a Jinja template overriding the tokenizer's, or None.
-        truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len - 1), or None.
+        truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len), or None.
     """
 
     mode: str
@@ -45,9 +45,10 @@ class PromptSpec:
 
 @dataclass
 class Request:
-    """One row made ready for ``add_request``."""
+    """One row made ready for ``add_request``: ``prompt`` is ``{"prompt": text}`` (the engine
+    tokenizes it, as ``LLM.generate`` does) or ``{"prompt_token_ids": [...]}``."""
 
-    prompt_token_ids: list[int]
+    prompt: dict
     params: SamplingParams
     openai: Optional[openai_batch.OpenAIRequest] = None
 
@@ -59,7 +60,7 @@ class RequestBuilder:
         tokenizer: the LLM's Hugging Face tokenizer.
         spec: where prompts are (``PromptSpec``).
         params: the command line's SamplingParams (a row without its own fields shares it).
-        max_model_len: the engine's limit on prompt + generated tokens.
+        max_model_len: the engine's limit on prompt + generated tokens (a prompt may fill it).
     """
 
     def __init__(self, tokenizer, spec: PromptSpec, params: SamplingParams, max_model_len: int) -> None:
@@ -76,24 +77,23 @@ class RequestBuilder:
         if spec.mode == "openai":
             req = openai_batch.parse_request(fields)
             params = self._with(req.overrides)
+            truncate = self._truncation(req.truncate_prompt_tokens, params)
             if req.kind == "chat":
                 ids = self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message)
-            else:
-                ids = self._prompt_ids(req.prompt, "body.prompt")
-            return Request(self._fit(ids, req.truncate_prompt_tokens, params), params, req)
+                return Request(self._fit(ids, truncate), params, req)
+            return Request(self._prompt(req.prompt, "body.prompt", truncate), params, req)
         for name in (spec.index_field, spec.output_field):
             if name in fields:
                 raise BadRow(f"the row has its own field {name!r}, which the output adds; choose another name with "
                              f"{'--index-field' if name == spec.index_field else '--output-field'}")
+        truncate = self._truncation(None, self.params)
         if spec.mode == "messages":
             if spec.messages_field not in fields:
                 raise BadRow(f"no field {spec.messages_field!r} (fields: {', '.join(map(str, fields))}); use --messages-field")
-            ids = self._chat_ids(fields[spec.messages_field], True, False)
-        else:
-            if spec.prompt_field not in fields:
-                raise BadRow(f"no field {spec.prompt_field!r} (fields: {', '.join(map(str, fields))}); use --prompt-field")
-            ids = self._prompt_ids(fields[spec.prompt_field], spec.prompt_field)
-        return Request(self._fit(ids, None, self.params), self.params)
+            return Request(self._fit(self._chat_ids(fields[spec.messages_field], True, False), truncate), self.params)
+        if spec.prompt_field not in fields:
+            raise BadRow(f"no field {spec.prompt_field!r} (fields: {', '.join(map(str, fields))}); use --prompt-field")
+        return Request(self._prompt(fields[spec.prompt_field], spec.prompt_field, truncate), self.params)
 
     def _with(self, overrides: dict) -> SamplingParams:
         if not overrides:
@@ -103,14 +103,25 @@ class RequestBuilder:
         except (ValueError, TypeError) as exc:
             raise BadRow(str(exc)) from None
 
-    def _prompt_ids(self, prompt, where: str) -> list[int]:
+    def _truncation(self, requested: Optional[int], params: SamplingParams) -> Optional[int]:
+        """The prompt truncation that applies: the request's, else the command line's, else the
+        SamplingParams' own field if it has one."""
+        for fallback in (self.spec.truncate_prompt_tokens, getattr(params, "truncate_prompt_tokens", None)):
+            requested = fallback if requested is None else requested
+        return requested
+
+    def _prompt(self, prompt, where: str, truncate: Optional[int]) -> dict:
+        """The engine prompt of a row's text or token ids. Text not to be cut goes to the engine as
+        text (tokenized there once, its length checked there)."""
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            if truncate is None:
+                return {"prompt": prompt}
+            ids = self._nonempty(list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)  # token ids (checked against the vocabulary by the engine)
+            ids = self._nonempty(list(prompt))  # token ids (checked against the vocabulary by the engine)
         else:
             raise BadRow(f"{where} must be a string or a list of token ids, got {type(prompt).__name__}")
-        return self._nonempty(ids)
+        return self._fit(ids, truncate)
 
     def _chat_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
         conversation = normalize_messages(messages)
@@ -134,19 +145,15 @@ class RequestBuilder:
             ids = [self.tokenizer.bos_token_id]
         return ids
 
-    def _fit(self, ids: list[int], truncate: Optional[int], params: SamplingParams) -> list[int]:
-        """Cut to the last ``truncate`` tokens (the request's, else the command line's, else the
-        SamplingParams' own field if it has one); BadRow if still too long for max_model_len."""
-        for fallback in (self.spec.truncate_prompt_tokens, getattr(params, "truncate_prompt_tokens", None)):
-            truncate = fallback if truncate is None else truncate
-        limit = self.max_model_len - 1  # room for at least one generated token
+    def _fit(self, ids: list[int], truncate: Optional[int]) -> dict:
+        """``{"prompt_token_ids": ids}`` cut to the last ``truncate`` tokens (-1: max_model_len);
+        BadRow if still longer than max_model_len."""
         if truncate is not None:
-            keep = limit if truncate == -1 else truncate
-            ids = ids[-keep:]
-        if len(ids) > limit:
-            raise BadRow(f"the prompt has {len(ids)} tokens; with one generated token it must fit max_model_len="
-                         f"{self.max_model_len} (at most {limit} prompt tokens): pass --truncate-prompt-tokens N to keep its last N tokens")
-        return ids
+            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
+        if len(ids) > self.max_model_len:
+            raise BadRow(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}: "
+                         f"pass --truncate-prompt-tokens N to keep its last N tokens")
+        return {"prompt_token_ids": ids}
 
 
 def normalize_messages(messages) -> list[dict]:

@@ -115,11 +115,14 @@ def _admit(engine, builder: RequestBuilder, row: Row, in_flight: dict) -> Option
     """Add ``row`` to the engine; None when added, else why the row cannot run."""
     try:
         request = builder.build(row)
-        engine.add_request(str(row.index), {"prompt_token_ids": request.prompt_token_ids}, request.params)
+        engine.add_request(str(row.index), request.prompt, request.params)
     except BadRow as exc:
         return exc.reason
     except (ValueError, TypeError) as exc:  # the engine's validation of the request
-        return one_line(exc)
+        reason = one_line(exc)
+        if "max_model_len" in reason and "prompt" in reason:
+            reason += " (pass --truncate-prompt-tokens N to keep its last N tokens)"
+        return reason
     in_flight[row.index] = (row, request)
     row.span = b""  # hashed already; only a bad row's text is kept (for the errors file)
     return None
