@@ -70,6 +70,7 @@ class Scheduler:
         self._sent_tables: dict[int, list[int]] = {}
         self._freed: list[int] = []
         self._planned: list[Sequence] = []  # during schedule(): the sequences planned so far
+        self._grown: list[Sequence] = []  # during schedule(): those whose table may have changed
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -85,6 +86,7 @@ class Scheduler:
         if self._freed:
             out.freed_seq_ids, self._freed = self._freed, []
         self._planned = []  # the sequences of this step so far, in batch order
+        self._grown = []  # those of them whose block table may differ from the one last sent
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
 
@@ -100,7 +102,7 @@ class Scheduler:
                 i += 1
                 continue
             if append_in_place(seq.seq_id, seq.num_computed_tokens + n, token_ids):  # fits the last block
-                self._add(seq, n, out)
+                self._add(seq, n, out, same_table=True)
                 budget -= n
                 i += 1
                 continue
@@ -127,40 +129,34 @@ class Scheduler:
 
         out.blocks_to_copy = bm.take_copies()
         self._fill_plan(out, self._planned)
-        self._planned = []
+        self._planned, self._grown = [], []
         self.stats.num_steps += 1
         return out
 
     def _fill_plan(self, out: SchedulerOutput, planned: list[Sequence]) -> None:
-        """The plain data of the planned sequences: ids, first positions, token ids, and
-        block-table deltas (what changed in each table since the last output that held it).
-        Tables only grow at the end, except that copy-on-write replaces the last block, so
-        comparing the length and the last block sent is enough."""
+        """The plain data of the planned sequences: ids, first positions, token ids, and the
+        block-table updates (what changed in a table since the last output that held it) of the
+        sequences whose table may have changed. Tables only grow at the end, except that
+        copy-on-write replaces the last block, so comparing with the last block sent is enough."""
         out.seq_ids = [seq.seq_id for seq in planned]
         out.num_computed_tokens = starts = [seq.num_computed_tokens for seq in planned]
         out.token_ids = [seq.token_ids[c : c + n] for seq, c, n in zip(planned, starts, out.num_new_tokens)]
-        sent_tables, tables = self._sent_tables, self.block_manager.block_table
-        table_starts, new_ids = out.block_table_starts, out.new_block_ids
-        unchanged: list[int] = []
-        for seq_id in out.seq_ids:
+        sent_tables, tables, updates = self._sent_tables, self.block_manager.block_table, out.block_table_updates
+        for seq in self._grown:
+            seq_id = seq.seq_id
             table = tables(seq_id)
             sent = sent_tables.get(seq_id)
             if sent is None:
                 sent_tables[seq_id] = list(table)
-                table_starts.append(0)
-                new_ids.append(list(table))
+                updates[seq_id] = (0, list(table))
                 continue
             start = len(sent)
-            if start == len(table) and sent[-1] == table[-1]:  # the decode case: nothing new
-                table_starts.append(start)
-                new_ids.append(unchanged)
-                continue
             if start and sent[-1] != table[start - 1]:
                 start -= 1
-            delta = table[start:]
-            sent[start:] = delta
-            table_starts.append(start)
-            new_ids.append(delta)
+            if start < len(table) or start < len(sent):
+                delta = table[start:]
+                sent[start:] = delta
+                updates[seq_id] = (start, delta)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Bring back swapped-out sequences, then admit waiting ones, first come first served,
@@ -205,9 +201,12 @@ class Scheduler:
         self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids)
         self._add(seq, n, out)
 
-    def _add(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        """Add a sequence whose slots are allocated to the step, and count its tokens."""
+    def _add(self, seq: Sequence, n: int, out: SchedulerOutput, same_table: bool = False) -> None:
+        """Add a sequence whose slots are allocated to the step, and count its tokens.
+        ``same_table``: its allocation took no block (its table is the one last sent, if any)."""
         self._planned.append(seq)
+        if not same_table or seq.seq_id not in self._sent_tables:
+            self._grown.append(seq)
         out.num_new_tokens.append(n)
         if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == len(seq.token_ids) - 1:
             self.stats.num_decode_tokens += 1

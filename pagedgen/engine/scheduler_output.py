@@ -25,10 +25,10 @@ class SchedulerOutput:
     num_computed_tokens[i] + num_new_tokens[i] - 1``, whose ids are ``token_ids[i]``; it samples when
     that reaches the end of its tokens):
         seq_ids, num_new_tokens, num_computed_tokens, token_ids
-    Block-table deltas: the table of ``seq_ids[i]`` is the previous one with everything from index
-    ``block_table_starts[i]`` on replaced by ``new_block_ids[i]`` (a sequence new to the mirror, or
-    back after preemption, gets its whole table from 0; a copy-on-write replaces the last block).
-        block_table_starts, new_block_ids
+    ``block_table_updates``: {seq_id: (start, block ids)}: that sequence's table is the previous one
+    with everything from index ``start`` on replaced by the block ids (a sequence new to a mirror,
+    or back after preemption, gets its whole table from 0; a copy-on-write replaces the last
+    block). A scheduled sequence not in it keeps its table: most decode steps take no new block.
     ``freed_seq_ids``: sequences whose blocks were freed since the previous step (finished,
     aborted, preempted): a mirror forgets their tables before applying the deltas.
     Block moves to run before the model step, in this order, each a list of (src, dst) block ids:
@@ -44,8 +44,7 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
-    block_table_starts: list[int] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    block_table_updates: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     freed_seq_ids: list[int] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -61,7 +60,7 @@ class SchedulerOutput:
         """Bring a worker's mirror ``{seq_id: block table}`` up to date with this step."""
         for seq_id in self.freed_seq_ids:
             tables.pop(seq_id, None)
-        for seq_id, start, new in zip(self.seq_ids, self.block_table_starts, self.new_block_ids):
+        for seq_id, (start, new) in self.block_table_updates.items():
             table = tables.setdefault(seq_id, [])
             del table[start:]
             table.extend(new)
