@@ -171,3 +171,24 @@ def test_output_is_input(tmp_path):
     assert "same inode" in output_is_input(str(tmp_path / "hard.jsonl"), str(src))
     assert output_is_input(str(tmp_path / "out.jsonl"), str(src)) is None
     assert sidecar.paths_for("out.jsonl") == ("out.pagedgen.json", "out.errors.jsonl")
+
+
+def test_nothing_is_appended_after_a_failed_write(tmp_path, monkeypatch):
+    app = Appender(str(tmp_path / "out.jsonl"))
+    app.add(0, _line(0))
+    app.write_pending()
+    app.add(1, _line(1))
+
+    class Full:
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    real = app._f
+    app._f = Full()
+    with pytest.raises(OSError):
+        app.write_pending()
+    app._f = real
+    app.add(2, _line(2))
+    app.write_pending()  # after a torn write nothing more goes in: rows 1 and 2 are redone on resume
+    app.close()
+    assert _indices(tmp_path / "out.jsonl") == [0] and app.lines_written == 1

@@ -34,28 +34,33 @@ class Appender:
         self.pending: list[bytes] = []
         self.max_pending_index = -1
         self.lines_written = 0
+        self._torn = False  # a write failed half-way: append nothing more
 
     def add(self, index: int, line: bytes) -> None:
         self.pending.append(line)
         self.max_pending_index = max(self.max_pending_index, index)
 
     def write_pending(self) -> None:
-        """Write what is pending and fsync (the file is created, durably, on the first call)."""
-        if not self.pending:
+        """Write what is pending and fsync (the file is created, durably, on the first call).
+
+        The pending lines are taken before the write: if it fails or is interrupted half-way, they
+        are not written again by this process, and nothing more is appended after the torn line
+        it may leave (a rerun cuts it off and generates those rows again)."""
+        if not self.pending or self._torn:
             return
         if self._f is None:
             existed = os.path.exists(self.path)
             self._f = open(self.path, "ab", buffering=0)
             if not existed:
                 fsync_dir(self.path)
-        data = b"".join(self.pending)
-        view = memoryview(data)
+        lines, self.pending, self.max_pending_index = self.pending, [], -1
+        self._torn = True
+        view = memoryview(b"".join(lines))
         while view:  # a raw write may be partial
             view = view[self._f.write(view):]
         os.fsync(self._f.fileno())
-        self.lines_written += len(self.pending)
-        self.pending.clear()
-        self.max_pending_index = -1
+        self._torn = False
+        self.lines_written += len(lines)
 
     def close(self) -> None:
         if self._f is not None:
