@@ -24,7 +24,10 @@ def _extension():
     sources = [os.path.join("csrc", "ops.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # No -std flag: cpp_extension adds the standard the installed torch needs (C++20 for torch 2.14,
     # whose headers use std::strong_ordering; an explicit -std=c++17 breaks them).
-    cxx_flags = ["-O3", "-g0", "-fopenmp"]
+    # -ffp-contract=off: a * b + c is a multiply and an add, each rounded, wherever the compiler inlines
+    # it; fused multiply-adds are explicit (csrc/cpu/vec.h). The kernels' bitwise guarantees (batch
+    # invariance, rotary_embedding equal to torch's) rest on this.
+    cxx_flags = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off"]
     march = os.environ.get("PAGEDGEN_CPU_ARCH", "native")
     if march:
         cxx_flags.append(f"-march={march}")

@@ -1,12 +1,21 @@
-"""Micro-benchmark of the CPU paged_attention kernel (pagedgen._C) against the PyTorch reference and
-against torch's scaled_dot_product_attention over a contiguous (non-paged) cache of the same shapes.
+"""Micro-benchmark of the CPU paged_attention kernel (pagedgen._C) against torch's
+scaled_dot_product_attention on contiguous tensors holding the same keys and values, and of the
+kernel on a shuffled block table against the kernel on a contiguous one (the price of paging).
 
-Two workloads per head size, both with random (non-contiguous) block tables:
-  decode:  num_seqs rows, each attending over context_len tokens;
-  prefill: one prompt of prefill_len tokens run as prefill_len rows (row i attends over i + 1
-           tokens), the way the engine runs prefill through this kernel; SDPA does it as one causal call.
-Prints the median time of each. Short by default; run from the repository root:
-    python benchmarks/cpu_kernels.py [--num-seqs 64 --context-len 512 --dtype bfloat16 ...]
+Workloads, per dtype and head size (random keys, values and queries):
+  decode:  --num-seqs decode rows of one token, each attending over --context-len cached tokens;
+           SDPA: q [S, H, 1, D] against k/v [S, Hkv, ctx, D].
+  prefill: one prompt of --prefill-len tokens as one varlen chunk (the engine's tiled prefill: each
+           row attends causally over the rows before it); SDPA: q/k/v [1, H, n, D], is_causal=True.
+The paged calls read the cache through a block table of shuffled physical blocks ("paged") and
+through one of consecutive blocks ("contiguous table"). Every configuration is timed in rounds that
+interleave the systems (so that a busy machine slows them alike); the figure is the median over
+rounds, in ms, and the ratios are of those medians:
+  sdpa/paged    > 1: the paged kernel is faster than SDPA on contiguous tensors (target >= 1 for prefill)
+  paging price  paged / contiguous table - 1 (target <= +10%)
+
+    python benchmarks/cpu_kernels.py            # 1,024-token prefill, 64 x 512 decode, fp32 and bf16, heads 64/128
+    python benchmarks/cpu_kernels.py --quick    # small sizes, few rounds (CI: checks that it runs)
 """
 import argparse
 import statistics
@@ -15,98 +24,110 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedgen.ops import extension_available, extension_error, reference
-
+from pagedgen.ops import extension_available, extension_error
 
 CLOCK = time.perf_counter  # --clock thread: time.thread_time
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = CLOCK()
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-seqs", type=int, default=64, help="decode rows")
+    p.add_argument("--context-len", type=int, default=512, help="tokens each decode row attends over")
+    p.add_argument("--prefill-len", type=int, default=1024, help="prompt length of the prefill workload (0: skip)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=4)
+    p.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"], default=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds (each: one call of every system)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                   help="thread: CPU time of the calling thread, on one thread (robust to other load on the machine)")
+    p.add_argument("--quick", action="store_true", help="prefill 256, decode 8 x 256, head size 64, 3 rounds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prefill_len, args.num_seqs, args.context_len, args.head_sizes, args.rounds = 256, 8, 256, [64], 3
+    for name in ("num_seqs", "context_len", "block_size", "num_heads", "num_kv_heads", "rounds"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.prefill_len < 0 or any(d <= 0 for d in args.head_sizes):
+        p.error("--prefill-len must be >= 0 and --head-sizes positive")
+    if args.num_heads % args.num_kv_heads:
+        p.error("--num-heads must be a multiple of --num-kv-heads")
+    return args
+
+
+def interleaved_medians(calls: dict, rounds: int) -> dict:
+    """Median time in ms of each call, measured in rounds that run every call once (after a warm-up)."""
+    for fn in calls.values():
         fn()
-        times.append(CLOCK() - start)
-    return statistics.median(times) * 1e3
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            start = CLOCK()
+            fn()
+            times[name].append(CLOCK() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def paged_inputs(seq_lens: list[int], args, head_size: int, dtype: torch.dtype):
-    """Random cache and block tables: each sequence gets its own blocks, shuffled across the cache."""
-    bs = args.block_size
-    blocks_per_seq = [(n + bs - 1) // bs for n in seq_lens]
-    num_blocks = sum(blocks_per_seq)
-    # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
-    key_cache = torch.randn(num_blocks, bs, args.num_kv_heads, head_size).to(dtype)
-    value_cache = torch.randn(num_blocks, bs, args.num_kv_heads, head_size).to(dtype)
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)  # [num_seqs, max_blocks]
-    perm, used = torch.randperm(num_blocks, dtype=torch.int32), 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = perm[used : used + n]
-        used += n
-    return key_cache, value_cache, block_tables
+def paged_cache(k: torch.Tensor, v: torch.Tensor, block_size: int, shuffle: bool):
+    """k, v [S, Hkv, n, D] -> key_cache, value_cache [S * blocks, block_size, Hkv, D] holding the same
+    tokens, and block_tables [S, blocks] int32 (shuffled physical blocks, or consecutive ones)."""
+    S, Hkv, n, D = k.shape
+    blocks = -(-n // block_size)
+    pad = blocks * block_size - n
+
+    def blocked(t):  # [S, Hkv, n, D] -> [S * blocks, block_size, Hkv, D]
+        t = F.pad(t, (0, 0, 0, pad)).transpose(1, 2)  # [S, blocks * block_size, Hkv, D]
+        return t.reshape(S * blocks, block_size, Hkv, D)
+
+    order = torch.randperm(S * blocks) if shuffle else torch.arange(S * blocks)
+    shape, dtype = (S * blocks, block_size, Hkv, D), k.dtype
+    key_cache, value_cache = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+    key_cache[order] = blocked(k)  # logical block i of the batch lives in physical block order[i]
+    value_cache[order] = blocked(v)
+    return key_cache, value_cache, order.view(S, blocks).to(torch.int32)
 
 
-def bench_decode(args, head_size: int, dtype: torch.dtype) -> dict:
-    n, ctx, h, kv = args.num_seqs, args.context_len, args.num_heads, args.num_kv_heads
-    key_cache, value_cache, block_tables = paged_inputs([ctx] * n, args, head_size, dtype)
-    seq_lens = torch.full((n,), ctx, dtype=torch.int32)  # [num_seqs]
-    query = torch.randn(n, h, head_size).to(dtype)  # [num_seqs, num_heads, head_size]
+def bench(args, kind: str, head_size: int, dtype: torch.dtype) -> dict:
+    H, Hkv, D, bs = args.num_heads, args.num_kv_heads, head_size, args.block_size
+    if kind == "decode":
+        S, n = args.num_seqs, args.context_len
+        q = torch.randn(S, H, 1, D).to(dtype)  # SDPA layout [S, H, 1, D]
+        query = q.squeeze(2)  # [S, H, D]: one row per sequence
+        seq_lens = torch.full((S,), n, dtype=torch.int32)
+        query_start_loc = torch.arange(S + 1, dtype=torch.int32)
+        causal = False
+    else:
+        S, n = 1, args.prefill_len
+        q = torch.randn(1, H, n, D).to(dtype)
+        query = q[0].transpose(0, 1).contiguous()  # [n, H, D]: the prompt's rows
+        seq_lens = torch.tensor([n], dtype=torch.int32)
+        query_start_loc = torch.tensor([0, n], dtype=torch.int32)
+        causal = True
+    k, v = torch.randn(S, Hkv, n, D).to(dtype), torch.randn(S, Hkv, n, D).to(dtype)
+    scale = D**-0.5
     out = torch.empty_like(query)
-    scale = head_size**-0.5
-    call = (out, query, key_cache, value_cache, block_tables, seq_lens, scale)
-    # Contiguous cache for SDPA: q [n, h, 1, d], k/v [n, kv, ctx, d]
-    q4 = query.unsqueeze(2)
-    k4 = torch.randn(n, kv, ctx, head_size).to(dtype)
-    v4 = torch.randn(n, kv, ctx, head_size).to(dtype)
-    return {
-        "kernel": median_ms(lambda: torch.ops.pagedgen.paged_attention(*call), args.repeats),
-        "reference": median_ms(lambda: reference.paged_attention(*call), args.reference_repeats),
-        "sdpa": median_ms(lambda: F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=True), args.repeats),
+
+    def paged(shuffle):
+        kc, vc, tables = paged_cache(k, v, bs, shuffle)
+        return lambda: torch.ops.pagedgen.paged_attention(out, query, kc, vc, tables, seq_lens, query_start_loc, scale, 0)
+
+    calls = {
+        "paged": paged(True),
+        "contiguous table": paged(False),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True),
     }
+    r = interleaved_medians(calls, args.rounds)
+    calls["paged"]()
+    expected = calls["sdpa"]()  # [S, H, n or 1, D]
+    got = out.unsqueeze(2) if kind == "decode" else out.transpose(0, 1)[None]
+    r["max_abs_diff"] = (got.float() - expected.float()).abs().max().item()
+    return r
 
 
-def bench_prefill(args, head_size: int, dtype: torch.dtype) -> dict:
-    n, h, kv = args.prefill_len, args.num_heads, args.num_kv_heads
-    key_cache, value_cache, block_tables = paged_inputs([n], args, head_size, dtype)
-    rows_table = block_tables.expand(n, -1)  # every row reads the prompt's table (a stride-0 view)
-    seq_lens = torch.arange(1, n + 1, dtype=torch.int32)  # row i attends over positions 0..i
-    query = torch.randn(n, h, head_size).to(dtype)  # [num_tokens, num_heads, head_size]
-    out = torch.empty_like(query)
-    scale = head_size**-0.5
-    call = (out, query, key_cache, value_cache, rows_table, seq_lens, scale)
-    # SDPA: q [1, h, n, d], k/v [1, kv, n, d], causal
-    q4 = query.transpose(0, 1).unsqueeze(0)
-    k4 = torch.randn(1, kv, n, head_size).to(dtype)
-    v4 = torch.randn(1, kv, n, head_size).to(dtype)
-    sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)  # noqa: E731
-    return {
-        "kernel": median_ms(lambda: torch.ops.pagedgen.paged_attention(*call), args.repeats),
-        "reference": median_ms(lambda: reference.paged_attention(*call), args.reference_repeats),
-        "sdpa": median_ms(sdpa, args.repeats),
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-seqs", type=int, default=64, help="decode rows")
-    parser.add_argument("--context-len", type=int, default=512, help="tokens each decode row attends over")
-    parser.add_argument("--prefill-len", type=int, default=512, help="prompt length of the prefill workload (0: skip)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--num-kv-heads", type=int, default=4)
-    parser.add_argument("--head-sizes", type=int, nargs="+", default=[8, 64])
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls of the kernel and of SDPA")
-    parser.add_argument("--reference-repeats", type=int, default=3, help="timed calls of the (slow) reference")
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
-    parser.add_argument(
-        "--clock",
-        choices=["wall", "thread"],
-        default="wall",
-        help="thread: CPU time of the calling thread, on one thread (robust to other load on the machine)",
-    )
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if not extension_available("cpu"):
         raise SystemExit(f"needs the compiled kernels: {extension_error('cpu')}")
     if args.clock == "thread":
@@ -115,22 +136,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    print(
-        f"{args.dtype}, {torch.get_num_threads()} threads, heads {args.num_heads}/{args.num_kv_heads} (q/kv), "
-        f"block size {args.block_size}; median ms ({args.clock} clock)"
-    )
-    print(f"{'workload':<34} {'head':>4} {'kernel':>9} {'reference':>10} {'sdpa':>9} {'ref/kern':>9} {'sdpa/kern':>9}")
-    for head_size in args.head_sizes:
-        runs = [(f"decode {args.num_seqs} seqs x {args.context_len} ctx", bench_decode)]
-        if args.prefill_len:
-            runs.append((f"prefill {args.prefill_len} rows (1..{args.prefill_len})", bench_prefill))
-        for name, bench in runs:
-            r = bench(args, head_size, dtype)
-            print(
-                f"{name:<34} {head_size:>4} {r['kernel']:>9.3f} {r['reference']:>10.2f} {r['sdpa']:>9.3f} "
-                f"{r['reference'] / r['kernel']:>8.1f}x {r['sdpa'] / r['kernel']:>8.2f}x"
-            )
+    print(f"{torch.get_num_threads()} threads, heads {args.num_heads}/{args.num_kv_heads} (q/kv), block size "
+          f"{args.block_size}; median ms over {args.rounds} interleaved rounds ({args.clock} clock)")
+    print(f"{'workload':<30} {'dtype':<9} {'head':>4} {'paged':>9} {'contig tbl':>10} {'sdpa':>9} "
+          f"{'sdpa/paged':>10} {'paging price':>12} {'max diff':>9}")
+    workloads = [("decode", f"decode {args.num_seqs} x {args.context_len} ctx")]
+    if args.prefill_len:
+        workloads.append(("prefill", f"prefill {args.prefill_len} (causal)"))
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for head_size in args.head_sizes:
+            for kind, label in workloads:
+                r = bench(args, kind, head_size, dtype)
+                price = r["paged"] / r["contiguous table"] - 1
+                print(f"{label:<30} {dtype_name:<9} {head_size:>4} {r['paged']:>9.3f} {r['contiguous table']:>10.3f} "
+                      f"{r['sdpa']:>9.3f} {r['sdpa'] / r['paged']:>9.2f}x {price:>+11.1%} {r['max_abs_diff']:>9.1e}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,7 @@ def run_case(torch, args, batch: int, context: int) -> dict:
     perm = torch.randperm(num_blocks, device="cuda", generator=g)
     block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)  # [batch, blocks_per_seq]
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")  # one decode row per sequence
     query = torch.randn(batch, H, D, dtype=dtype, device="cuda", generator=g)  # [batch, H, D]
     q4 = query.unsqueeze(2)  # [batch, H, 1, D]
     out = torch.empty_like(query)
@@ -174,7 +175,8 @@ def run_case(torch, args, batch: int, context: int) -> dict:
         kc = torch.randn(num_blocks, bs, Hkv, D, dtype=dtype, device="cuda", generator=g)
         vc = torch.randn(num_blocks, bs, Hkv, D, dtype=dtype, device="cuda", generator=g)
         k, v = gather(kc), gather(vc)
-        paged_calls.append(lambda kc=kc, vc=vc: ops.paged_attention(out, query, kc, vc, block_tables, seq_lens, scale))
+        paged_calls.append(lambda kc=kc, vc=vc: ops.paged_attention(out, query, kc, vc, block_tables, seq_lens,
+                                                                    query_start_loc, scale, 0))
         sdpa_calls.append(lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
 
     row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(args, batch, context), "copies": len(paged_calls)}

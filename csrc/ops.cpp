@@ -6,7 +6,8 @@
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
 //   slot_mapping:           [num_tokens] int64, slot = block_id * block_size + offset; < 0 = padding
 //   block_tables:           [num_seqs, max_blocks_per_seq] int32, logical block -> physical block
-//   seq_lens:               [num_seqs] int32, tokens of context each query attends over
+//   seq_lens:               [num_seqs] int32, context length of each sequence after this step
+//   query_start_loc:        [num_seqs + 1] int32, the sequences' first query rows (0 ... num_tokens)
 #include <Python.h>
 #include <torch/library.h>
 
@@ -15,11 +16,16 @@ TORCH_LIBRARY(pagedgen, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
-  // Decode attention: out/query [num_seqs, num_heads, head_size]; each query attends over the first
-  // seq_lens[i] tokens reached through block_tables[i]. num_heads % num_kv_heads == 0 (GQA).
+  // Varlen attention of prefill chunks and decode rows: out/query [num_tokens, num_heads, head_size].
+  // Rows query_start_loc[s] .. query_start_loc[s + 1] - 1 are the new tokens of sequence s, at
+  // positions seq_lens[s] - q_len .. seq_lens[s] - 1 (q_len = their count, their keys and values
+  // already in the cache); a row at position p attends over the positions <= p of its sequence,
+  // through block_tables[s], and with sliding_window > 0 only over (p - sliding_window, p]
+  // (transformers' Mistral/Qwen2 mask). A row at a negative position (seq_lens[s] < q_len, e.g. a
+  // padding sequence with seq_len 0) gets zeros. num_heads % num_kv_heads == 0 (GQA).
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> ()");
   // Copy whole blocks inside one layer's cache: block_mapping [num_pairs, 2] int64 (src, dst).
   m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()");
   // Copy whole blocks between two caches of the same shape on different devices (swap out / in):

@@ -8,29 +8,37 @@ import torch
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-architecture decoder (read from a Hugging Face config.json).
+    """What the engine needs to know of the model, read from a Hugging Face config.json.
+
+    The shape of the KV cache, the vocabulary, the context length and the dtype are the same kind of
+    field for every family; everything else about an architecture (norm epsilon, MLP width,
+    activation, biases, rotary details...) the family reads from the transformers config it is built
+    with (``pagedgen/model/``), whose classes document those fields.
 
     Attributes:
-        vocab_size, hidden_size, intermediate_size, num_layers: as in ``LlamaConfig``.
+        architecture: the Hugging Face architecture name (``LlamaForCausalLM``...).
+        vocab_size, hidden_size, num_layers: as in config.json.
         num_heads, num_kv_heads, head_dim: query heads, key/value heads (grouped-query attention),
             size of one head (any size, 8 included).
-        rms_norm_eps: epsilon of RMSNorm.
         max_position_embeddings: the model's context length (tokens).
         tie_word_embeddings: lm_head shares the input embedding matrix.
         dtype: torch dtype of weights, activations and the KV cache.
+        sliding_window: 0 when some layer attends over the whole sequence; else every layer attends
+            over at most this many most recent tokens (Mistral's ``sliding_window``), so blocks
+            that fall wholly out of it are no longer read.
     """
 
+    architecture: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: torch.dtype
+    sliding_window: int = 0
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes over all layers (keys and values)."""

@@ -26,7 +26,6 @@ from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Request, RequestProcessor
 from pagedgen.engine.sampler import Sampler
 from pagedgen.model import loader
-from pagedgen.model.llama import LlamaForCausalLM, rope_cos_sin
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
 from pagedgen.sampling_params import SamplingParams
@@ -43,7 +42,8 @@ ChatMessage = dict  # {"role": str, "content": str}
 
 
 class LLM:
-    """Loads a Hugging Face Llama checkpoint and generates completions for lists of prompts.
+    """Loads a Hugging Face checkpoint (an architecture of pagedgen.model.registry) and generates
+    completions for lists of prompts.
 
     ``generate``, ``chat`` and ``beam_search`` run a batch to the end; ``generate_stream`` pulls
     prompts lazily from any iterable and yields results as they finish; ``llm_engine`` is the
@@ -170,16 +170,11 @@ class LLM:
             )
         max_num_batched_tokens = max_num_batched_tokens or max(4096, max_num_seqs)
 
-        from transformers import AutoTokenizer
-
         tok_path = os.fspath(tokenizer) if tokenizer is not None else model
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.tokenizer = loader.load_tokenizer(tok_path)
         eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
-        weights = loader.load_safetensors(model, model_config.dtype)
-        cos, sin = rope_cos_sin(hf_config, model_config.head_dim, max_model_len)
-        self.model = LlamaForCausalLM(model_config, weights, cos, sin, device)
-        del weights
+        self.model = loader.load_model(model, hf_config, model_config, device)
 
         block_bytes = model_config.kv_bytes_per_token() * block_size
         sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
@@ -206,6 +201,7 @@ class LLM:
             preemption_mode=preemption_mode,
         )
         self.device = device
+        self.seed = seed  # the engine generator's seed, for requests without their own
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config

@@ -1,4 +1,7 @@
-"""benchmarks/throughput.py --dry-run: arguments, prompts and plan, no generation (a few seconds each)."""
+"""benchmarks/throughput.py: dry runs (plan only), the vLLM peer without its venv, a tiny pagedgen run,
+and the roofline and agreement arithmetic. No vLLM needed; a few seconds each."""
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -6,17 +9,38 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "throughput.py")
+BENCH = os.path.join(ROOT, "benchmarks")
+SCRIPT = os.path.join(BENCH, "throughput.py")
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")  # where the script looks (or .gpu_assets/)
 STORIES = os.path.join(SHARED, "models", "stories260K")
 GPT2_TOKENIZER = os.path.join(SHARED, "models", "gpt2-tokenizer")
 TINYSTORIES = os.path.join(SHARED, "data", "tinystories_valid_first1000", "tinystories_valid_first1000.jsonl")
+SHAREGPT = os.path.join(SHARED, "data", "sharegpt_prompts_mlenergy", "ShareGPT_V3_filtered_1000.json")
 
 
-def dry_run(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", *args], capture_output=True, text=True, env=env, timeout=120)
+def load(name: str):
+    """A benchmarks/ helper module, imported from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def need(*paths: str) -> None:
+    for path in paths:
+        if not os.path.exists(path):
+            pytest.skip(f"{path} not found")
+
+
+def run(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ if env is None else env, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def dry_run(*args: str, env: dict | None = None) -> str:
+    proc = run("--dry-run", *args, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
     assert "dry run: nothing generated" in proc.stdout
     return proc.stdout
 
@@ -24,23 +48,64 @@ def dry_run(*args: str) -> str:
 @pytest.mark.parametrize(
     "args, needs, expect",
     [
-        ((), (STORIES, TINYSTORIES), "workload tinystories: 1000 requests"),
+        ((), (STORIES, TINYSTORIES), "workload tinystories: 256 requests"),
         (("--model", "random-135m", "--num-prompts", "64"), (GPT2_TOKENIZER, TINYSTORIES), "random-135m (bfloat16, max_model_len 2048)"),
+        # the issue-9 ShareGPT workload: 128 first turns cut to 1,024 GPT-2 tokens, output lengths cut to 512
+        (("--model", "random-135m", "--workload", "sharegpt"), (GPT2_TOKENIZER, SHAREGPT), "total 24,437"),
     ],
-    ids=["stories260K", "random-135m"],
+    ids=["stories260K", "random-135m", "sharegpt"],
 )
 def test_dry_run(args, needs, expect):
-    for path in needs:
-        if not os.path.exists(path):
-            pytest.skip(f"{path} not found")
+    need(*needs)
     out = dry_run(*args)
     assert expect in out
     assert "max_tokens    min/mean/max" in out
+    assert "roofline: FLOPs = 2*W*(P + D) + 2*W_head*O" in out
+    assert "machine: " in out and "avx512_bf16" in out
+    if "sharegpt" in args:
+        assert "128 requests" in out and "total 52,729" in out
+
+
+def test_vllm_dry_run_without_venv_says_how_to_make_it(tmp_path):
+    need(STORIES, TINYSTORIES)
+    missing = str(tmp_path / "no-venv")
+    out = dry_run("--systems", "pagedgen,vllm", "--num-prompts", "8", "--vllm-venv", missing)
+    assert f"vLLM's virtual environment {missing} does not exist" in out
+    assert "bash benchmarks/setup_vllm.sh" in out
+
+
+def test_vllm_run_without_venv_is_a_clear_error(tmp_path):
+    need(GPT2_TOKENIZER, TINYSTORIES)
+    proc = run("--systems", "pagedgen,vllm", "--model", "random-135m", "--num-prompts", "2", "--vllm-venv", str(tmp_path / "none"))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "bash benchmarks/setup_vllm.sh" in proc.stderr
+    assert "run 1/1" not in proc.stdout  # nothing ran (and no model was built)
+
+
+def test_vllm_dry_run_with_venv_prints_the_command(tmp_path):
+    need(STORIES, TINYSTORIES)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    site = venv / "lib" / "python3.11" / "site-packages" / "vllm"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    # found through the environment variable that setup_vllm.sh reads too
+    out = dry_run("--systems", "vllm,pagedgen", "--num-prompts", "8", "--vllm-kv-cache-gib", "2",
+                  env=dict(os.environ, PAGEDGEN_VLLM_VENV=str(venv)))
+    assert "cannot run" not in out
+    line = next(l for l in out.splitlines() if l.strip().startswith("vllm:"))
+    assert "VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-" in line
+    assert f"{venv}/bin/python" in line and "vllm_runner.py" in line
+    assert "systems: vllm, pagedgen" in out
 
 
 def test_bad_systems_is_a_usage_error():
-    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--systems", "pagedgen,vllm"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--systems", "pagedgen,tgi"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--systems" in proc.stderr
+    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--systems", "vllm", "--device", "cuda"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "CPU backend" in proc.stderr
 
 
 def test_help_lists_device():
@@ -48,3 +113,66 @@ def test_help_lists_device():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--device" in proc.stdout
+
+
+def test_quick_run_pagedgen_row(tmp_path):
+    """A tiny real run: the pagedgen row with tokens/s, peak RSS and roofline share, and the JSON."""
+    need(STORIES, TINYSTORIES)
+    proc = run("--quick", "--systems", "pagedgen", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    row = next(l for l in proc.stdout.splitlines() if l.startswith("pagedgen ") and "GiB" in l)
+    assert "%" in row  # the roofline share
+    assert "roofline for this workload:" in proc.stdout and "torch.mm" in proc.stdout
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    s = data["summary"]
+    assert s["tokens_per_s"]["pagedgen"] > 0 and s["peak_rss_gib"]["pagedgen"] > 0.05 and s["roofline_share"]["pagedgen"] > 0
+    assert data["roofline"]["tokens_per_s"] > 0 and data["failed"] == {}
+    (result,) = data["runs"]["pagedgen"]
+    assert result["computed_tokens"] == data["workload"]["O"] and result["peak_rss_bytes"] > 0
+
+
+STORIES_CFG = dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                   intermediate_size=172, vocab_size=512)
+
+
+def test_roofline_arithmetic_on_a_known_shape():
+    roof = load("_roofline")
+    shapes = roof.gemm_shapes(STORIES_CFG)
+    assert [(s["names"], s["n"], s["k"], s["count"]) for s in shapes] == [
+        (["qkv_proj"], 128, 64, 5), (["o_proj"], 64, 64, 5), (["gate_up_proj"], 344, 64, 5), (["down_proj"], 64, 172, 5),
+        (["lm_head"], 512, 64, 1)]
+    w, w_head = roof.weights_per_row(shapes)
+    assert (w, w_head) == (226_560, 32_768)
+    assert w + w_head + (2 * 5 + 1) * 64 == 260_032  # stories260K's parameter count (tied embeddings, norms)
+    rows = roof.workload_rows([3, 5], [2, 4])
+    assert rows == dict(P=8, D=4, O=6)
+    assert roof.workload_flops(shapes, rows) == 2 * 226_560 * 12 + 2 * 32_768 * 6
+    # prefill GEMMs at 2 GFLOP/s (M = 8 rows), decode GEMMs and the lm_head at 1 GFLOP/s (M = 2 rows)
+    m_prefill, m_decode = roof.gemm_rows(max_num_seqs=256, num_requests=2, step_budget=4096, prompt_tokens=8)
+    assert (m_prefill, m_decode) == (8, 2)
+    flops = {(s["n"], s["k"], m_prefill): 2e9 for s in shapes} | {(s["n"], s["k"], m_decode): 1e9 for s in shapes}
+    seconds = 2 * 226_560 * 8 / 2e9 + 2 * 226_560 * 4 / 1e9 + 2 * 32_768 * 6 / 1e9
+    assert roof.roofline_tokens_per_s(shapes, rows, flops, m_prefill, m_decode) == pytest.approx(6 / seconds, rel=1e-12)
+
+
+def test_roofline_shapes_of_the_random_models():
+    roof, workload = load("_roofline"), load("_workload")
+    w, w_head = roof.weights_per_row(roof.gemm_shapes(workload.RANDOM_MODELS["random-135m"]))
+    assert w + w_head + 61 * 576 == 134_515_008  # SmolLM-135M (tied embeddings, 61 norms)
+    shapes = roof.gemm_shapes(workload.RANDOM_MODELS["random-1b"])
+    assert [(s["n"], s["k"]) for s in shapes] == [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048)]
+
+
+def test_agreement_and_first_divergence():
+    rep = load("_report")
+    agr = rep.agreement([[1, 2, 3], [4, 5, 6], [7, 8, 9], [1]], [[1, 2, 3], [4, 0, 6], [0, 8, 9], [1]])
+    assert agr == dict(identical=2, requests=4, first_divergence=[0, 1])
+    line = rep.describe_agreement("pagedgen", "vllm", agr)
+    assert "2/4 requests (50.0%)" in line and "min/median/max 0/0.5/1" in line
+    assert rep.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_fold_ids_keeps_lengths():
+    workload = load("_workload")
+    prompts, folded = workload.fold_ids([[1, 49152, 50256], [7]], 49152)
+    assert prompts == [[1, 0, 1104], [7]] and folded == 2

@@ -15,8 +15,9 @@ import subprocess
 import pytest
 import torch
 
+from attention_batches import attention_args
 from pagedgen.ops import reference
-from test_ops_cuda import TOL, paged_batch  # the same batch builder (NaN poisoning) as on the GPU
+from test_ops_cuda import TOL, decode_specs, paged_batch  # the same batch builder (NaN poisoning) as on the GPU
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = [os.path.join(ROOT, "tests", "cuda_emulation", f) for f in ("emulation.h", "attention_emu.cpp")] + [
@@ -53,8 +54,8 @@ def emulator():
     return ctypes.CDLL(lib)
 
 
-def emulated_paged_attention(emulator, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                             num_sms=H200_SMS):
+def emulated_paged_attention(emulator, out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                             scale, sliding_window=0, num_sms=H200_SMS):
     """paged_attention through the emulated kernels (CPU tensors); returns the plan taken as
     (partition_size, max_partitions, heads_per_block, fast kernel)."""
     plan = (ctypes.c_int * 4)()
@@ -62,25 +63,24 @@ def emulated_paged_attention(emulator, out, query, key_cache, value_cache, block
     i64 = ctypes.c_int64
     rc = emulator.emu_paged_attention(
         DTYPE_CODE[query.dtype], ptr(out), ptr(query), ptr(key_cache), ptr(value_cache), ptr(block_tables),
-        ptr(seq_lens), query.shape[0], query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1],
-        block_tables.shape[1], i64(query.stride(0)), i64(query.stride(1)), i64(out.stride(0)), i64(out.stride(1)),
-        i64(block_tables.stride(0)), ctypes.c_float(scale), num_sms, 1, plan)
+        ptr(seq_lens), ptr(query_start_loc), query.shape[0], block_tables.shape[0], query.shape[1], key_cache.shape[2],
+        query.shape[2], key_cache.shape[1], block_tables.shape[1], i64(query.stride(0)), i64(query.stride(1)),
+        i64(out.stride(0)), i64(out.stride(1)), i64(block_tables.stride(0)), ctypes.c_float(scale), sliding_window,
+        num_sms, 1, plan)
     assert rc == 0
     return tuple(plan)
 
 
-def check(emulator, query, kc, vc, bt, sl, *, num_sms=H200_SMS):
+def check(emulator, batch, *, window=0, num_sms=H200_SMS):
+    query = batch["query"]
     out = torch.full_like(query, float("nan"))
     scale = query.shape[-1] ** -0.5
-    plan = emulated_paged_attention(emulator, out, query, kc, vc, bt, sl, scale, num_sms)
+    args = attention_args(batch, out, scale, window)
+    plan = emulated_paged_attention(emulator, *args, num_sms=num_sms)
     expected = torch.empty(query.shape, dtype=torch.float32)
-    reference.paged_attention(expected, query, kc, vc, bt, sl, scale)
+    reference.paged_attention(*attention_args(batch, expected, scale, window))
     torch.testing.assert_close(out.float(), expected, atol=TOL[query.dtype], rtol=TOL[query.dtype])
     return plan
-
-
-def query(num_seqs, num_heads, head_size, dtype):
-    return torch.randn(num_seqs, num_heads, head_size, generator=torch.Generator().manual_seed(1)).to(dtype)
 
 
 CASES = {  # dtype, head_size, num_kv_heads, group, block_size, contexts, num_sms, expected (split, fast)
@@ -97,17 +97,30 @@ CASES = {  # dtype, head_size, num_kv_heads, group, block_size, contexts, num_sm
 @pytest.mark.parametrize("case", list(CASES))
 def test_emulated_paged_attention(emulator, case):
     dtype, head_size, num_kv_heads, group, block_size, contexts, num_sms, (split, fast) = CASES[case]
-    kc, vc, bt, sl = paged_batch(contexts, block_size, num_kv_heads, head_size, dtype, device="cpu")
-    plan = check(emulator, query(len(contexts), num_kv_heads * group, head_size, dtype), kc, vc, bt, sl, num_sms=num_sms)
+    batch = paged_batch(decode_specs(contexts), block_size, num_kv_heads, num_kv_heads * group, head_size, dtype,
+                        device="cpu")
+    plan = check(emulator, batch, num_sms=num_sms)
     assert (plan[0] > 0, bool(plan[3])) == (split, fast), plan
 
 
-def test_emulated_prefill_rows_strided_query(emulator):
-    # prefill rows of two prompts sharing their block tables; q a view of a fused qkv projection
-    kc, vc, bt, _ = paged_batch([150, 45], 16, 2, 64, torch.bfloat16, device="cpu")
-    rows = [(0, pos) for pos in range(150)] + [(1, pos) for pos in range(45)]
-    block_tables = bt[[p for p, _ in rows]]
-    seq_lens = torch.tensor([pos + 1 for _, pos in rows], dtype=torch.int32)
-    qkv = torch.randn(len(rows), (4 + 2 * 2) * 64).to(torch.bfloat16)
-    q = qkv[:, : 4 * 64].view(len(rows), 4, 64)
-    check(emulator, q, kc, vc, block_tables, seq_lens)
+@pytest.mark.parametrize("head_size", [64, 8])
+def test_emulated_varlen_strided_query(emulator, head_size):
+    # prompts, a chunk mid-block after a cached prefix, decode rows, an empty and a padding sequence;
+    # q a view of a fused qkv projection
+    specs = [(150, 150), (45, 20), (9, 1), (0, 0), (0, 1), (33, 1)]
+    batch = paged_batch(specs, 16, 2, 4, head_size, torch.bfloat16, device="cpu")
+    T = batch["query"].shape[0]
+    qkv = torch.randn(T, (4 + 2 * 2) * head_size).to(torch.bfloat16)
+    qkv[:, : 4 * head_size] = batch["query"].reshape(T, -1)
+    batch["query"] = qkv[:, : 4 * head_size].view(T, 4, head_size)
+    check(emulator, batch)
+
+
+@pytest.mark.parametrize("window, num_sms", [(7, 1), (100, H200_SMS), (300, H200_SMS)])
+@pytest.mark.parametrize("head_size", [128, 8])
+def test_emulated_sliding_window(emulator, window, num_sms, head_size):
+    # split-K with partitions wholly before the window (num_sms 132), single pass (1)
+    specs = [(700, 1), (260, 40), (30, 30), (1, 1)]
+    batch = paged_batch(specs, 16, 2, 4, head_size, torch.float32, window=window, device="cpu")
+    plan = check(emulator, batch, window=window, num_sms=num_sms)
+    assert (plan[0] > 0) == (num_sms > 1), plan

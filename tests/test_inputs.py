@@ -128,10 +128,10 @@ def test_unsupported_architecture(stories_path, tmp_path):
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    cfg["architectures"] = ["FalconForCausalLM"]
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ValueError, match="unsupported architecture.*GPTNeoXForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture.*FalconForCausalLM.*supported: LlamaForCausalLM"):
         LLM(path)
 
 

@@ -152,7 +152,7 @@ def test_model_args_map_onto_llm_arguments(stories_path):
     )
     llm = lm.llm
     assert (lm.max_length, llm.scheduler_config.max_model_len, llm.cache_config.block_size, llm.cache_config.num_blocks) == (96, 96, 8, 64)
-    assert (llm.scheduler_config.max_num_seqs, llm.cache_config.enable_prefix_caching, llm._seed, str(llm.device)) == (8, False, 3, "cpu")
+    assert (llm.scheduler_config.max_num_seqs, llm.cache_config.enable_prefix_caching, llm.seed, str(llm.device)) == (8, False, 3, "cpu")
     assert PagedGenLM(pretrained=llm, max_length=50).max_length == 50
     with pytest.raises(ValueError, match="exceeds the LLM's max_model_len=96"):
         PagedGenLM(pretrained=llm, max_length=200)

@@ -3,8 +3,10 @@
 missing CUDA build is a failure, not a skip.
 
 Poisoning makes the comparisons strict: outputs start as NaN (every element must be written), and
-every cache slot outside the attended contexts (padding in the last block, unused blocks, the block
-that unused block-table entries point to) holds NaN, so reading one poisons the result.
+every cache slot outside the attended spans (padding in the last block, positions before a sliding
+window, unused blocks, the block that unused block-table entries point to) holds NaN, so reading one
+poisons the result. Batches are varlen (tests/attention_batches.py): decode rows, prefill chunks,
+padding rows (seq_len 0, zeros) in one call.
 
 paged_attention picks split-K when fewer than 4 blocks per multiprocessor would run otherwise and
 the block table spans more than 256 tokens (csrc/cuda/attention_params.cuh, plan_attention): the
@@ -13,6 +15,7 @@ small batches below take the split-K path, the ``many_seqs`` and short-context c
 import pytest
 import torch
 
+from attention_batches import attention_args, varlen_batch
 from pagedgen import ops
 from pagedgen.ops import reference
 
@@ -35,51 +38,32 @@ def num_sms() -> int:
     return torch.cuda.get_device_properties(DEVICE).multi_processor_count
 
 
-def paged_batch(contexts, block_size, num_kv_heads, head_size, dtype, *, seed=0, extra_table=0, device=DEVICE):
-    """Caches and block tables holding random keys/values for `contexts` tokens per sequence.
-
-    Returns key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_size] (NaN outside
-    the contexts), block_tables [num_seqs, max_blocks] int32 (distinct random blocks; entries past a
-    context point to the all-NaN block 0), seq_lens [num_seqs] int32.
-    """
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-c // block_size) for c in contexts]
-    max_blocks = max(blocks_per_seq + [1]) + extra_table
-    num_blocks = sum(blocks_per_seq) + 1 + 3  # + the poison block 0 + unused ones
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
-    block_tables = torch.zeros(len(contexts), max_blocks, dtype=torch.int32)
-    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    for i, context in enumerate(contexts):
-        for b in range(blocks_per_seq[i]):
-            block = free.pop()
-            block_tables[i, b] = block
-            n = min(block_size, context - b * block_size)
-            key_cache[block, :n] = torch.randn(n, num_kv_heads, head_size, generator=g).to(dtype)
-            value_cache[block, :n] = torch.randn(n, num_kv_heads, head_size, generator=g).to(dtype)
-    seq_lens = torch.tensor(contexts, dtype=torch.int32)
-    return (t.to(device) for t in (key_cache, value_cache, block_tables, seq_lens))
+def paged_batch(specs, block_size, num_kv_heads, num_heads, head_size, dtype, *, window=0, seed=0, device=DEVICE):
+    """A varlen batch (attention_batches.varlen_batch) on `device`: specs [(seq_len, q_len), ...];
+    every slot the call must not read is NaN, unread block-table entries point to the all-NaN block 0."""
+    return varlen_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, window=window, seed=seed,
+                        unused=0, device=device)
 
 
-def check_attention(query, key_cache, value_cache, block_tables, seq_lens, *, out=None):
+def decode_specs(contexts):
+    """One decode row per context (a context of 0: a padding row at position -1, zeros)."""
+    return [(c, 1) for c in contexts]
+
+
+def check_attention(batch, *, window=0, out=None):
     """Runs the kernel into a NaN-filled `out` and compares it with the reference (float32)."""
+    query = batch["query"]
     scale = query.shape[-1] ** -0.5
     if out is None:
         out = torch.full_like(query, float("nan"))
     else:
         out.fill_(float("nan"))
-    OPS.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
-    expected = torch.empty(query.shape, dtype=torch.float32, device=DEVICE)
-    reference.paged_attention(expected, query, key_cache, value_cache, block_tables, seq_lens, scale)
+    OPS.paged_attention(*attention_args(batch, out, scale, window))
+    expected = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    reference.paged_attention(*attention_args(batch, expected, scale, window))
     tol = TOL[query.dtype]
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
-    assert (out[seq_lens.cpu() <= 0] == 0).all(), "empty contexts must give zeros"
-
-
-def random_query(num_seqs, num_heads, head_size, dtype, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_seqs, num_heads, head_size, generator=g).to(dtype).to(DEVICE)
+    return out
 
 
 # ---- paged_attention ---------------------------------------------------------------------------
@@ -90,58 +74,48 @@ def random_query(num_seqs, num_heads, head_size, dtype, seed=1):
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_paged_attention(dtype, head_size, group, block_size):
-    num_kv_heads = 2
     contexts = [0, 1, block_size - 1, block_size, block_size + 1, 100, 257, 515, 1000]  # split-K
-    kc, vc, bt, sl = paged_batch(contexts, block_size, num_kv_heads, head_size, dtype)
-    q = random_query(len(contexts), num_kv_heads * group, head_size, dtype)
-    check_attention(q, kc, vc, bt, sl)
+    check_attention(paged_batch(decode_specs(contexts), block_size, 2, 2 * group, head_size, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_size", [8, 96, 112, 128])
 def test_paged_attention_short_contexts_single_pass(dtype, head_size):
     contexts = [1, 2, 15, 16, 17, 200, 0, 255]  # table of 16 blocks x 16 = 256 tokens: single pass
-    kc, vc, bt, sl = paged_batch(contexts, 16, 4, head_size, dtype)
-    check_attention(random_query(len(contexts), 12, head_size, dtype), kc, vc, bt, sl)
+    check_attention(paged_batch(decode_specs(contexts), 16, 4, 12, head_size, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_size", [8, 128])
 def test_paged_attention_many_seqs_single_pass(dtype, head_size):
-    num_kv_heads = 2
     num_seqs = 2 * num_sms() + 1  # >= 4 blocks per multiprocessor: single pass over long contexts
     g = torch.Generator().manual_seed(2)
     contexts = torch.randint(1, 1001, (num_seqs,), generator=g).tolist()
     contexts[:3] = [0, 3000, 1]
-    kc, vc, bt, sl = paged_batch(contexts, 16, num_kv_heads, head_size, dtype)
-    check_attention(random_query(num_seqs, num_kv_heads * 4, head_size, dtype), kc, vc, bt, sl)
+    check_attention(paged_batch(decode_specs(contexts), 16, 2, 8, head_size, dtype))
 
 
 @pytest.mark.parametrize("context", [4096, 32768])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_paged_attention_long_context_batch_one(context, dtype):
-    kc, vc, bt, sl = paged_batch([context], 16, 8, 128, dtype)  # split into many partitions
-    check_attention(random_query(1, 32, 128, dtype), kc, vc, bt, sl)
+    check_attention(paged_batch([(context, 1)], 16, 8, 32, 128, dtype))  # split into many partitions
 
 
 @pytest.mark.parametrize("group", [3, 6, 12, 16])
 def test_paged_attention_group_sizes_beyond_powers_of_two(group):
-    contexts = [7, 300, 700]
-    kc, vc, bt, sl = paged_batch(contexts, 16, 2, 64, torch.bfloat16)
-    check_attention(random_query(len(contexts), 2 * group, 64, torch.bfloat16), kc, vc, bt, sl)
+    check_attention(paged_batch(decode_specs([7, 300, 700]), 16, 2, 2 * group, 64, torch.bfloat16))
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 12, 64])
 def test_paged_attention_other_block_sizes(block_size):
-    contexts = [1, 11, 130, 600]
-    kc, vc, bt, sl = paged_batch(contexts, block_size, 2, 128, torch.float16)
-    check_attention(random_query(len(contexts), 8, 128, torch.float16), kc, vc, bt, sl)
+    check_attention(paged_batch(decode_specs([1, 11, 130, 600]), block_size, 2, 8, 128, torch.float16))
 
 
 def test_paged_attention_wide_block_table():
     # a table far wider than the contexts (as an engine sized for max_model_len would pass)
-    kc, vc, bt, sl = paged_batch([1, 40, 333], 16, 2, 128, torch.bfloat16, extra_table=500)
-    check_attention(random_query(3, 8, 128, torch.bfloat16), kc, vc, bt, sl)
+    batch = paged_batch(decode_specs([1, 40, 333]), 16, 2, 8, 128, torch.bfloat16)
+    batch["block_tables"] = torch.cat([batch["block_tables"], torch.zeros(3, 500, dtype=torch.int32, device=DEVICE)], 1)
+    check_attention(batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -149,45 +123,54 @@ def test_paged_attention_wide_block_table():
 def test_paged_attention_strided_query_and_out(dtype, aligned):
     # q as a view of a fused qkv projection (llama.py), out a view of a wider buffer; with an
     # unaligned q (one element of offset) the generic kernel takes over from the fast one.
-    contexts = [5, 64, 700]
     num_heads, num_kv_heads, head_size = 8, 2, 128
-    kc, vc, bt, sl = paged_batch(contexts, 16, num_kv_heads, head_size, dtype)
+    batch = paged_batch([(5, 1), (64, 64), (700, 30)], 16, num_kv_heads, num_heads, head_size, dtype)
+    T = batch["query"].shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_size + (0 if aligned else 1)
-    qkv = torch.randn(len(contexts), width, dtype=dtype, device=DEVICE)
+    qkv = torch.randn(T, width, dtype=dtype, device=DEVICE)
     offset = 0 if aligned else 1
-    q = qkv[:, offset : offset + num_heads * head_size].view(len(contexts), num_heads, head_size)
-    wide = torch.full((len(contexts), num_heads, head_size + 16), 7.0, dtype=dtype, device=DEVICE)
-    out = wide[:, :, 8 : 8 + head_size]
-    check_attention(q, kc, vc, bt, sl, out=out)
+    batch["query"] = qkv[:, offset : offset + num_heads * head_size].view(T, num_heads, head_size)
+    wide = torch.full((T, num_heads, head_size + 16), 7.0, dtype=dtype, device=DEVICE)
+    check_attention(batch, out=wide[:, :, 8 : 8 + head_size])
     assert (wide[:, :, :8] == 7).all() and (wide[:, :, 8 + head_size :] == 7).all(), "wrote outside out"
 
 
 @pytest.mark.parametrize("head_size", [8, 128])
-def test_paged_attention_prefill_rows(head_size):
-    # the engine's prefill: one row per prompt token, seq_len = position + 1, rows of a prompt share
-    # its block table (two prompts of 700 and 333 tokens)
-    block_size, num_kv_heads, dtype = 16, 2, torch.bfloat16
-    kc, vc, bt, _ = paged_batch([700, 333], block_size, num_kv_heads, head_size, dtype)
-    rows = [(0, pos) for pos in range(700)] + [(1, pos) for pos in range(333)]
-    block_tables = bt[[p for p, _ in rows]]
-    seq_lens = torch.tensor([pos + 1 for _, pos in rows], dtype=torch.int32, device=DEVICE)
-    check_attention(random_query(len(rows), 4 * num_kv_heads, head_size, dtype), kc, vc, block_tables, seq_lens)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_attention_varlen_prefill_and_decode(head_size, dtype):
+    # the engine's step: whole prompts, a chunk mid-block after a cached prefix, decode rows, an empty
+    # sequence and padding rows (seq_len 0: zeros)
+    specs = [(700, 700), (333, 100), (17, 1), (0, 0), (1000, 1), (0, 1), (45, 45)]
+    out = check_attention(paged_batch(specs, 16, 2, 8, head_size, dtype))
+    assert (out[700 + 100 + 1 + 1] == 0).all(), "a padding row must give zeros"
+
+
+@pytest.mark.parametrize("window", [1, 16, 100, 4096])
+@pytest.mark.parametrize("head_size", [8, 64, 128])
+def test_paged_attention_sliding_window(window, head_size):
+    # blocks wholly before a window hold NaN and table entries of the NaN block: never read
+    specs = [(300, 300), (5000, 1), (2000, 77), (50, 1), (9, 9)]
+    check_attention(paged_batch(specs, 16, 2, 8, head_size, torch.bfloat16, window=window), window=window)
 
 
 def test_paged_attention_rejects_bad_arguments():
-    kc, vc, bt, sl = paged_batch([5, 9], 16, 2, 64, torch.float16)
-    q = random_query(2, 4, 64, torch.float16)
-    out = torch.empty_like(q)
+    batch = paged_batch(decode_specs([5, 9]), 16, 2, 4, 64, torch.float16)
+    out = torch.empty_like(batch["query"])
+    args = attention_args(batch, out, 0.1)
     with pytest.raises(RuntimeError, match="int32"):
-        OPS.paged_attention(out, q, kc, vc, bt.long(), sl, 0.1)
+        OPS.paged_attention(*args[:4], args[4].long(), *args[5:])
     with pytest.raises(RuntimeError, match="dtype"):
-        OPS.paged_attention(out.float(), q, kc, vc, bt, sl, 0.1)
+        OPS.paged_attention(out.float(), *args[1:])
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
-        OPS.paged_attention(out[:, :3], q[:, :3], kc, vc, bt, sl, 0.1)
+        OPS.paged_attention(out[:, :3], args[1][:, :3], *args[2:])
     with pytest.raises(RuntimeError, match="head_size"):
-        OPS.paged_attention(out[..., :32], q[..., :32], kc, vc, bt, sl, 0.1)
+        OPS.paged_attention(out[..., :32], args[1][..., :32], *args[2:])
     with pytest.raises(RuntimeError, match="must be on"):
-        OPS.paged_attention(out, q, kc, vc, bt, sl.cpu(), 0.1)
+        OPS.paged_attention(*args[:5], args[5].cpu(), *args[6:])
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        OPS.paged_attention(*args[:6], args[6][:-1], *args[7:])
+    with pytest.raises(RuntimeError, match="sliding_window"):
+        OPS.paged_attention(*args[:8], -1)
 
 
 # ---- reshape_and_cache ---------------------------------------------------------------------------
@@ -293,14 +276,15 @@ def test_swap_blocks_through_wrapper_and_checks():
 
 
 def _opcheck_cases():
-    kc, vc, bt, sl = paged_batch([3, 40, 300], 16, 2, 64, torch.float16)
-    kc, vc = torch.nan_to_num(kc), torch.nan_to_num(vc)  # opcheck compares runs: no NaN
-    q = random_query(3, 4, 64, torch.float16)
+    batch = paged_batch([(3, 1), (40, 40), (300, 7)], 16, 2, 4, 64, torch.float16)
+    kc, vc = torch.nan_to_num(batch["key_cache"]), torch.nan_to_num(batch["value_cache"])  # opcheck compares runs: no NaN
+    batch.update(key_cache=kc, value_cache=vc)
+    q = batch["query"]
     key = torch.randn(5, 2, 64, dtype=torch.float16, device=DEVICE)
     slots = torch.tensor([0, 17, -1, 40, 3], device=DEVICE)
     mapping = torch.tensor([[1, 5], [2, 6]])
     return {
-        "paged_attention": (torch.empty_like(q), q, kc, vc, bt, sl, 0.125),
+        "paged_attention": attention_args(batch, torch.empty_like(q), 0.125, 20),
         "reshape_and_cache": (key, key.clone(), kc.clone(), vc.clone(), slots),
         "copy_blocks": (kc.clone(), vc.clone(), mapping),
         "swap_blocks_out": (kc, torch.zeros(kc.shape, dtype=kc.dtype).pin_memory(), mapping),

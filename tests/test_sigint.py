@@ -14,6 +14,10 @@ torch.set_num_threads(1)
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams
 
+# A process started in the background by a shell without job control inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: install it, as an interactive session has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 prompts = [p + " " + p for p in story_openings(8, seed=6)]
 params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
           SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=24, ignore_eos=True, logprobs=1)] * 4

@@ -1,354 +1,99 @@
 // CPU kernel of pagedgen::paged_attention (schema in csrc/ops.cpp, oracle in
-// pagedgen/ops/reference.py): decode attention of one query row per sequence over its paged KV cache.
+// pagedgen/ops/reference.py): varlen attention of prefill chunks and decode rows over the paged KV
+// cache, in one call.
 //
-// The engine also runs prefill through this kernel, one row per prompt token (seq_len = position + 1,
-// the sequence's block table repeated), so a call may hold thousands of short rows as well as a few
-// rows with 32k-token contexts. Hence:
-//   * Work item = (row, kv_head). All query heads of one GQA group are handled together, so each K/V
-//     row is read (and converted to float) once per group, not once per query head.
-//   * Head sizes 8 and 16 with AVX-512 (attend_small, attention_small_heads.h): work item = (row, all
-//     KV heads), or the KV heads of one 16-float column tile when there are few rows. Scores come from
-//     16 x 16 in-register transposes of K, 16 tokens per multiply-add, since at these sizes a dot
-//     product per (token, head) costs more in horizontal sums than in arithmetic (2-2.5x faster on
-//     the default model's decode, see docs/benchmarks.md).
-//   * OpenMP `for` with dynamic scheduling over the items: row costs differ widely (prefill rows grow
+// A call holds S sequences; rows query_start_loc[s] .. query_start_loc[s + 1] - 1 of query are the new
+// tokens of sequence s, at positions seq_lens[s] - q_len .. seq_lens[s] - 1, and each row attends over
+// the cached tokens at positions <= its own (and > position - sliding_window with a window), read
+// through block_tables[s]. So a call may hold thousands of prompt rows as well as many decode rows
+// with 32k-token contexts. Hence:
+//   * Work item = (block of consecutive rows of one sequence, KV head or group of KV heads): one row
+//     for a decode sequence, up to R rows of a prompt chunk (tiled prefill: the rows share each K/V
+//     tile they read, attention_general.h / attention_small.h). All query heads of a GQA group are
+//     handled together, so each K/V row is read (and converted to float) once per group and block.
+//   * Two paths: head sizes 8 and 16 with AVX-512 take the small-head path (attention_small.h: 16 x 16
+//     in-register K transposes, 256-token softmax tiles); every other head size the general path
+//     (attention_general.h: 32-token tiles). PAGEDGEN_CPU_ATTENTION=general forces the general path.
+//   * Batch invariance (issue 13): a row's result is a function of its query, its position, its
+//     context and the window only. Tiles are aligned to absolute positions, and every per-row loop
+//     computes each value by the same operations whatever the rows around it (attention_math.h), so
+//     prefill in one chunk, in chunks of any size and token-by-token decode give the same bits, as do
+//     one or two threads and any mix of other sequences in the call.
+//   * OpenMP `for` with dynamic scheduling over the items: item costs differ widely (prefill rows grow
 //     with their position), and a static split would leave one core idle. Chunks are runs of
-//     consecutive items, so neighbouring prefill rows of a sequence re-read the same blocks from cache.
-//     The team has at most one thread per kMinWorkPerThread multiply-adds: small calls run inline.
-//   * Online softmax (Milakov & Gimelshein 2018, as in FlashAttention) over tiles of kTile tokens: the
-//     scratch per thread is O(group * head_size + kTile * head_size) floats whatever the context
-//     length, allocated once per call before the parallel region. No allocation, no ATen call per item.
-//   * float32 accumulation and softmax whatever the cache dtype; bf16/fp16 rows are converted to float
-//     once per row into the thread's scratch, fp32 rows are read in place.
-//   * Head sizes 8/16/32/64/128/256 are template constants, with the inner loops (attention_math.h)
-//     held in registers; any other head size runs plain loops with run-time bounds.
-//   * Blocks are scattered over the cache, so while one block is processed the rows of the next one
-//     are prefetched (the hardware prefetcher cannot guess them).
+//     consecutive items, so neighbouring items of a sequence re-read the same blocks from cache. The
+//     team has at most one thread per kMinWorkPerThread multiply-adds: small calls run inline.
+//   * Online softmax (Milakov & Gimelshein 2018, as in FlashAttention): per-thread scratch is
+//     O(rows * heads * (head_size + tile)) floats whatever the context length, a buffer per thread
+//     kept across calls. No allocation, no ATen call per item.
+//   * float32 accumulation and softmax whatever the cache dtype.
 //
 // Strides: query and out are read/written through all three of their strides (they may be views of a
-// larger qkv or output tensor; no copy is made), block_tables through both of its strides (a row may
-// be an expand()ed copy of a sequence's table). key_cache and value_cache must be contiguous.
+// larger qkv or output tensor; no copy is made), block_tables through both of its strides.
+// key_cache and value_cache must be contiguous.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
 
+#include "attention_common.h"
+#include "attention_general.h"
 #include "attention_math.h"
-#include "attention_small_heads.h"
+#include "attention_small.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace pagedgen::cpu {
 namespace {
 
-// Sizes, raw pointers and strides (in elements) shared by all threads.
-template <typename scalar_t>
-struct Params {
-  scalar_t* out;              // out: [num_seqs, num_heads, head_size], strides out_s*
-  const scalar_t* query;      // query: [num_seqs, num_heads, head_size], strides q_s*
-  const scalar_t* key_cache;  // key_cache: [num_blocks, block_size, num_kv_heads, head_size], contiguous
-  const scalar_t* value_cache;  // value_cache: same shape as key_cache, contiguous
-  const int32_t* block_tables;  // block_tables: [num_seqs, max_blocks], strides bt_s*
-  const int32_t* seq_lens;      // seq_lens: [num_seqs], contiguous
-  int64_t out_s0, out_s1, out_s2, q_s0, q_s1, q_s2, bt_s0, bt_s1;
-  int64_t num_seqs, num_heads, num_kv_heads, head_size, group, block_size, num_blocks;
-  float scale;
-};
+// Query heads (rows x group) of one prefill item, at most: R = max(1, kItemHeads / group) rows, at
+// most kMaxItemRows (each K/V tile is converted once for those R x group (row, head) pairs; measured
+// on 1,024-token prompts, head sizes 64 and 128, more rows per item pay up to about 64 pairs). The
+// small-head path's items hold all KV heads of a row: kSmallItemHeads query heads per item.
+constexpr int64_t kItemHeads = 64;
+constexpr int64_t kMaxItemRows = 32;
+constexpr int64_t kSmallItemHeads = 32;
 
-// Asks the caches for the lines of [p, p + bytes); Locality as __builtin_prefetch's (3: all levels,
-// 2: L2 and beyond).
-template <int Locality = 3>
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
-  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(line), 0, Locality);
-  }
-}
-
-// Asks the caches for one K row and one V row of `head_size` elements.
-template <typename scalar_t>
-inline void prefetch_row(const scalar_t* k, const scalar_t* v, int head_size) {
-  prefetch_lines(k, head_size * static_cast<int64_t>(sizeof(scalar_t)));
-  prefetch_lines(v, head_size * static_cast<int64_t>(sizeof(scalar_t)));
-}
-
-// Floats of per-thread scratch (padded to whole 64-byte lines so that threads never share a line).
-inline int64_t scratch_floats(int64_t group, int64_t head_size) {
-  const int64_t n = 2 * group * head_size + group * kTile + 2 * group + 3 * kTile * head_size;
-  return (n + 15) / 16 * 16;
-}
-
-// Walks one sequence's block table a tile at a time: the slot (block * block_size + offset) of each
-// token. Blocks are scattered over the cache, where no hardware prefetcher looks, so while the tokens
-// of one block are handed out, the same rows of the next block are requested (`prefetch(slot)`, one
-// per token: all at once would stall on the line-fill buffers).
-struct BlockWalker {
-  const int32_t* table;  // block_tables[seq, :], stride bt_s1
-  int64_t bt_s1, block_size, num_blocks, seq_len;
-  int64_t logical = 0, offset = 0, base = 0, next_base = -1;  // base: first slot of the current block
-
-  // Slots of the next n tokens into slots[0:n]. False if the table names a block outside the cache.
-  template <typename Prefetch>
-  bool next(int n, int64_t* slots, Prefetch&& prefetch) {
-    for (int j = 0; j < n; ++j) {
-      if (offset == 0) {
-        const int64_t block = table[logical * bt_s1];
-        if (block < 0 || block >= num_blocks) return false;
-        base = block * block_size;
-        next_base = -1;
-        if ((logical + 1) * block_size < seq_len) {
-          const int64_t next_block = table[(logical + 1) * bt_s1];
-          if (next_block >= 0 && next_block < num_blocks) next_base = next_block * block_size;
-        }
-      }
-      if (next_base >= 0) prefetch(next_base + offset);
-      slots[j] = base + offset;
-      if (++offset == block_size) {
-        offset = 0;
-        ++logical;
-      }
-    }
-    return true;
-  }
-};
-
-template <typename scalar_t>
-BlockWalker walker_of(const Params<scalar_t>& p, int64_t seq, int64_t seq_len) {
-  return BlockWalker{p.block_tables + seq * p.bt_s0, p.bt_s1, p.block_size, p.num_blocks, seq_len};
-}
-
-// Scaled query of heads [h0, h0 + heads) of row seq into q: [heads, D] float; running max -inf, sum 0.
-template <typename scalar_t>
-void load_query(const Params<scalar_t>& p, int64_t seq, int64_t h0, int heads, int D, float* q, float* m, float* l) {
-  const scalar_t* query = p.query + seq * p.q_s0 + h0 * p.q_s1;
-  for (int h = 0; h < heads; ++h) {
-    for (int d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(query[h * p.q_s1 + d * p.q_s2]) * p.scale;
-    m[h] = -std::numeric_limits<float>::infinity();
-    l[h] = 0.0f;
-  }
-}
-
-// out[seq, h0 + h] = acc[h] / l[h] for the item's heads (zeros when `valid` is false).
-template <typename scalar_t>
-void store_output(const Params<scalar_t>& p, int64_t seq, int64_t h0, int heads, int D, const float* acc,
-                  const float* l, bool valid) {
-  scalar_t* out = p.out + seq * p.out_s0 + h0 * p.out_s1;
-  for (int h = 0; h < heads; ++h) {
-    const float inv = valid ? 1.0f / l[h] : 0.0f;
-    for (int d = 0; d < D; ++d) {
-      out[h * p.out_s1 + d * p.out_s2] = static_cast<scalar_t>(valid ? acc[h * D + d] * inv : 0.0f);
+// The call's rows cut into blocks of at most max_rows rows of one sequence each (rows at a negative
+// position, whose sequence has fewer context tokens than new ones, are left out: the caller zeroes
+// them).
+std::vector<RowBlock> row_blocks(const int32_t* qsl, const int32_t* lens, int64_t num_seqs, int64_t max_rows) {
+  std::vector<RowBlock> blocks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    const int64_t first_pos = static_cast<int64_t>(lens[s]) - q_len;
+    const int64_t skip = std::clamp<int64_t>(-first_pos, 0, q_len);  // rows at negative positions
+    for (int64_t i = skip; i < q_len; i += max_rows) {
+      blocks.push_back(RowBlock{s, qsl[s] + i, first_pos + i, static_cast<int>(std::min(max_rows, q_len - i))});
     }
   }
+  return blocks;
 }
 
-// Attention of query row `seq` for the `group` query heads that share KV head `kv_head`.
-// Returns false (having written zeros) if the block table names a block outside the cache.
-template <typename scalar_t, int kHeadSize>
-bool attend_one(const Params<scalar_t>& p, int64_t seq, int64_t kv_head, float* scratch) {
-  const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(p.head_size);
-  const int G = static_cast<int>(p.group);
-  float* q = scratch;         // [G, D] scaled query
-  float* acc = q + G * D;     // [G, D] un-normalised output
-  float* sc = acc + G * D;    // [G, kTile] scores, then probabilities, of the current tile
-  float* m = sc + G * kTile;  // [G] running max of the scores
-  float* l = m + G;           // [G] running sum of exp(score - m)
-  float* kbuf = l + G;        // [kTile, D] the tile's K rows as float (unused for fp32)
-  float* vbuf = kbuf + kTile * D;  // [kTile, D] the tile's V rows as float (unused for fp32)
-  float* kt = vbuf + kTile * D;    // [D, kTile] the tile's K rows transposed (small heads only)
-  const float* krows[kTile];  // the tile's K rows as float (in the cache for fp32, else in kbuf)
-  const float* vrows[kTile];
-  int64_t slots[kTile];
-
-  const int64_t seq_len = p.seq_lens[seq];
-  bool ok = true;
-  if (seq_len > 0) {
-    load_query(p, seq, kv_head * G, G, D, q, m, l);
-    std::fill(acc, acc + G * D, 0.0f);
-    const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens in a block
-    const int64_t col = kv_head * D;                // this KV head's first element in a token's row
-    auto prefetch = [&](int64_t slot) {
-      prefetch_row(p.key_cache + slot * row_stride + col, p.value_cache + slot * row_stride + col, D);
-    };
-    BlockWalker walk = walker_of(p, seq, seq_len);
-    for (int64_t t0 = 0; t0 < seq_len && ok; t0 += kTile) {
-      const int n = static_cast<int>(std::min<int64_t>(kTile, seq_len - t0));
-      ok = walk.next(n, slots, prefetch);  // the tile's K/V rows for this KV head
-      if (!ok) break;
-      for (int j = 0; j < n; ++j) {
-        const int64_t row = slots[j] * row_stride + col;
-        krows[j] = row_as_float(p.key_cache + row, kbuf + j * D, D);
-        vrows[j] = row_as_float(p.value_cache + row, vbuf + j * D, D);
-      }
-      if constexpr (kHeadSize > 0) {
-        score_tile<kHeadSize>(q, G, krows, n, kt, sc);  // sc[h, j] = scale * q[h] . k[j]
-      } else {
-        score_tile_runtime(q, G, D, krows, n, sc);
-      }
-      for (int h = 0; h < G; ++h) {
-        float* sh = sc + h * kTile;
-        const float alpha = softmax_tile(sh, n, m[h], l[h]);  // sh: scores -> weights
-        float* ah = acc + h * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) ah[d] *= alpha;
-        if constexpr (kHeadSize > 0) {  // acc[h] += sum_j w[h, j] * v[j]
-          accumulate_tile<kHeadSize>(ah, sh, vrows, n);
-        } else {
-          accumulate_tile_runtime(ah, D, sh, vrows, n);
-        }
-      }
-    }
-  }
-  store_output(p, seq, kv_head * G, G, D, acc, l, seq_len > 0 && ok);  // seq_len 0 or a bad block -> zeros
-  return ok;
+// This thread's scratch buffer of at least n floats, kept across calls (one per thread of the team).
+float* thread_scratch(int64_t n) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+  return scratch.data();
 }
-
-#if defined(__AVX512F__)
-// Small heads (kD = 8 or 16, see attention_small_heads.h): attention of query row `seq` for all query
-// heads of KV heads [kv_begin, kv_end) at once. Scores come from 16 x 16 register transposes of the
-// K rows of those heads (each K element is loaded once, however many heads share it); softmax is
-// attend_one's, per query head, and the V accumulation runs per KV head for all the query heads that
-// share it. Online-softmax steps are tiles of kSmallTile tokens: with 8-16 multiply-adds per token and
-// head, the per-tile bookkeeping (a horizontal max and sum, a rescale) would cost as much as the tile
-// itself at attend_one's kTile.
-constexpr int kSmallTile = 256;     // tokens per online-softmax step
-constexpr int kPrefetchAhead = 2;   // K rows are requested this many 16-token sub-tiles ahead
-alignas(64) constexpr float kZeroRow[small_heads::kColumns] = {};  // stands in for rows past the last token
-
-// Element offset, in a cache, of token j's row of the item (its first KV head), j within a tile.
-struct RunRows {  // block_size a multiple of 16: every 16-token run of a tile lies in one block
-  const int64_t* base;  // [runs] offset of each run's first row
-  int64_t stride;       // elements between consecutive tokens of a block
-  int64_t operator()(int j) const { return base[j >> 4] + (j & 15) * stride; }
-};
-struct SlotRows {  // any block size: one slot per token
-  const int64_t* slots;
-  int64_t stride, col;
-  int64_t operator()(int j) const { return slots[j] * stride + col; }
-};
-
-// One tile of n tokens of attend_small: scores, online softmax, V accumulation. `rows` locates them.
-template <typename scalar_t, int kD, typename Rows>
-void small_tile(const Params<scalar_t>& p, const Rows& rows, int n, int heads, int width, const float* q,
-                float* acc, float* sc, float* m, float* l, float* vbuf) {
-  namespace sh = small_heads;
-  const int G = static_cast<int>(p.group);
-  const int64_t row_bytes = width * sizeof(scalar_t);
-  const scalar_t* krow[sh::kTokens];  // the current 16 tokens' K rows
-  const float* vrow[kSmallTile];      // the tile's V rows as float
-  for (int j = 0; j < n; ++j) {
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      vrow[j] = p.value_cache + rows(j);
-    } else {
-      vrow[j] = vbuf + j * width;
-    }
-  }
-  // sc[h, j] = scale * q[h] . k[j], 16 tokens by 16 columns (one or two KV heads) at a time
-  for (int sub = 0; sub < n; sub += sh::kTokens) {
-    const int ns = std::min(sh::kTokens, n - sub);
-    // K rows of a later sub-tile into L1; this sub-tile's V rows (read after the tile's softmax) into L2
-    const int ahead = sub + kPrefetchAhead * sh::kTokens;
-    for (int j = ahead; j < std::min(n, ahead + sh::kTokens); ++j) prefetch_lines(p.key_cache + rows(j), row_bytes);
-    for (int j = sub; j < sub + ns; ++j) prefetch_lines<2>(p.value_cache + rows(j), row_bytes);
-    for (int j = 0; j < ns; ++j) krow[j] = p.key_cache + rows(sub + j);
-    const scalar_t* zero_row = reinterpret_cast<const scalar_t*>(kZeroRow);
-    for (int c0 = 0; c0 < width; c0 += sh::kColumns) {
-      const int h0 = c0 / kD * G;  // first query head of the column tile
-      sh::score_column_tile<kD>([&](int j) { return j < ns ? krow[j] + c0 : zero_row; },
-                                std::min(sh::kColumns, width - c0), q + h0 * kD, G, sc + h0 * kSmallTile + sub,
-                                kSmallTile);
-    }
-  }
-  for (int h = 0; h < heads; ++h) {
-    const float alpha = softmax_tile(sc + h * kSmallTile, n, m[h], l[h]);  // scores -> weights
-    float* ah = acc + h * kD;
-#pragma omp simd
-    for (int d = 0; d < kD; ++d) ah[d] *= alpha;
-  }
-  if constexpr (!std::is_same_v<scalar_t, float>) {
-    for (int j = 0; j < n; ++j) to_float(p.value_cache + rows(j), vbuf + j * width, width);
-  }
-  for (int k = 0; k < heads / G; ++k) {  // acc[h] += sum_j w[h, j] * v[j, KV head of h]
-    const auto row = [&](int j) { return vrow[j] + k * kD; };
-    float* ak = acc + k * G * kD;
-    const float* wk = sc + k * G * kSmallTile;
-    switch (G) {
-      case 1: accumulate_group<kD, 1>(ak, wk, kSmallTile, row, n); break;
-      case 2: accumulate_group<kD, 2>(ak, wk, kSmallTile, row, n); break;
-      case 4: accumulate_group<kD, 4>(ak, wk, kSmallTile, row, n); break;
-      case 8: accumulate_group<kD, 8>(ak, wk, kSmallTile, row, n); break;
-      default:
-        for (int g = 0; g < G; ++g) accumulate_group<kD, 1>(ak + g * kD, wk + g * kSmallTile, kSmallTile, row, n);
-    }
-  }
-}
-
-template <typename scalar_t, int kD>
-bool attend_small(const Params<scalar_t>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, float* scratch) {
-  const int G = static_cast<int>(p.group);
-  const int heads = static_cast<int>(kv_end - kv_begin) * G;   // query heads of this item
-  const int width = static_cast<int>(kv_end - kv_begin) * kD;  // elements of a token row for them
-  float* q = scratch;                  // [heads, kD] scaled query
-  float* acc = q + heads * kD;         // [heads, kD] un-normalised output
-  float* sc = acc + heads * kD;        // [heads, kSmallTile] scores, then weights, of the current tile
-  float* m = sc + heads * kSmallTile;  // [heads] running max of the scores
-  float* l = m + heads;                // [heads] running sum of exp(score - m)
-  float* vbuf = l + heads;             // [kSmallTile, width] the tile's V rows as float (not for fp32)
-  int64_t slots[kSmallTile];           // token slots (or, with RunRows, 16-token run offsets)
-
-  const int64_t seq_len = p.seq_lens[seq];
-  bool ok = true;
-  if (seq_len > 0) {
-    load_query(p, seq, kv_begin * G, heads, kD, q, m, l);
-    std::fill(acc, acc + heads * kD, 0.0f);
-    const int64_t row_stride = p.num_kv_heads * kD;
-    const int64_t col = kv_begin * kD;
-    const int32_t* table = p.block_tables + seq * p.bt_s0;
-    BlockWalker walk = walker_of(p, seq, seq_len);
-    for (int64_t t0 = 0; t0 < seq_len && ok; t0 += kSmallTile) {
-      const int n = static_cast<int>(std::min<int64_t>(kSmallTile, seq_len - t0));
-      if (p.block_size % small_heads::kTokens == 0) {
-        for (int r = 0; r * small_heads::kTokens < n; ++r) {
-          const int64_t token = t0 + r * small_heads::kTokens;
-          const int64_t block = table[token / p.block_size * p.bt_s1];
-          if (block < 0 || block >= p.num_blocks) {
-            ok = false;
-            break;
-          }
-          slots[r] = (block * p.block_size + token % p.block_size) * row_stride + col;
-        }
-        if (ok) small_tile<scalar_t, kD>(p, RunRows{slots, row_stride}, n, heads, width, q, acc, sc, m, l, vbuf);
-      } else {
-        ok = walk.next(n, slots, [](int64_t) {});
-        if (ok) small_tile<scalar_t, kD>(p, SlotRows{slots, row_stride, col}, n, heads, width, q, acc, sc, m, l, vbuf);
-      }
-    }
-  }
-  store_output(p, seq, kv_begin * G, heads, kD, acc, l, seq_len > 0 && ok);
-  return ok;
-}
-#endif
 
 // Runs body(item, scratch) for items [0, num_items) on the OpenMP team: at most one thread per
 // kMinWorkPerThread multiply-adds (a small call is done before a team of threads would have woken up,
 // and on a loaded machine waiting for a second core costs far more), dynamic chunks of consecutive
-// items. Throws if any item reported a block outside the cache.
+// items. Each thread's scratch is a buffer kept across calls. Throws if any item reported a block
+// outside the cache.
 template <typename Body>
-void run_items(int64_t num_items, int num_threads, int64_t scratch_per_thread, int64_t num_blocks,
-               const Body& body) {
+void run_items(int64_t num_items, int num_threads, int64_t scratch_floats, int64_t num_blocks, const Body& body) {
   const int64_t chunk = std::max<int64_t>(1, num_items / (num_threads * 16));
-  std::vector<float> scratch(scratch_per_thread * num_threads);
   std::atomic<int64_t> bad_item{-1};
 #pragma omp parallel num_threads(num_threads)
   {
-    float* my_scratch = scratch.data() + omp_get_thread_num() * scratch_per_thread;
+    float* my_scratch = thread_scratch(scratch_floats);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < num_items; ++item) {
       if (!body(item, my_scratch)) bad_item.store(item);
@@ -366,7 +111,7 @@ inline bool general_path_forced() {
 }
 
 template <typename scalar_t, int kHeadSize>
-void attend_all(const Params<scalar_t>& p, int64_t work) {
+void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* lens, int64_t num_seqs, int64_t work) {
   constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
   const auto threads_for = [&](int64_t num_items) {
     return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(work / kMinWorkPerThread, num_items), 1,
@@ -375,55 +120,77 @@ void attend_all(const Params<scalar_t>& p, int64_t work) {
 #if defined(__AVX512F__)
   if constexpr (kHeadSize == 8 || kHeadSize == 16) {
     if (!general_path_forced()) {
-      // One item per row and group of KV heads: all KV heads of the row, unless there are too few rows
-      // to share out, then the KV heads of one column tile (16 floats of a token row).
+      // One item per row block and group of KV heads: all KV heads of the rows, unless there are too
+      // few blocks to share out, then the KV heads of one column tile (16 floats of a token row).
       const int64_t tile_heads = small_heads::kColumns / kHeadSize;
-      const int64_t per_item =
-          p.num_seqs >= 8 * threads_for(p.num_seqs) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
+      const int64_t max_rows = std::clamp<int64_t>(kSmallItemHeads / (p.num_kv_heads * p.group), 1, kMaxItemRows);
+      const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);
+      const int64_t nb = static_cast<int64_t>(blocks.size());
+      const int64_t per_item = nb >= 8 * threads_for(nb) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
       const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
-      const int64_t heads = per_item * p.group, width = per_item * kHeadSize;
-      const int64_t scratch = (2 * heads * kHeadSize + heads * kSmallTile + 2 * heads + kSmallTile * width + 15) / 16 * 16;
-      run_items(p.num_seqs * chunks, threads_for(p.num_seqs * chunks), scratch, p.num_blocks,
-                [&](int64_t item, float* s) {
-                  const int64_t seq = item / chunks, kv_begin = item % chunks * per_item;
-                  return attend_small<scalar_t, kHeadSize>(p, seq, kv_begin, std::min(kv_begin + per_item, p.num_kv_heads), s);
-                });
+      const int64_t scratch = small_scratch_floats(max_rows, per_item * p.group, per_item * kHeadSize, kHeadSize);
+      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks, [&](int64_t item, float* s) {
+        const int64_t kv_begin = item % chunks * per_item;
+        return attend_small_rows<scalar_t, kHeadSize>(p, blocks[item / chunks], kv_begin,
+                                                      std::min(kv_begin + per_item, p.num_kv_heads), s);
+      });
       return;
     }
   }
 #endif
-  const int64_t num_items = p.num_seqs * p.num_kv_heads;  // item = seq * num_kv_heads + kv_head
-  run_items(num_items, threads_for(num_items), scratch_floats(p.group, p.head_size), p.num_blocks,
+  const int64_t max_rows = std::clamp<int64_t>(kItemHeads / p.group, 1, kMaxItemRows);
+  const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  // Items: a prefill block per KV head (its rows x group already share each tile); decode rows with
+  // all their KV heads when there are enough rows to share out, else one KV head each.
+  const int64_t decode_heads = nb >= 8 * threads_for(nb) ? p.num_kv_heads : 1;
+  struct Item {
+    int64_t block, kv_begin, kv_end;
+  };
+  std::vector<Item> items;
+  items.reserve(nb * p.num_kv_heads);
+  for (int64_t i = 0; i < nb; ++i) {
+    const int64_t per_item = blocks[i].rows == 1 ? decode_heads : 1;
+    for (int64_t k = 0; k < p.num_kv_heads; k += per_item) items.push_back({i, k, std::min(k + per_item, p.num_kv_heads)});
+  }
+  const int64_t scratch = general_scratch_floats(max_rows, 1, p.group, p.head_size);
+  const int64_t scratch_decode = general_scratch_floats(1, decode_heads, p.group, p.head_size);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  run_items(num_items, threads_for(num_items), std::max(scratch, scratch_decode), p.num_blocks,
             [&](int64_t item, float* s) {
-              return attend_one<scalar_t, kHeadSize>(p, item / p.num_kv_heads, item % p.num_kv_heads, s);
+              const Item& it = items[item];
+              return attend_rows<scalar_t, kHeadSize>(p, blocks[it.block], it.kv_begin, it.kv_end, s);
             });
 }
 
 template <typename scalar_t>
-void dispatch_head_size(const Params<scalar_t>& p, int64_t work) {
+void dispatch_head_size(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* lens, int64_t num_seqs,
+                        int64_t work) {
   switch (p.head_size) {
-    case 8: return attend_all<scalar_t, 8>(p, work);
-    case 16: return attend_all<scalar_t, 16>(p, work);
-    case 32: return attend_all<scalar_t, 32>(p, work);
-    case 64: return attend_all<scalar_t, 64>(p, work);
-    case 128: return attend_all<scalar_t, 128>(p, work);
-    case 256: return attend_all<scalar_t, 256>(p, work);
-    default: return attend_all<scalar_t, 0>(p, work);  // any other head size: runtime loop bounds
+    case 8: return attend_all<scalar_t, 8>(p, qsl, lens, num_seqs, work);
+    case 16: return attend_all<scalar_t, 16>(p, qsl, lens, num_seqs, work);
+    case 32: return attend_all<scalar_t, 32>(p, qsl, lens, num_seqs, work);
+    case 64: return attend_all<scalar_t, 64>(p, qsl, lens, num_seqs, work);
+    case 128: return attend_all<scalar_t, 128>(p, qsl, lens, num_seqs, work);
+    case 256: return attend_all<scalar_t, 256>(p, qsl, lens, num_seqs, work);
+    default: return attend_all<scalar_t, 0>(p, qsl, lens, num_seqs, work);  // run-time loop bounds
   }
 }
 
-void paged_attention_cpu(const at::Tensor& out,                 // [num_seqs, num_heads, head_size]
-                         const at::Tensor& query,         // [num_seqs, num_heads, head_size]
-                         const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
-                         const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_size]
-                         const at::Tensor& block_tables,  // [num_seqs, max_blocks] int32
-                         const at::Tensor& seq_lens,      // [num_seqs] int32
-                         double scale) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens}) {
+void paged_attention_cpu(const at::Tensor& out,              // [num_tokens, num_heads, head_size]
+                         const at::Tensor& query,            // [num_tokens, num_heads, head_size]
+                         const at::Tensor& key_cache,        // [num_blocks, block_size, num_kv_heads, head_size]
+                         const at::Tensor& value_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
+                         const at::Tensor& block_tables,     // [num_seqs, max_blocks] int32
+                         const at::Tensor& seq_lens,         // [num_seqs] int32
+                         const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
+                         double scale, int64_t sliding_window) {
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc}) {
     TORCH_CHECK(t->device().is_cpu(), "paged_attention (CPU kernel): all tensors must be on the CPU, got ",
                 t->device());
   }
-  TORCH_CHECK(query.dim() == 3, "paged_attention: query must be [num_seqs, num_heads, head_size], got ",
+  TORCH_CHECK(query.dim() == 3, "paged_attention: query must be [num_tokens, num_heads, head_size], got ",
               query.sizes());
   TORCH_CHECK(out.sizes() == query.sizes(), "paged_attention: out ", out.sizes(), " must match query ",
               query.sizes());
@@ -440,33 +207,46 @@ void paged_attention_cpu(const at::Tensor& out,                 // [num_seqs, nu
   TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "paged_attention: out, query, key_cache and value_cache must share one dtype, got ", out.scalar_type(),
               ", ", dtype, ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_size, "paged_attention: cache head_size ", key_cache.size(3),
               " != query head_size ", head_size);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(block_size > 0 && head_size > 0, "paged_attention: block_size and head_size must be positive");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-              "paged_attention: block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], got ",
-              block_tables.scalar_type(), " ", block_tables.sizes());
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2,
+              "paged_attention: block_tables must be int32 [num_seqs, max_blocks], got ", block_tables.scalar_type(),
+              " ", block_tables.sizes());
+  const int64_t num_seqs = block_tables.size(0);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs,
               "paged_attention: seq_lens must be int32 [num_seqs=", num_seqs, "], got ", seq_lens.scalar_type(), " ",
               seq_lens.sizes());
-  if (num_seqs == 0 || num_heads == 0) return;
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1 &&
+                  query_start_loc.size(0) == num_seqs + 1,
+              "paged_attention: query_start_loc must be int32 [num_seqs + 1=", num_seqs + 1, "], got ",
+              query_start_loc.scalar_type(), " ", query_start_loc.sizes());
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
 
-  const at::Tensor lens = seq_lens.contiguous();  // [num_seqs], tiny
-  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
-  const int64_t max_len = block_tables.size(1) * block_size;
-  int64_t total_tokens = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    TORCH_CHECK(lens_ptr[i] <= max_len, "paged_attention: seq_lens[", i, "] = ", lens_ptr[i],
-                " exceeds the block table's capacity of ", max_len, " tokens");
-    total_tokens += std::max<int32_t>(lens_ptr[i], 0) + 8;  // + 8: a row's fixed cost, in tokens
+  const at::Tensor lens_t = seq_lens.contiguous(), qsl_t = query_start_loc.contiguous();  // [num_seqs (+ 1)], tiny
+  const int32_t* lens = lens_t.const_data_ptr<int32_t>();
+  const int32_t* qsl = qsl_t.const_data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "paged_attention: query_start_loc must run from 0 to ",
+              "num_tokens=", num_tokens, ", got ", qsl[0], " .. ", qsl[num_seqs]);
+  const int64_t capacity = block_tables.size(1) * block_size;
+  int64_t attended = 0;  // (row, token) pairs of the call
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(qsl[s + 1] >= qsl[s], "paged_attention: query_start_loc must not decrease, got ", qsl[s], " then ",
+                qsl[s + 1], " at sequence ", s);
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= capacity, "paged_attention: seq_lens[", s, "] = ", lens[s],
+                " is outside [0, ", capacity, "], the block table's capacity");
+    const int64_t q_len = qsl[s + 1] - qsl[s], len = lens[s];
+    const int64_t span = sliding_window > 0 ? std::min<int64_t>(len, sliding_window) : len;
+    attended += std::min(q_len, len) * (span + 8);  // + 8: a row's fixed cost, in tokens
   }
-  const int64_t work = total_tokens * num_heads * head_size;  // ~ multiply-adds of the call
+  if (num_tokens == 0 || num_heads == 0) return;
+  const int64_t work = attended * num_heads * head_size;  // ~ multiply-adds of the call
 
-  auto launch = [&](auto zero) {  // zero: a value of the element type
+  dispatch_float_types(dtype, "paged_attention", [&](auto zero) {
     using scalar_t = decltype(zero);
     Params<scalar_t> p;
     p.out = out.data_ptr<scalar_t>();
@@ -474,21 +254,26 @@ void paged_attention_cpu(const at::Tensor& out,                 // [num_seqs, nu
     p.key_cache = key_cache.const_data_ptr<scalar_t>();
     p.value_cache = value_cache.const_data_ptr<scalar_t>();
     p.block_tables = block_tables.const_data_ptr<int32_t>();
-    p.seq_lens = lens_ptr;
     p.out_s0 = out.stride(0), p.out_s1 = out.stride(1), p.out_s2 = out.stride(2);
     p.q_s0 = query.stride(0), p.q_s1 = query.stride(1), p.q_s2 = query.stride(2);
     p.bt_s0 = block_tables.stride(0), p.bt_s1 = block_tables.stride(1);
-    p.num_seqs = num_seqs, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads, p.head_size = head_size;
+    p.num_heads = num_heads, p.num_kv_heads = num_kv_heads, p.head_size = head_size;
     p.group = num_heads / num_kv_heads, p.block_size = block_size, p.num_blocks = num_blocks;
+    p.sliding_window = sliding_window;
     p.scale = static_cast<float>(scale);
-    dispatch_head_size(p, work);
-  };
-  // Like AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16, ...) without the float64 instantiations.
-  switch (dtype) {
-    case at::kFloat: return launch(0.0f);
-    case at::kBFloat16: return launch(c10::BFloat16(0.0f));
-    default: return launch(c10::Half(0.0f));  // kHalf, checked above
-  }
+    // Rows at a negative position (a sequence with fewer context tokens than new ones, e.g. the
+    // seq_len 0 padding rows of a CUDA-graph batch) attend to nothing: zeros.
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t q_len = qsl[s + 1] - qsl[s];
+      for (int64_t i = 0; i < q_len - lens[s]; ++i) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scalar_t* o = p.out + (qsl[s] + i) * p.out_s0 + h * p.out_s1;
+          for (int64_t d = 0; d < head_size; ++d) o[d * p.out_s2] = scalar_t(0.0f);
+        }
+      }
+    }
+    dispatch_head_size(p, qsl, lens, num_seqs, work);
+  });
 }
 
 }  // namespace

@@ -1,78 +1,33 @@
-// Inner loops of the CPU paged attention kernel (csrc/cpu/attention.cpp), over one tile of kTile
-// tokens of one KV head, all in float32:
+// Per-row inner loops of the CPU paged attention kernel (csrc/cpu/attention.cpp), over one tile of
+// kTile tokens of one KV head, all in float32:
 //   scores:     s[h, j] = q[h] . k[j]           (q pre-scaled)
+//   softmax:    one online-softmax step (Milakov & Gimelshein 2018, as in FlashAttention)
 //   accumulate: acc[h] += sum_j w[h, j] * v[j]
-// For head sizes known at compile time the loops are written with GCC/Clang vector extensions
-// (`vector_size`, one register of kLanes floats for the build's -march), which makes the register
-// use explicit: accumulators stay in registers, and small head sizes (<= 16) compute scores
-// vertically over tokens on a transposed K tile instead of one horizontal sum per (token, head).
-// Any other head size uses plain loops (`Runtime*` below) that the compiler vectorises as it can.
+//
+// The canonical arithmetic of a row (what makes prefill and decode bitwise equal, issue 13):
+// tiles are aligned to absolute positions (tile i holds the tokens [i * kTile, (i + 1) * kTile)), and
+// token t of a tile sits in slot j = t - tile start of every per-tile buffer. A row uses the slots
+// [ja, jb) of a tile: its causal limit (positions <= its own) and its sliding window cut the range,
+// nothing else does. Every function below computes each (row, head, slot) value by a fixed sequence
+// of IEEE operations that depends only on the slot and the range, never on how many rows, heads or
+// tiles a caller processes at once; fused multiply-adds are explicit (vec.h). Slots outside [ja, jb)
+// are never read from the cache (they may lie in blocks already returned to the pool).
+//
+// Head sizes known at compile time keep the loops in registers: heads of up to 16 floats compute
+// scores vertically over tokens on a transposed K tile (kt), larger ones one dot product per
+// (head, token) with a horizontal sum. Any other head size uses the `*_runtime` loops.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include "vec.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace pagedgen::cpu {
 
-constexpr int kTile = 32;  // tokens per online-softmax step
-
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;  // floats per SIMD register
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
+constexpr int kTile = 32;  // tokens per online-softmax step of the general path
 static_assert(kTile % kLanes == 0, "a tile must be whole registers");
-
-template <int W>
-struct VecOf;
-template <>
-struct VecOf<4> {
-  typedef float type __attribute__((vector_size(16)));
-};
-template <>
-struct VecOf<8> {
-  typedef float type __attribute__((vector_size(32)));
-};
-template <>
-struct VecOf<16> {
-  typedef float type __attribute__((vector_size(64)));
-};
-template <int W>
-using Vec = typename VecOf<W>::type;  // W floats
-
-template <int W>
-inline Vec<W> load(const float* p) {
-  Vec<W> v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
-  return v;
-}
-template <int W>
-inline void store(float* p, const Vec<W>& v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-template <int W>
-inline float hsum(const Vec<W>& v) {  // sum of the lanes, as a tree of half-width adds
-  if constexpr (W == 4) {
-    return (v[0] + v[2]) + (v[1] + v[3]);
-  } else {
-    Vec<W / 2> lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return hsum<W / 2>(lo + hi);
-  }
-}
 
 // Lanes of the vectors used for a head of kD floats: a whole register, or the head if it is smaller.
 template <int kD>
@@ -81,170 +36,224 @@ constexpr int head_lanes() {
   return std::min(kLanes, kD);
 }
 
-// exp(x) = 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], e^r by its degree-7
-// Taylor polynomial (truncation error < 6e-9 relative). Branch-free, so loops over it vectorise, unlike
-// calls to std::exp. Below -87 (where exp underflows to denormals) it returns 0, so exp(-inf) = 0; the
-// input is clamped to [-87, 88], where 2^n is a normal float. NaN stays NaN.
-inline float exp_approx(float x_in) {
-  const float x = std::min(std::max(x_in, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;  // Cody-Waite split of ln 2: the high part times n is exact
-  r = r + n * 2.12194440e-4f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return x_in < -87.0f ? 0.0f : p * two_n;
+// src[0:n] -> dst[0:n] as float, kLanes at a time (the tail zero-padded).
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int n) {
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) store<kLanes>(dst + i, load<kLanes>(src + i));
+  if (i < n) store_partial<kLanes>(dst + i, load_partial<kLanes>(src + i, n - i), n - i);
 }
 
-template <int W>
-inline float hmax(const Vec<W>& v) {  // max of the lanes, as a tree like hsum
-  if constexpr (W == 4) {
-    return std::max(std::max(v[0], v[2]), std::max(v[1], v[3]));
-  } else {
-    Vec<W / 2> lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return hmax<W / 2>(lo > hi ? lo : hi);
-  }
-}
+// Registers [first, end) of a tile that hold the slots [ja, jb).
+inline int first_register(int ja) { return ja / kLanes; }
+inline int end_register(int jb) { return (jb + kLanes - 1) / kLanes; }
 
-// exp_approx of each lane. With AVX-512 the same range reduction and polynomial, 2^n applied by
-// vscalefps (no integer detour); inputs below -87 give exactly 0 as in exp_approx (never a denormal:
-// arithmetic on denormals takes microcode assists, ~100x slower); NaN stays NaN.
-inline Vec<kLanes> exp_lanes(Vec<kLanes> x) {
-#if defined(__AVX512F__)
-  const __m512 in = reinterpret_cast<__m512&>(x);
-  const __mmask16 normal = _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);  // x >= -87 or NaN
-  __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.0f), in);  // NaN: the second operand, kept
-  v = _mm512_min_ps(_mm512_set1_ps(88.0f), v);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  const __m512 e = _mm512_maskz_scalef_ps(normal, p, n);
-  return reinterpret_cast<const Vec<kLanes>&>(e);
-#else
-  for (int i = 0; i < kLanes; ++i) x[i] = exp_approx(x[i]);
-  return x;
-#endif
-}
-
-// Registers' worth of lanes that hold the n valid tokens of a tile.
-inline int tile_registers(int n) { return (n + kLanes - 1) / kLanes; }
-
-// One online-softmax step (Milakov & Gimelshein 2018) for one head and one tile: turns the scores
-// s[0:n] into weights exp(s - m_new) (and the rest of their last register into zeros), updates the
+// One online-softmax step for one head and the slots [ja, jb) of a tile: turns the scores s[ja:jb]
+// into weights exp(s - m_new) (and the other slots of their registers into zeros), updates the
 // running max m and the running sum l of the weights, and returns alpha = exp(m_old - m_new), the
-// factor by which everything accumulated so far must be rescaled. s: [kTile].
-inline float softmax_tile(float* s, int n, float& m, float& l) {
-  const int nv = tile_registers(n);
-  for (int j = n; j < nv * kLanes; ++j) s[j] = -std::numeric_limits<float>::infinity();
-  Vec<kLanes> vmax = load<kLanes>(s);
-  for (int t = 1; t < nv; ++t) {
-    const Vec<kLanes> x = load<kLanes>(s + t * kLanes);
-    vmax = vmax > x ? vmax : x;
-  }
-  const float m_new = std::max(m, hmax<kLanes>(vmax));
-  const float alpha = exp_approx(m - m_new);  // 0 on the first tile (m = -inf)
+// factor by which everything accumulated so far must be rescaled. s: [kTile] (or longer).
+// When the running max does not change, alpha is exactly 1 (exp(0) = 1 through the polynomial), so
+// the multiplications by it (and the rescale of the accumulator) are skipped: the same bits, less work.
+inline float softmax_tile(float* s, int ja, int jb, float& m, float& l) {
+  const int t0 = first_register(ja), t1 = end_register(jb);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int j = t0 * kLanes; j < ja; ++j) s[j] = kNegInf;
+  for (int j = jb; j < t1 * kLanes; ++j) s[j] = kNegInf;
+  Vec<kLanes> mx = load<kLanes>(s + t0 * kLanes);
+  for (int t = t0 + 1; t < t1; ++t) mx = vmax<kLanes>(mx, load<kLanes>(s + t * kLanes));
+  const float m_new = std::max(m, hmax<kLanes>(mx));
+  // 0 on the first tile (m = -inf)
+  const float alpha = m_new == m ? 1.0f : exp_nonpositive<4>(splat<4>(m - m_new))[0];
+  const Vec<kLanes> vm = splat<kLanes>(m_new);
   Vec<kLanes> sum = {};
-  for (int t = 0; t < nv; ++t) {
-    const Vec<kLanes> w = exp_lanes(load<kLanes>(s + t * kLanes) - m_new);
+  for (int t = t0; t < t1; ++t) {
+    const Vec<kLanes> w = exp_nonpositive<kLanes>(load<kLanes>(s + t * kLanes) - vm);
     store<kLanes>(s + t * kLanes, w);
     sum += w;
   }
-  l = l * alpha + hsum<kLanes>(sum);
+  l = (alpha == 1.0f ? l : l * alpha) + hsum<kLanes>(sum);
   m = m_new;
   return alpha;
 }
 
-// src[0:n] -> dst[0:n] as float.
-template <typename scalar_t>
-inline void to_float(const scalar_t* src, float* dst, int n) {
-#pragma omp simd
-  for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-#ifdef __F16C__
-// c10::Half converts one value at a time (_cvtsh_ss); convert eight at a time instead.
-template <>
-inline void to_float<c10::Half>(const c10::Half* src, float* dst, int n) {
+// acc[0:n] *= alpha (nothing to do for alpha = 1).
+inline void rescale(float* acc, int n, float alpha) {
+  if (alpha == 1.0f) return;
+  const Vec<kLanes> a = splat<kLanes>(alpha);
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i + kLanes <= n; i += kLanes) store<kLanes>(acc + i, load<kLanes>(acc + i) * a);
+  for (; i < n; ++i) acc[i] *= alpha;
 }
-#endif
 
-// A cache row as float: fp32 rows are used in place, others are converted into buf.
-template <typename scalar_t>
-inline const float* row_as_float(const scalar_t* src, float* buf, int n) {
-  to_float(src, buf, n);
-  return buf;
-}
-inline const float* row_as_float(const float* src, float* /*buf*/, int /*n*/) { return src; }
+// ---- scores, heads of up to 16 floats: vertical over the tokens of a transposed tile --------------
 
-// sc[h, j] = q[h] . k[j] for G heads and the n rows of a tile.
-//   q: [G, kD]; k: n row pointers, [kD] each; sc: [G, kTile]; kt: scratch [kD, kTile].
+// kt[d, j] = k[j][d] for the slots [ja, jb) of a tile, and 0 in the other slots of their registers.
+// kt: [kD, kTile].
 template <int kD>
-inline void score_tile(const float* q, int G, const float* const* k, int n, float* kt, float* sc) {
-  if constexpr (kD <= 16) {
-    // Small heads: transpose the tile (kt[d, j] = k[j][d]) and sum over d vertically, kLanes tokens
-    // at a time. Lanes j >= n hold stale values, which softmax_tile replaces.
-    for (int j = 0; j < n; ++j) {
-      for (int d = 0; d < kD; ++d) kt[d * kTile + j] = k[j][d];
-    }
-    const int nv = tile_registers(n);
-    for (int h = 0; h < G; ++h) {
-      for (int t = 0; t < nv; ++t) {
-        Vec<kLanes> s = {};
-        for (int d = 0; d < kD; ++d) s += q[h * kD + d] * load<kLanes>(kt + d * kTile + t * kLanes);
-        store<kLanes>(sc + h * kTile + t * kLanes, s);
-      }
-    }
-  } else {
-    // Larger heads: one dot product per (head, token), kD / W vector FMAs and one horizontal sum.
-    constexpr int W = head_lanes<kD>(), NV = kD / W;
-    for (int h = 0; h < G; ++h) {
-      Vec<W> qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = load<W>(q + h * kD + v * W);
-      for (int j = 0; j < n; ++j) {
-        Vec<W> dot = qv[0] * load<W>(k[j]);
-        for (int v = 1; v < NV; ++v) dot += qv[v] * load<W>(k[j] + v * W);
-        sc[h * kTile + j] = hsum<W>(dot);
-      }
+inline void transpose_tile(const float* const* k, int ja, int jb, float* kt) {
+  const int j0 = first_register(ja) * kLanes, j1 = end_register(jb) * kLanes;
+  for (int j = j0; j < j1; ++j) {
+    const bool in = j >= ja && j < jb;
+    for (int d = 0; d < kD; ++d) kt[d * kTile + j] = in ? k[j][d] : 0.0f;
+  }
+}
+
+// sc[h, j] for the registers holding the slots [ja, jb): s = sum over d = 0, 1, ... of q[h, d] * kt[d]
+// as one chain of fused multiply-adds. q: [G, kD]; sc: [G, kTile].
+template <int kD>
+inline void score_transposed(const float* q, int G, const float* kt, int ja, int jb, float* sc) {
+  const int t0 = first_register(ja), t1 = end_register(jb);
+  for (int h = 0; h < G; ++h) {
+    for (int t = t0; t < t1; ++t) {
+      Vec<kLanes> s = {};
+      for (int d = 0; d < kD; ++d) s = fmadd<kLanes>(splat<kLanes>(q[h * kD + d]), load<kLanes>(kt + d * kTile + t * kLanes), s);
+      store<kLanes>(sc + h * kTile + t * kLanes, s);
     }
   }
 }
 
-// acc[0:kD] += sum_j w[j] * v[j] over the n rows of a tile. Partial sums in registers: U independent
-// chains of NV registers each, so that consecutive FMAs do not wait on each other.
+// ---- scores, larger heads: one dot product per (head, token) ----------------------------------------
+
+// The dot product of one (head, token) pair: q[0:W] * k[0:W], then fused multiply-adds of the next
+// W-lane slices in order, then the fixed hsum tree.
 template <int kD>
-inline void accumulate_tile(float* acc, const float* w, const float* const* v, int n) {
+inline float dot_row(const float* q, const float* k) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
-  constexpr int U = NV >= 4 ? 1 : 4 / NV;
-  Vec<W> a[U][NV] = {};
-  int j = 0;
-  for (; j + U <= n; j += U) {
-    for (int u = 0; u < U; ++u) {
-      for (int i = 0; i < NV; ++i) a[u][i] += w[j + u] * load<W>(v[j + u] + i * W);
+  Vec<W> dot = load<W>(q) * load<W>(k);
+  for (int v = 1; v < NV; ++v) dot = fmadd<W>(load<W>(q + v * W), load<W>(k + v * W), dot);
+  return hsum<W>(dot);
+}
+
+// out[i] = hsum<W>(a[i]) for the n vectors a[0:n], bitwise each (the same tree), several at a time:
+// with AVX, two 8-lane vectors fold their halves in one add, and four share the adds of the last two
+// levels of the tree (about 3 instructions per sum instead of 6).
+template <int W>
+inline void hsum_many(const Vec<W>* a, int n, float* out) {
+#if defined(__AVX__)
+  if constexpr (W == 8 || W == 16) {
+    const auto halves = [&](int i) {  // the 8-lane vector whose hsum is hsum<W>(a[i])
+      if constexpr (W == 8) {
+        return reinterpret_cast<const __m256&>(a[i]);
+      } else {
+        Vec<8> lo, hi;
+        std::memcpy(&lo, &a[i], sizeof(lo));
+        std::memcpy(&hi, reinterpret_cast<const char*>(&a[i]) + sizeof(lo), sizeof(hi));
+        const Vec<8> x = lo + hi;
+        return reinterpret_cast<const __m256&>(x);
+      }
+    };
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const __m256 v0 = halves(i), v1 = halves(i + 1), v2 = halves(i + 2), v3 = halves(i + 3);
+      // x = lo + hi of each vector, two vectors per register: [x0 | x1], [x2 | x3]
+      const __m256 c01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+      const __m256 c23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+      // (x[0] + x[2]), (x[1] + x[3]) of each
+      const __m256 g = _mm256_add_ps(_mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(3, 2, 3, 2)));
+      // (x[0] + x[2]) + (x[1] + x[3]): lanes [s0, s2, s0, s2 | s1, s3, s1, s3]
+      const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(g, g, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm256_shuffle_ps(g, g, _MM_SHUFFLE(3, 1, 3, 1)));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, r);
+      out[i] = lanes[0];
+      out[i + 1] = lanes[4];
+      out[i + 2] = lanes[1];
+      out[i + 3] = lanes[5];
+    }
+    for (; i < n; ++i) out[i] = hsum<W>(a[i]);
+    return;
+  }
+#endif
+  for (int i = 0; i < n; ++i) out[i] = hsum<W>(a[i]);
+}
+
+// sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb). Register blocks of two heads
+// by four tokens (each K slice loaded once for both heads; eight independent chains), each pair still
+// dot_row's sequence of operations; then hsum_many.
+template <int kD>
+inline void score_rows(const float* q, int G, const float* const* k, int ja, int jb, float* sc) {
+  constexpr int W = head_lanes<kD>(), NV = kD / W;
+  int h = 0;
+  for (; h + 2 <= G; h += 2) {
+    const float* q0 = q + h * kD;
+    const float* q1 = q0 + kD;
+    float* s0 = sc + h * kTile;
+    float* s1 = s0 + kTile;
+    int j = ja;
+    for (; j + 4 <= jb; j += 4) {
+      Vec<W> d[8];  // d[t]: head h, token j + t; d[4 + t]: head h + 1
+      {
+        const Vec<W> a = load<W>(q0), b = load<W>(q1);
+        for (int t = 0; t < 4; ++t) {
+          const Vec<W> kv = load<W>(k[j + t]);
+          d[t] = a * kv;
+          d[4 + t] = b * kv;
+        }
+      }
+      for (int v = 1; v < NV; ++v) {
+        const Vec<W> a = load<W>(q0 + v * W), b = load<W>(q1 + v * W);
+        for (int t = 0; t < 4; ++t) {
+          const Vec<W> kv = load<W>(k[j + t] + v * W);
+          d[t] = fmadd<W>(a, kv, d[t]);
+          d[4 + t] = fmadd<W>(b, kv, d[4 + t]);
+        }
+      }
+      float r[8];
+      hsum_many<W>(d, 8, r);
+      for (int t = 0; t < 4; ++t) {
+        s0[j + t] = r[t];
+        s1[j + t] = r[4 + t];
+      }
+    }
+    for (; j < jb; ++j) {
+      s0[j] = dot_row<kD>(q0, k[j]);
+      s1[j] = dot_row<kD>(q1, k[j]);
     }
   }
-  for (; j < n; ++j) {
-    for (int i = 0; i < NV; ++i) a[0][i] += w[j] * load<W>(v[j] + i * W);
+  for (; h < G; ++h) {  // a last single head: four tokens at a time
+    const float* qh = q + h * kD;
+    float* sh = sc + h * kTile;
+    int j = ja;
+    for (; j + 4 <= jb; j += 4) {
+      Vec<W> d[4];
+      for (int t = 0; t < 4; ++t) d[t] = load<W>(qh) * load<W>(k[j + t]);
+      for (int v = 1; v < NV; ++v) {
+        const Vec<W> qv = load<W>(qh + v * W);
+        for (int t = 0; t < 4; ++t) d[t] = fmadd<W>(qv, load<W>(k[j + t] + v * W), d[t]);
+      }
+      hsum_many<W>(d, 4, sh + j);
+    }
+    for (; j < jb; ++j) sh[j] = dot_row<kD>(qh, k[j]);
+  }
+}
+
+// ---- V accumulation ---------------------------------------------------------------------------------
+
+// Chains of the V accumulation of one head: U independent partial sums (token ja + i goes to chain
+// i % U, a last incomplete round to chain 0), so that consecutive fused multiply-adds do not wait
+// on each other; then acc += chain 0, += chain 1, ...
+template <int kD>
+constexpr int accumulate_chains() {
+  constexpr int NV = kD / head_lanes<kD>();
+  return NV >= 4 ? 1 : 4 / NV;
+}
+
+// acc[0:kD] += sum_j w[j] * v[j] over the slots [ja, jb) of a tile.
+template <int kD>
+inline void accumulate_tile(float* acc, const float* w, const float* const* v, int ja, int jb) {
+  constexpr int W = head_lanes<kD>(), NV = kD / W, U = accumulate_chains<kD>();
+  Vec<W> a[U][NV] = {};
+  int j = ja;
+  for (; j + U <= jb; j += U) {
+    for (int u = 0; u < U; ++u) {
+      const Vec<W> wj = splat<W>(w[j + u]);
+      for (int i = 0; i < NV; ++i) a[u][i] = fmadd<W>(wj, load<W>(v[j + u] + i * W), a[u][i]);
+    }
+  }
+  for (; j < jb; ++j) {
+    const Vec<W> wj = splat<W>(w[j]);
+    for (int i = 0; i < NV; ++i) a[0][i] = fmadd<W>(wj, load<W>(v[j] + i * W), a[0][i]);
   }
   for (int i = 0; i < NV; ++i) {
     Vec<W> sum = load<W>(acc + i * W);
@@ -253,61 +262,58 @@ inline void accumulate_tile(float* acc, const float* w, const float* const* v, i
   }
 }
 
-// acc[g, 0:kD] += sum_j w[g, j] * row(j)[0:kD] for the kG query heads of one KV head (rows of w are
-// w_stride floats apart; row(j) is token j's V row of that head, as float): each V row is loaded once
-// for the whole group. U tokens in flight, so that the kG * NV * U accumulator registers form
-// independent chains.
-template <int kD, int kG, typename Row>
-inline void accumulate_group(float* acc, const float* w, int64_t w_stride, const Row& row, int n) {
+// accumulate_tile for two heads with the same slots (U = 1 only: one chain per element), each V
+// slice loaded once for both: acc0 += sum_j w0[j] * v[j], acc1 += sum_j w1[j] * v[j], in chunks of
+// four vectors (eight accumulator registers), every element still one chain over the tokens.
+template <int kD>
+inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const float* w1, const float* const* v, int ja,
+                            int jb) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
-  constexpr int U = kG * NV >= 8 ? 1 : 8 / (kG * NV);
-  Vec<W> a[U][kG][NV] = {};
-  int j = 0;
-  for (; j + U <= n; j += U) {
-    for (int u = 0; u < U; ++u) {
-      const float* vj = row(j + u);
-      for (int i = 0; i < NV; ++i) {
-        const Vec<W> x = load<W>(vj + i * W);
-        for (int g = 0; g < kG; ++g) a[u][g][i] += w[g * w_stride + j + u] * x;
+  static_assert(accumulate_chains<kD>() == 1 && NV % 4 == 0, "accumulate_pair: heads of whole 4-register chunks");
+  for (int c = 0; c < NV; c += 4) {
+    Vec<W> a0[4] = {}, a1[4] = {};
+    for (int j = ja; j < jb; ++j) {
+      const Vec<W> x0 = splat<W>(w0[j]), x1 = splat<W>(w1[j]);
+      for (int i = 0; i < 4; ++i) {
+        const Vec<W> x = load<W>(v[j] + (c + i) * W);
+        a0[i] = fmadd<W>(x0, x, a0[i]);
+        a1[i] = fmadd<W>(x1, x, a1[i]);
       }
     }
-  }
-  for (; j < n; ++j) {
-    const float* vj = row(j);
-    for (int i = 0; i < NV; ++i) {
-      const Vec<W> x = load<W>(vj + i * W);
-      for (int g = 0; g < kG; ++g) a[0][g][i] += w[g * w_stride + j] * x;
-    }
-  }
-  for (int g = 0; g < kG; ++g) {
-    for (int i = 0; i < NV; ++i) {
-      Vec<W> sum = load<W>(acc + g * kD + i * W);
-      for (int u = 0; u < U; ++u) sum += a[u][g][i];
-      store<W>(acc + g * kD + i * W, sum);
+    for (int i = 0; i < 4; ++i) {
+      store<W>(acc0 + (c + i) * W, load<W>(acc0 + (c + i) * W) + a0[i]);
+      store<W>(acc1 + (c + i) * W, load<W>(acc1 + (c + i) * W) + a1[i]);
     }
   }
 }
 
-// The same two steps for a head size known only at run time: plain loops.
-inline void score_tile_runtime(const float* q, int G, int D, const float* const* k, int n, float* sc) {
+// ---- any other head size: run-time bounds, the same structure ---------------------------------------
+
+// sc[h, j] for the slots [ja, jb): a chain of fused multiply-adds over the head's kLanes-wide slices
+// (the last one zero-padded), then the hsum tree.
+inline void score_rows_runtime(const float* q, int G, int D, const float* const* k, int ja, int jb, float* sc) {
   for (int h = 0; h < G; ++h) {
-    for (int j = 0; j < n; ++j) {
-      const float* qh = q + h * D;
-      const float* kj = k[j];
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
-      sc[h * kTile + j] = dot;
+    const float* qh = q + h * D;
+    for (int j = ja; j < jb; ++j) {
+      Vec<kLanes> dot = {};
+      int d = 0;
+      for (; d + kLanes <= D; d += kLanes) dot = fmadd<kLanes>(load<kLanes>(qh + d), load<kLanes>(k[j] + d), dot);
+      if (d < D) dot = fmadd<kLanes>(load_partial<kLanes>(qh + d, D - d), load_partial<kLanes>(k[j] + d, D - d), dot);
+      sc[h * kTile + j] = hsum<kLanes>(dot);
     }
   }
 }
 
-inline void accumulate_tile_runtime(float* acc, int D, const float* w, const float* const* v, int n) {
-  for (int j = 0; j < n; ++j) {
-    const float* vj = v[j];
-    const float wj = w[j];
-#pragma omp simd
-    for (int d = 0; d < D; ++d) acc[d] += wj * vj[d];
+// acc[0:D] += sum_j w[j] * v[j] over the slots [ja, jb): one chain per element, token after token.
+inline void accumulate_tile_runtime(float* acc, int D, const float* w, const float* const* v, int ja, int jb) {
+  for (int j = ja; j < jb; ++j) {
+    const Vec<kLanes> wj = splat<kLanes>(w[j]);
+    int d = 0;
+    for (; d + kLanes <= D; d += kLanes) store<kLanes>(acc + d, fmadd<kLanes>(wj, load<kLanes>(v[j] + d), load<kLanes>(acc + d)));
+    if (d < D) {
+      const int n = D - d;
+      store_partial<kLanes>(acc + d, fmadd<kLanes>(wj, load_partial<kLanes>(v[j] + d, n), load_partial<kLanes>(acc + d, n)), n);
+    }
   }
 }
 

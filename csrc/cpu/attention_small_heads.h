@@ -1,7 +1,7 @@
 // AVX-512 building blocks of the small-head path of the CPU paged attention kernel
-// (csrc/cpu/attention.cpp, attend_small): head sizes 8 and 16, where a K row of one head is at most
-// one register and per-(token, head) dot products with a horizontal sum would cost more than the
-// multiply-adds themselves.
+// (csrc/cpu/attention_small.h, attend_small_rows): head sizes 8 and 16, where a K row of one head is
+// at most one register and per-(token, head) dot products with a horizontal sum would cost more than
+// the multiply-adds themselves.
 //
 // The path works on the cache rows of several KV heads at once. In the cache layout
 // [num_blocks, block_size, num_kv_heads, head_size] the heads of one token are contiguous, so a token
@@ -90,20 +90,28 @@ inline void score_kv_head(const __m512* cols, const float* q, int group, float* 
   }
 }
 
-// Scores of 16 tokens for the query heads whose KV heads lie in one column tile.
-//   row(j): token j's row at the tile's first column, for j in [0, 16) (rows past the valid tokens
-//           may be any readable row, e.g. a zero row: the caller's softmax masks their lanes);
-//   width: valid columns (16, or 8 for a last lone head of size 8);
-//   q: [heads of the tile * group, D] scaled queries, head-major as in the model;
-//   sc: row h gets the 16 scores of query head h, rows sc_stride floats apart.
-template <int D, typename Row>
-inline void score_column_tile(const Row& row, int width, const float* q, int group, float* sc, int64_t sc_stride) {
-  static_assert(D == 8 || D == 16, "small-head path: head size 8 or 16");
+// The 16 tokens x 16 columns block of one column tile of K, transposed: r[c] holds column c (one
+// (head, d) pair) for the 16 tokens.
+//   row(j): token j's row at the tile's first column, for j in [0, 16) (rows of tokens the caller does
+//           not attend to may be any readable row, e.g. a zero row: its softmax masks their lanes);
+//   width: valid columns (16, or 8 for a last lone head of size 8).
+template <typename Row>
+inline void load_column_tile(const Row& row, int width, __m512 r[kTokens]) {
   const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-  __m512 r[kTokens];
 #pragma GCC unroll 16
   for (int j = 0; j < kTokens; ++j) r[j] = load_row(row(j), mask);
-  transpose16(r);  // r[c]: column c for the 16 tokens
+  transpose16(r);
+}
+
+// Scores of the 16 tokens of a transposed column tile r for the query heads whose KV heads lie in it
+// (one head of 16, or one or two heads of 8: `width`).
+//   q: [heads of the tile * group, D] scaled queries, head-major as in the model;
+//   sc: row h gets the 16 scores of query head h, rows sc_stride floats apart.
+// Each lane (token) is computed on its own: the other lanes do not change its bits.
+template <int D>
+inline void score_column_heads(const __m512 r[kTokens], int width, const float* q, int group, float* sc,
+                               int64_t sc_stride) {
+  static_assert(D == 8 || D == 16, "small-head path: head size 8 or 16");
   score_kv_head<D, 0>(r, q, group, sc, sc_stride);
   if (D == 8 && width == 16) score_kv_head<D, D % 16>(r, q + group * D, group, sc + group * sc_stride, sc_stride);
 }

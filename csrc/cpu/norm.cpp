@@ -1,11 +1,18 @@
 // CPU kernels of pagedgen::rms_norm and pagedgen::fused_add_rms_norm (schemas in csrc/ops.cpp,
 // oracles in pagedgen/ops/reference.py).
 //
-// Numerics are transformers' LlamaRMSNorm step by step: statistics in float32 (mean of squares as
-// sum / hidden, rsqrt as 1 / sqrt), the normalised row rounded to the model dtype, then multiplied by
-// the weight in the model dtype. Only the order of the sum of squares differs from torch's reduction
-// (results agree to an ulp or so). One row per token; rows run in parallel only when there are enough
-// of them to pay for waking threads (large prefill batches).
+// Numerics are transformers' LlamaRMSNorm step by step: statistics in float32 (squares, their mean
+// as sum / hidden, rsqrt as 1 / sqrt), the normalised row rounded to the model dtype, then multiplied
+// by the weight in the model dtype. The sum of squares adds them in the order of torch's own CPU sum
+// (torch_order_sum below), so the result is bitwise the reference's in every dtype whenever torch
+// runs its reduction with the vector width of this build (its default on the same machine; else the
+// two agree to an ulp or two).
+//
+// Every dtype runs the same vector code (csrc/cpu/vec.h): bf16/fp16 rows are converted to float
+// kLanes elements at a time and rounded back on the store, with no per-element scalar conversion.
+// A row's arithmetic depends only on its own elements and length, never on the other rows or on
+// how rows are split between threads (batch invariance). One row per token; rows run in parallel
+// only when there are enough of them to pay for waking threads (large prefill batches).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,10 +20,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec.h"
+
 namespace pagedgen::cpu {
 namespace {
 
 constexpr int64_t kRowsGrain = 1 << 16;  // elements per parallel chunk, at least (decode batches: one thread)
+constexpr int W = kLanes;
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, " (CPU kernel): tensors must be on the CPU");
@@ -30,28 +40,91 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* 
               " != input dtype ", x.scalar_type());
 }
 
-// out[0:n] = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x as float.
+// torch's row_sum (aten/src/ATen/native/cpu/SumKernel.cpp) of `size` values item(0) .. item(size - 1)
+// of type Acc (float or a vector of floats): four interleaved chains (ilp 4) over rows of four items,
+// whose rows are summed in a cascade of up to four levels of 2^level_power rows each (multi_row_sum),
+// the leftover items into chain 0, then chains 1-3 into chain 0.
+template <typename Acc, typename Item>
+inline Acc torch_row_sum(const Item& item, int64_t size) {
+  const int64_t rows = size / 4;
+  int64_t ceil_log2 = 1;  // torch's utils::CeilLog2(rows)
+  if (rows > 2) ceil_log2 = 64 - __builtin_clzll(static_cast<uint64_t>(rows - 1));
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / 4), level_step = int64_t{1} << level_power;
+  Acc acc[4][4] = {};  // [level][chain]
+  int64_t i = 0;
+  while (i + level_step <= rows) {
+    for (int64_t j = 0; j < level_step; ++j, ++i) {
+      for (int k = 0; k < 4; ++k) acc[0][k] += item(i * 4 + k);
+    }
+    for (int level = 1; level < 4; ++level) {
+      for (int k = 0; k < 4; ++k) {
+        acc[level][k] += acc[level - 1][k];
+        acc[level - 1][k] = Acc{};
+      }
+      if ((i & ((level_step - 1) << (level * level_power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) {
+    for (int k = 0; k < 4; ++k) acc[0][k] += item(i * 4 + k);
+  }
+  for (int level = 1; level < 4; ++level) {
+    for (int k = 0; k < 4; ++k) acc[0][k] += acc[level][k];
+  }
+  Acc chain = acc[0][0];
+  for (int64_t v = rows * 4; v < size; ++v) chain += item(v);
+  for (int k = 1; k < 4; ++k) chain += acc[0][k];
+  return chain;
+}
+
+// Lanes of torch's Vectorized<float> on this build's instruction set (its generic fallback has 8).
+constexpr int kTorchLanes = kLanes >= 16 ? 16 : 8;
+
+// sum_i x[i]^2 (each square rounded to float) in the order of torch's CPU sum of a contiguous float
+// row (cascade_sum): rows of at least kTorchLanes elements as vectors (vectorized_inner_sum: the
+// vectors' torch_row_sum, then the scalar tail from 0, then the lanes one by one); shorter rows
+// element by element (scalar_inner_sum).
+template <typename scalar_t>
+inline float torch_order_sum_of_squares(const scalar_t* x, int64_t n) {
+  constexpr int V = kTorchLanes;
+  const auto square = [&](int64_t e) {
+    const float v = static_cast<float>(x[e]);
+    return v * v;
+  };
+  if (n < V) return torch_row_sum<float>(square, n);
+  const int64_t vec_size = n / V;
+  const Vec<V> chain = torch_row_sum<Vec<V>>([&](int64_t i) {
+    const Vec<V> v = load<V>(x + i * V);
+    return v * v;
+  }, vec_size);
+  float sum = 0.0f;
+  for (int64_t e = vec_size * V; e < n; ++e) sum += square(e);
+  for (int lane = 0; lane < V; ++lane) sum += chain[lane];
+  return sum;
+}
+
+// out[0:n] = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x as float. out may be x.
 template <typename scalar_t>
 inline void norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t n, float eps) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    sum += v * v;
-  }
+  const float sum = torch_order_sum_of_squares(x, n);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t h = static_cast<scalar_t>(static_cast<float>(x[i]) * inv);
-    out[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(h));
+  int64_t i = 0;
+  const auto normed = [&](const Vec<W>& xv, const Vec<W>& wv) { return wv * round_to<scalar_t, W>(xv * inv); };
+  for (; i + W <= n; i += W) store<W>(out + i, normed(load<W>(x + i), load<W>(weight + i)));
+  if (i < n) {
+    const int m = static_cast<int>(n - i);
+    store_partial<W>(out + i, normed(load_partial<W>(x + i, m), load_partial<W>(weight + i, m)), m);
   }
 }
 
 // residual[0:n] += x[0:n], rounded to the model dtype.
 template <typename scalar_t>
 inline void add_row(scalar_t* residual, const scalar_t* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) residual[i] = static_cast<scalar_t>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store<W>(residual + i, load<W>(residual + i) + load<W>(x + i));
+  if (i < n) {
+    const int m = static_cast<int>(n - i);
+    store_partial<W>(residual + i, load_partial<W>(residual + i, m) + load_partial<W>(x + i, m), m);
+  }
 }
 
 void rms_norm_cpu(const at::Tensor& out,     // [num_tokens, hidden]
@@ -64,12 +137,14 @@ void rms_norm_cpu(const at::Tensor& out,     // [num_tokens, hidden]
               "rms_norm: out must match input ", input.scalar_type(), " ", input.sizes(), ", got ", out.scalar_type(),
               " ", out.sizes());
   const int64_t rows = input.size(0), n = input.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "rms_norm_cpu", [&] {
+  if (rows == 0 || n == 0) return;
+  dispatch_float_types(input.scalar_type(), "rms_norm", [&](auto zero) {
+    using scalar_t = decltype(zero);
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t xs = input.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, std::max<int64_t>(1, kRowsGrain / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kRowsGrain / n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) norm_row(x + r * xs, w, o + r * os, n, static_cast<float>(epsilon));
     });
   });
@@ -85,16 +160,18 @@ void fused_add_rms_norm_cpu(const at::Tensor& input,     // [num_tokens, hidden]
               "fused_add_rms_norm: residual must match input ", input.scalar_type(), " ", input.sizes(), ", got ",
               residual.scalar_type(), " ", residual.sizes());
   const int64_t rows = input.size(0), n = input.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "fused_add_rms_norm_cpu", [&] {
+  if (rows == 0 || n == 0) return;
+  dispatch_float_types(input.scalar_type(), "fused_add_rms_norm", [&](auto zero) {
+    using scalar_t = decltype(zero);
     scalar_t* x = input.data_ptr<scalar_t>();
     scalar_t* res = residual.data_ptr<scalar_t>();
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     const int64_t xs = input.stride(0), rs = residual.stride(0);
-    at::parallel_for(0, rows, std::max<int64_t>(1, kRowsGrain / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kRowsGrain / n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* xr = x + r * xs;
         scalar_t* rr = res + r * rs;
-        add_row(rr, xr, n);
+        add_row(rr, xr, n);  // the row stays in L1 for the norm's two passes
         norm_row(rr, w, xr, n, static_cast<float>(epsilon));
       }
     });

@@ -3,11 +3,13 @@
 // in place, in the rotate-half form of transformers' Llama (apply_rotary_pos_emb):
 //     x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[D/2:], x[:D/2])
 // with cos and sin rows [head_size] of float32 tables indexed by position, converted to the model
-// dtype first. Each product and the sum are rounded to the model dtype as torch does it, and this file
-// is compiled without floating-point contraction (no fused multiply-add), so that the result is
-// bitwise that of the PyTorch reference.
-#pragma GCC optimize("fp-contract=off")
-
+// dtype first. Each product and the sum are rounded to the model dtype as torch does it, and the
+// extension is compiled without floating-point contraction (no fused multiply-add, setup.py), so that
+// the result is bitwise that of the PyTorch reference in every dtype.
+//
+// Vectorised over the half-rows: the first and second halves of a head are two runs of D/2 elements,
+// taken W = 16, 8 or 4 at a time (the widest that fits in D/2 and the build's registers; a zero-padded
+// vector for a tail), converted to float on the load and rounded on the store (csrc/cpu/vec.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,24 +17,40 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "vec.h"
+
 namespace pagedgen::cpu {
 namespace {
 
+// One step of W elements of a head: x1 = x[i:i+W] (first half), x2 = x[i+half:...] (second half);
+// c1/s1 and c2/s2 the matching cos/sin elements. Returns the two rotated runs through r1, r2.
+template <typename scalar_t, int W>
+inline void rotate_step(const Vec<W>& x1, const Vec<W>& x2, const float* c, const float* s, int64_t half,
+                        int64_t i, int m, Vec<W>& r1, Vec<W>& r2) {
+  const auto table = [&](const float* p) {  // cos/sin in the model dtype, as float
+    return round_to<scalar_t, W>(m == W ? load<W>(p) : load_partial<W>(p, m));
+  };
+  const Vec<W> c1 = table(c + i), s1 = table(s + i), c2 = table(c + i + half), s2 = table(s + i + half);
+  // rotate_half(x) = (-x2, x1); negation is exact, so (-x2) * s1 rounds as torch's product does
+  r1 = round_to<scalar_t, W>(x1 * c1) + round_to<scalar_t, W>(-x2 * s1);
+  r2 = round_to<scalar_t, W>(x2 * c2) + round_to<scalar_t, W>(x1 * s2);
+}
+
 // x: one head's row [2 * half] (contiguous), rotated in place; c, s: the position's cos and sin rows.
-// kHalf > 0: half known at compile time (the loop is then one or a few whole vectors).
-template <typename scalar_t, int kHalf = 0>
-inline void rotate_head(scalar_t* x, const float* c, const float* s, int64_t runtime_half) {
-  const int64_t half = kHalf > 0 ? kHalf : runtime_half;
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
-    // rotate_half(x) = (-x2, x1); negation is exact, so (-x2) * s == -(x2 * s) bitwise
-    const scalar_t a1 = static_cast<scalar_t>(x1 * static_cast<float>(static_cast<scalar_t>(c[i])));
-    const scalar_t b1 = static_cast<scalar_t>(-x2 * static_cast<float>(static_cast<scalar_t>(s[i])));
-    const scalar_t a2 = static_cast<scalar_t>(x2 * static_cast<float>(static_cast<scalar_t>(c[i + half])));
-    const scalar_t b2 = static_cast<scalar_t>(x1 * static_cast<float>(static_cast<scalar_t>(s[i + half])));
-    x[i] = static_cast<scalar_t>(static_cast<float>(a1) + static_cast<float>(b1));
-    x[i + half] = static_cast<scalar_t>(static_cast<float>(a2) + static_cast<float>(b2));
+template <typename scalar_t, int W>
+inline void rotate_head(scalar_t* x, const float* c, const float* s, int64_t half) {
+  int64_t i = 0;
+  Vec<W> r1, r2;
+  for (; i + W <= half; i += W) {
+    rotate_step<scalar_t, W>(load<W>(x + i), load<W>(x + i + half), c, s, half, i, W, r1, r2);
+    store<W>(x + i, r1);
+    store<W>(x + i + half, r2);
+  }
+  if (i < half) {
+    const int m = static_cast<int>(half - i);
+    rotate_step<scalar_t, W>(load_partial<W>(x + i, m), load_partial<W>(x + i + half, m), c, s, half, i, m, r1, r2);
+    store_partial<W>(x + i, r1, m);
+    store_partial<W>(x + i + half, r2, m);
   }
 }
 
@@ -61,9 +79,6 @@ void rotary_embedding_cpu(const at::Tensor& positions,  // [num_tokens] int64
   TORCH_CHECK(D % 2 == 0, "rotary_embedding: head_size must be even, got ", D);
   check_heads(query, "query", T, D);
   check_heads(key, "key", T, D);
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
-                  query.scalar_type() == at::kHalf,
-              "rotary_embedding: dtype must be float32, bfloat16 or float16, got ", query.scalar_type());
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), "rotary_embedding: key dtype ", key.scalar_type(),
               " != query dtype ", query.scalar_type());
   const at::Tensor pos = positions.contiguous();
@@ -72,32 +87,30 @@ void rotary_embedding_cpu(const at::Tensor& positions,  // [num_tokens] int64
     TORCH_CHECK(p[t] >= 0 && p[t] < max_pos, "rotary_embedding: positions[", t, "] = ", p[t], " is outside [0, ",
                 max_pos, ")");
   }
+  if (T == 0 || D == 0) return;
   const float* c = cos.const_data_ptr<float>();
   const float* s = sin.const_data_ptr<float>();
-  const int64_t heads = query.size(1) + key.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "rotary_embedding_cpu", [&] {
+  const int64_t half = D / 2, heads = query.size(1) + key.size(1);
+  dispatch_float_types(query.scalar_type(), "rotary_embedding", [&](auto zero) {
+    using scalar_t = decltype(zero);
     scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* k = key.data_ptr<scalar_t>();
     const int64_t qs0 = query.stride(0), qs1 = query.stride(1), ks0 = key.stride(0), ks1 = key.stride(1);
     const int64_t Hq = query.size(1), Hk = key.size(1);
+    auto rows = [&](auto width, int64_t begin, int64_t end) {  // width: std::integral_constant, the W
+      constexpr int W = decltype(width)::value;
+      for (int64_t t = begin; t < end; ++t) {
+        const float* ct = c + p[t] * D;
+        const float* st = s + p[t] * D;
+        for (int64_t h = 0; h < Hq; ++h) rotate_head<scalar_t, W>(q + t * qs0 + h * qs1, ct, st, half);
+        for (int64_t h = 0; h < Hk; ++h) rotate_head<scalar_t, W>(k + t * ks0 + h * ks1, ct, st, half);
+      }
+    };
     at::parallel_for(0, T, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(heads * D, 1)),
                      [&](int64_t begin, int64_t end) {
-                       auto rows = [&](auto half) {  // half: std::integral_constant, 0 = run-time
-                         for (int64_t t = begin; t < end; ++t) {
-                           const float* ct = c + p[t] * D;
-                           const float* st = s + p[t] * D;
-                           for (int64_t h = 0; h < Hq; ++h) rotate_head<scalar_t, half>(q + t * qs0 + h * qs1, ct, st, D / 2);
-                           for (int64_t h = 0; h < Hk; ++h) rotate_head<scalar_t, half>(k + t * ks0 + h * ks1, ct, st, D / 2);
-                         }
-                       };
-                       switch (D) {
-                         case 8: return rows(std::integral_constant<int, 4>());
-                         case 16: return rows(std::integral_constant<int, 8>());
-                         case 32: return rows(std::integral_constant<int, 16>());
-                         case 64: return rows(std::integral_constant<int, 32>());
-                         case 128: return rows(std::integral_constant<int, 64>());
-                         default: return rows(std::integral_constant<int, 0>());
-                       }
+                       if (kLanes >= 16 && half >= 16) return rows(std::integral_constant<int, std::min(kLanes, 16)>(), begin, end);
+                       if (kLanes >= 8 && half >= 8) return rows(std::integral_constant<int, std::min(kLanes, 8)>(), begin, end);
+                       return rows(std::integral_constant<int, 4>(), begin, end);
                      });
   });
 }

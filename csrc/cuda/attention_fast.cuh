@@ -1,4 +1,4 @@
-// Fast decode-attention kernel, templated on element type, head size and query heads per block.
+// Fast attention kernel, templated on element type, head size and query heads per block.
 // Included only by attention_fast_{bf16,f16,f32}.cu, which instantiate it for one element type each
 // (so that the three compile in parallel).
 //
@@ -50,18 +50,19 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_fast_kernel(const
   constexpr int kVec = L::kVec, kLanes = L::kLanes, kNV = L::kVecsPerLane, kPer = L::kPerLane;
   constexpr int kGroups = L::kGroups, kU = L::kTokensPerLane;
 
-  const int seq = blockIdx.x;
+  const int row = blockIdx.x;
   const int kv_head = blockIdx.y / p.num_head_chunks;
   const int first = (blockIdx.y % p.num_head_chunks) * kHeads;  // first head of the chunk, in group
   const int num_heads_here = min(kHeads, p.group_size - first);
   const int head0 = kv_head * p.group_size + first;  // query head of g = 0
   const int partition = blockIdx.z;
 
-  const int ctx = context_len(p.seq_lens, seq, p.max_blocks_per_seq, p.block_size);
-  const int start = p.partition_size > 0 ? partition * p.partition_size : 0;
-  const int end = p.partition_size > 0 ? min(start + p.partition_size, ctx) : ctx;
-  scalar_t* out = static_cast<scalar_t*>(p.out) + seq * p.out_stride_seq + head0 * p.out_stride_head;
-  if (start >= end) {  // empty context (or a partition past its end: the reduce never reads it)
+  const RowSpan span = row_span(p.query_start_loc, p.seq_lens, p.num_seqs, row, p.sliding_window,
+                                p.max_blocks_per_seq, p.block_size);
+  const int start = p.partition_size > 0 ? max(partition * p.partition_size, span.lo) : span.lo;
+  const int end = p.partition_size > 0 ? min((partition + 1) * p.partition_size, span.hi) : span.hi;
+  scalar_t* out = static_cast<scalar_t*>(p.out) + row * p.out_stride_row + head0 * p.out_stride_head;
+  if (start >= end) {  // empty span (or a partition outside it: the reduce never reads it)
     if (p.partition_size == 0) {
       for (int o = threadIdx.x; o < num_heads_here * kHeadSize; o += kAttentionThreads)
         out[(o / kHeadSize) * p.out_stride_head + o % kHeadSize] = from_float<scalar_t>(0.f);
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_fast_kernel(const
 
   // q: [kHeads][kPer] this lane's slice of each query head, scaled by scale * log2(e).
   float q[kHeads][kPer];
-  const scalar_t* q_seq = static_cast<const scalar_t*>(p.query) + seq * p.q_stride_seq + head0 * p.q_stride_head;
+  const scalar_t* q_seq = static_cast<const scalar_t*>(p.query) + row * p.q_stride_row + head0 * p.q_stride_head;
 #pragma unroll
   for (int g = 0; g < kHeads; ++g) {
 #pragma unroll
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_fast_kernel(const
     for (int i = 0; i < kPer; ++i) acc[g][i] = 0.f;
   }
 
-  const int* block_table = p.block_tables + seq * p.block_table_stride;
+  const int* block_table = p.block_tables + span.seq * p.block_table_stride;
   const int64_t kv_head_offset = int64_t(kv_head) * kHeadSize;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.key_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.value_cache);
@@ -238,11 +239,11 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_fast_kernel(const
     if (p.partition_size == 0) {
       out[g * p.out_stride_head + d] = from_float<scalar_t>(value);
     } else {
-      const int64_t row = (int64_t(seq) * p.num_heads + head0 + g) * p.max_partitions + partition;
-      p.tmp_out[row * kHeadSize + d] = value;
+      const int64_t slot = (int64_t(row) * p.num_heads + head0 + g) * p.max_partitions + partition;
+      p.tmp_out[slot * kHeadSize + d] = value;
       if (d == 0) {
-        p.max_logits[row] = block_max;
-        p.exp_sums[row] = sum_exp;
+        p.max_logits[slot] = block_max;
+        p.exp_sums[slot] = sum_exp;
       }
     }
   }

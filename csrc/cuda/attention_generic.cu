@@ -1,4 +1,4 @@
-// Generic decode-attention kernel: any head size (e.g. 8 for stories260K), any row alignment,
+// Generic attention kernel: any head size (e.g. 8 for stories260K), any row alignment,
 // scalar loads. Same grid, partitions and outputs as the fast kernel (attention_params.cuh); it
 // trades speed for simplicity: a tile of kTile tokens at a time, staged through shared memory,
 // with block-wide barriers between the q.k, softmax and p.V steps.
@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_generic_kernel(co
   float* l_s = m_s + H;
   float* alpha_s = l_s + H;
 
-  const int seq = blockIdx.x;
+  const int row = blockIdx.x;
   const int kv_head = blockIdx.y / p.num_head_chunks;
   const int first = (blockIdx.y % p.num_head_chunks) * H;
   const int nh = min(H, p.group_size - first);  // heads of this block
@@ -35,10 +35,11 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_generic_kernel(co
   const int partition = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, num_warps = kAttentionThreads / 32;
 
-  const int ctx = context_len(p.seq_lens, seq, p.max_blocks_per_seq, p.block_size);
-  const int start = p.partition_size > 0 ? partition * p.partition_size : 0;
-  const int end = p.partition_size > 0 ? min(start + p.partition_size, ctx) : ctx;
-  scalar_t* out = static_cast<scalar_t*>(p.out) + seq * p.out_stride_seq + head0 * p.out_stride_head;
+  const RowSpan span = row_span(p.query_start_loc, p.seq_lens, p.num_seqs, row, p.sliding_window,
+                                p.max_blocks_per_seq, p.block_size);
+  const int start = p.partition_size > 0 ? max(partition * p.partition_size, span.lo) : span.lo;
+  const int end = p.partition_size > 0 ? min((partition + 1) * p.partition_size, span.hi) : span.hi;
+  scalar_t* out = static_cast<scalar_t*>(p.out) + row * p.out_stride_row + head0 * p.out_stride_head;
   if (start >= end) {
     if (p.partition_size == 0) {
       for (int o = tid; o < nh * D; o += kAttentionThreads)
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_generic_kernel(co
     return;
   }
 
-  const scalar_t* q = static_cast<const scalar_t*>(p.query) + seq * p.q_stride_seq + head0 * p.q_stride_head;
+  const scalar_t* q = static_cast<const scalar_t*>(p.query) + row * p.q_stride_row + head0 * p.q_stride_head;
   for (int o = tid; o < nh * D; o += kAttentionThreads) {
     q_s[o] = to_float(q[(o / D) * p.q_stride_head + o % D]) * p.scale_log2;
     acc_s[o] = 0.f;
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_generic_kernel(co
     l_s[g] = 0.f;
   }
 
-  const int* block_table = p.block_tables + seq * p.block_table_stride;
+  const int* block_table = p.block_tables + span.seq * p.block_table_stride;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.key_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.value_cache);
   const int64_t kv_head_offset = int64_t(kv_head) * D;
@@ -118,11 +119,11 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_generic_kernel(co
     if (p.partition_size == 0) {
       out[g * p.out_stride_head + d] = from_float<scalar_t>(value);
     } else {
-      const int64_t row = (int64_t(seq) * p.num_heads + head0 + g) * p.max_partitions + partition;
-      p.tmp_out[row * D + d] = value;
+      const int64_t slot = (int64_t(row) * p.num_heads + head0 + g) * p.max_partitions + partition;
+      p.tmp_out[slot * D + d] = value;
       if (d == 0) {
-        p.max_logits[row] = m_s[g];
-        p.exp_sums[row] = l_s[g];
+        p.max_logits[slot] = m_s[g];
+        p.exp_sums[slot] = l_s[g];
       }
     }
   }

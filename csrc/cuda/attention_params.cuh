@@ -2,15 +2,21 @@
 // (attention_fast.cuh, attention_generic.cu, attention_reduce.cu). No torch headers here, so the
 // kernel translation units compile without them.
 //
+// Varlen rows (csrc/ops.cpp): query row r belongs to the sequence s with query_start_loc[s] <= r <
+// query_start_loc[s + 1] (found by a binary search in the kernel: query_start_loc stays on the GPU),
+// sits at position p = seq_lens[s] - q_len + (r - query_start_loc[s]) and attends over the positions
+// [lo, p] of its sequence, lo = 0 or, with a sliding window, max(0, p - window + 1) (row_span below).
+//
 // Work split (PagedAttention, Kwon et al. SOSP 2023, section 4; the same op design as vLLM's v1/v2):
-//   one thread block per (sequence, KV head, chunk of its query heads, partition of the context).
-//   * single pass (partition_size == 0): one partition covers the whole context and the block
-//     writes `out` directly;
-//   * split-K (partition_size > 0): partition p covers tokens [p * P, min((p + 1) * P, seq_len)) and
+//   one thread block per (query row, KV head, chunk of its query heads, partition of the context).
+//   * single pass (partition_size == 0): one partition covers the whole span and the block writes
+//     `out` directly;
+//   * split-K (partition_size > 0): partition k covers the positions [k * P, (k + 1) * P) of the
+//     row's span (absolute positions, so the window's start cuts only the first partitions) and
 //     writes its softmax-normalised partial output, its running max and its sum of exponentials;
-//     attention_reduce.cu then combines the partitions of each (sequence, head) into `out`.
+//     attention_reduce.cu then combines the partitions of each (row, head) into `out`.
 // Softmax runs in the log2 domain: logits are q.k * scale * log2(e), probabilities exp2(logit - max).
-// Partitions that start at or past seq_len write nothing; the reduce kernel never reads them.
+// Partitions outside the span write nothing; the reduce kernel never reads them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,20 +37,22 @@ constexpr int kTargetBlocksPerSM = 4;
 constexpr int kMinPartitionSize = 256;
 
 struct AttentionParams {
-  void* out;               // [num_seqs, num_heads, head_size] scalar_t, rows strided (out_stride_*)
-  float* tmp_out;          // [num_seqs, num_heads, max_partitions, head_size] (split-K only)
-  float* max_logits;       // [num_seqs, num_heads, max_partitions] log2-domain max (split-K only)
-  float* exp_sums;         // [num_seqs, num_heads, max_partitions] sum of exp2 (split-K only)
-  const void* query;       // [num_seqs, num_heads, head_size] scalar_t, rows strided (q_stride_*)
+  void* out;               // [num_rows, num_heads, head_size] scalar_t, rows strided (out_stride_*)
+  float* tmp_out;          // [num_rows, num_heads, max_partitions, head_size] (split-K only)
+  float* max_logits;       // [num_rows, num_heads, max_partitions] log2-domain max (split-K only)
+  float* exp_sums;         // [num_rows, num_heads, max_partitions] sum of exp2 (split-K only)
+  const void* query;       // [num_rows, num_heads, head_size] scalar_t, rows strided (q_stride_*)
   const void* key_cache;   // [num_blocks, block_size, num_kv_heads, head_size] contiguous
   const void* value_cache; // [num_blocks, block_size, num_kv_heads, head_size] contiguous
   const int* block_tables; // [num_seqs, max_blocks_per_seq], rows strided (block_table_stride)
-  const int* seq_lens;     // [num_seqs]
-  int64_t q_stride_seq, q_stride_head;      // in elements
-  int64_t out_stride_seq, out_stride_head;  // in elements
+  const int* seq_lens;     // [num_seqs] context length of each sequence after this step
+  const int* query_start_loc;  // [num_seqs + 1] first query row of each sequence
+  int64_t q_stride_row, q_stride_head;      // in elements
+  int64_t out_stride_row, out_stride_head;  // in elements
   int64_t block_table_stride;               // in elements
   int64_t kv_token_stride;                  // num_kv_heads * head_size
-  int num_seqs, num_heads, num_kv_heads, head_size;
+  int num_rows, num_seqs, num_heads, num_kv_heads, head_size;
+  int sliding_window;    // 0: none
   int group_size;        // num_heads / num_kv_heads
   int heads_per_block;   // query heads per block (<= kMaxHeadsPerBlock)
   int num_head_chunks;   // ceil(group_size / heads_per_block)
@@ -57,15 +65,15 @@ struct AttentionParams {
 };
 
 // Fills the work split of `p` (heads_per_block, num_head_chunks, block_size_log2, partition_size,
-// max_partitions) from its sizes (num_seqs, num_kv_heads, group_size, block_size,
+// max_partitions) from its sizes (num_rows, num_kv_heads, group_size, block_size,
 // max_blocks_per_seq). `fast`: the fast kernel runs (it is built for 1, 2, 4 or 8 heads per block).
 //
-// Without split-K there is one block per (sequence, KV head, head chunk). When that leaves the GPU
+// Without split-K there is one block per (query row, KV head, head chunk). When that leaves the GPU
 // short of kTargetBlocksPerSM blocks per multiprocessor (small batches: one 32k-token sequence has
 // only num_kv_heads of them), every context is cut into partitions so that about that many blocks
 // run. The longest context is bounded by the block table's width (seq_lens stays on the GPU; reading
 // it would sync), so a wide table makes partitions longer, never more numerous than needed. Large
-// batches (and the prefill rows, one per prompt token) run single pass.
+// batches (and prefill chunks, one block row per prompt token) run single pass.
 inline void plan_attention(AttentionParams& p, bool fast, int num_sms) {
   auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   const int capped = p.group_size < kMaxHeadsPerBlock ? p.group_size : kMaxHeadsPerBlock;
@@ -78,7 +86,7 @@ inline void plan_attention(AttentionParams& p, bool fast, int num_sms) {
     if (p.block_size == (1 << b)) p.block_size_log2 = b;
 
   const int64_t max_context = int64_t(p.max_blocks_per_seq) * p.block_size;
-  const int64_t base_blocks = int64_t(p.num_seqs) * p.num_kv_heads * p.num_head_chunks;
+  const int64_t base_blocks = int64_t(p.num_rows) * p.num_kv_heads * p.num_head_chunks;
   const int64_t target_blocks = int64_t(kTargetBlocksPerSM) * num_sms;
   p.partition_size = 0;
   p.max_partitions = 1;
@@ -92,10 +100,10 @@ inline void plan_attention(AttentionParams& p, bool fast, int num_sms) {
   }
 }
 
-// Grid shared by the fast and the generic kernel: x = sequence (up to 2^31 - 1 of them, prefill
-// rows included), y = KV head * num_head_chunks + chunk, z = partition.
+// Grid shared by the fast and the generic kernel: x = query row (up to 2^31 - 1 of them),
+// y = KV head * num_head_chunks + chunk, z = partition.
 inline dim3 attention_grid(const AttentionParams& p) {
-  return dim3(p.num_seqs, p.num_kv_heads * p.num_head_chunks, p.max_partitions);
+  return dim3(p.num_rows, p.num_kv_heads * p.num_head_chunks, p.max_partitions);
 }
 
 // Head sizes with a fast kernel (launch_attention_fast).

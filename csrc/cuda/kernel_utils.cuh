@@ -98,13 +98,29 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch) {
   return r;
 }
 
-// Tokens a sequence attends over: seq_lens[i] clamped to [0, what its block table can address].
-// (The bound is not checked on the host, which would need a device sync; clamping keeps every
-// read inside the block table.)
-__device__ __forceinline__ int context_len(const int* seq_lens, int seq, int max_blocks_per_seq, int block_size) {
+// What query row `row` attends to (attention_params.cuh): its sequence, and the span [lo, hi) of
+// positions (hi = position + 1, clamped to what the block table can address: the bound is not
+// checked on the host, which would need a device sync). An empty span (lo >= hi) for a row at a
+// negative position, or a row past query_start_loc[num_seqs]: its output is zeros.
+struct RowSpan {
+  int seq, lo, hi;
+};
+__device__ __forceinline__ RowSpan row_span(const int* query_start_loc, const int* seq_lens, int num_seqs, int row,
+                                            int sliding_window, int max_blocks_per_seq, int block_size) {
+  RowSpan r{0, 0, 0};
+  if (num_seqs <= 0 || row >= __ldg(query_start_loc + num_seqs)) return r;
+  int a = 0, b = num_seqs - 1;  // the last sequence whose first row is <= row (empty ones come before it)
+  while (a < b) {
+    const int mid = (a + b + 1) / 2;
+    if (__ldg(query_start_loc + mid) <= row) a = mid; else b = mid - 1;
+  }
+  const int first = __ldg(query_start_loc + a), q_len = __ldg(query_start_loc + a + 1) - first;
+  const int pos = __ldg(seq_lens + a) - q_len + (row - first);
   const int64_t cap = int64_t(max_blocks_per_seq) * block_size;
-  const int len = seq_lens[seq];
-  return len <= 0 ? 0 : int(len < cap ? len : cap);
+  r.seq = a;
+  r.hi = pos < 0 ? 0 : int(pos + 1 < cap ? pos + 1 : cap);
+  r.lo = sliding_window > 0 && pos - sliding_window + 1 > 0 ? pos - sliding_window + 1 : 0;
+  return r;
 }
 
 // Element offset of token `t`'s row for KV head `kv_head` in a cache

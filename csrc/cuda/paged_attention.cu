@@ -1,5 +1,7 @@
-// pagedgen::paged_attention on CUDA: checks the arguments, picks the kernel (fast or generic) and the
-// work split (single pass or split-K), and launches on the current stream of query's device.
+// pagedgen::paged_attention on CUDA (the varlen op of csrc/ops.cpp): checks the arguments, picks the
+// kernel (fast or generic) and the work split (single pass or split-K), and launches on the current
+// stream of query's device. Nothing is read back from the GPU: the row -> sequence map is looked up by
+// the kernels in query_start_loc (attention_params.cuh).
 // Kernels: attention_fast.cuh, attention_generic.cu, attention_reduce.cu (see attention_params.cuh).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -52,18 +54,19 @@ void launch(const AttentionParams& p, bool fast, cudaStream_t stream) {
 }  // namespace
 
 void paged_attention(
-    const at::Tensor& out,           // [num_seqs, num_heads, head_size], written
-    const at::Tensor& query,         // [num_seqs, num_heads, head_size]
-    const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
-    const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_size]
-    const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq] int32
-    const at::Tensor& seq_lens,      // [num_seqs] int32
-    double scale) {
+    const at::Tensor& out,              // [num_tokens, num_heads, head_size], written
+    const at::Tensor& query,            // [num_tokens, num_heads, head_size]
+    const at::Tensor& key_cache,        // [num_blocks, block_size, num_kv_heads, head_size]
+    const at::Tensor& value_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
+    const at::Tensor& block_tables,     // [num_seqs, max_blocks_per_seq] int32
+    const at::Tensor& seq_lens,         // [num_seqs] int32
+    const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
+    double scale, int64_t sliding_window) {
   TORCH_CHECK(query.is_cuda(), "paged_attention: query must be a CUDA tensor, got ", query.device());
-  for (const at::Tensor* t : {&out, &key_cache, &value_cache, &block_tables, &seq_lens})
+  for (const at::Tensor* t : {&out, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc})
     TORCH_CHECK(t->device() == query.device(), "paged_attention: all tensors must be on ", query.device(),
                 ", got one on ", t->device());
-  TORCH_CHECK(query.dim() == 3, "paged_attention: query must be [num_seqs, num_heads, head_size], got ", query.sizes());
+  TORCH_CHECK(query.dim() == 3, "paged_attention: query must be [num_tokens, num_heads, head_size], got ", query.sizes());
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
               "paged_attention: query must be float32, float16 or bfloat16, got ", dtype);
@@ -80,16 +83,16 @@ void paged_attention(
               "paged_attention: key_cache and value_cache must have query's dtype ", dtype);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_attention: key_cache and value_cache must be contiguous");
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_size, "paged_attention: cache head_size ", key_cache.size(3),
               " != query head_size ", head_size);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(block_size > 0 && head_size > 0, "paged_attention: block_size and head_size must be positive");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-              "paged_attention: block_tables must be [num_seqs=", num_seqs, ", max_blocks_per_seq], got ",
+  TORCH_CHECK(block_tables.dim() == 2, "paged_attention: block_tables must be [num_seqs, max_blocks_per_seq], got ",
               block_tables.sizes());
+  const int64_t num_seqs = block_tables.size(0);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt, "paged_attention: block_tables must be int32, got ",
               block_tables.scalar_type());
   TORCH_CHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1,
@@ -99,12 +102,20 @@ void paged_attention(
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "paged_attention: seq_lens must be int32, got ",
               seq_lens.scalar_type());
   TORCH_CHECK(seq_lens.is_contiguous(), "paged_attention: seq_lens must be contiguous");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1,
+              "paged_attention: query_start_loc must be [num_seqs + 1=", num_seqs + 1, "], got ",
+              query_start_loc.sizes());
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt, "paged_attention: query_start_loc must be int32, got ",
+              query_start_loc.scalar_type());
+  TORCH_CHECK(query_start_loc.is_contiguous(), "paged_attention: query_start_loc must be contiguous");
+  TORCH_CHECK(sliding_window >= 0 && sliding_window < INT_MAX,
+              "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t max_context = max_blocks * block_size;  // every seq_len is clamped to this
-  TORCH_CHECK(num_seqs < INT_MAX && max_context < INT_MAX && num_heads < 65536,
-              "paged_attention: sizes out of range (num_seqs ", num_seqs, ", max_blocks_per_seq * block_size ",
-              max_context, ", num_heads ", num_heads, ")");
-  if (num_seqs == 0 || num_heads == 0) return;
+  const int64_t max_context = max_blocks * block_size;  // every span is clamped to this
+  TORCH_CHECK(num_tokens < INT_MAX && num_seqs < INT_MAX && max_context < INT_MAX && num_heads < 65536,
+              "paged_attention: sizes out of range (num_tokens ", num_tokens, ", num_seqs ", num_seqs,
+              ", max_blocks_per_seq * block_size ", max_context, ", num_heads ", num_heads, ")");
+  if (num_tokens == 0 || num_heads == 0) return;
 
   const c10::cuda::CUDAGuard guard(query.device());
   const int device = query.get_device();
@@ -121,13 +132,16 @@ void paged_attention(
   p.value_cache = value_cache.data_ptr();
   p.block_tables = block_tables.data_ptr<int>();
   p.seq_lens = seq_lens.data_ptr<int>();
-  p.q_stride_seq = query.stride(0);
+  p.query_start_loc = query_start_loc.data_ptr<int>();
+  p.q_stride_row = query.stride(0);
   p.q_stride_head = query.stride(1);
-  p.out_stride_seq = out.stride(0);
+  p.out_stride_row = out.stride(0);
   p.out_stride_head = out.stride(1);
   p.block_table_stride = block_tables.stride(0);
   p.kv_token_stride = num_kv_heads * head_size;
+  p.num_rows = int(num_tokens);
   p.num_seqs = int(num_seqs);
+  p.sliding_window = int(sliding_window);
   p.num_heads = int(num_heads);
   p.num_kv_heads = int(num_kv_heads);
   p.head_size = int(head_size);
@@ -146,9 +160,9 @@ void paged_attention(
   at::Tensor tmp_out, max_logits, exp_sums;  // split-K scratch, see attention_params.cuh
   if (p.partition_size > 0) {
     const auto f32 = query.options().dtype(at::kFloat);
-    tmp_out = at::empty({num_seqs, num_heads, p.max_partitions, head_size}, f32);
-    max_logits = at::empty({num_seqs, num_heads, p.max_partitions}, f32);
-    exp_sums = at::empty({num_seqs, num_heads, p.max_partitions}, f32);
+    tmp_out = at::empty({num_tokens, num_heads, p.max_partitions, head_size}, f32);
+    max_logits = at::empty({num_tokens, num_heads, p.max_partitions}, f32);
+    exp_sums = at::empty({num_tokens, num_heads, p.max_partitions}, f32);
     p.tmp_out = tmp_out.data_ptr<float>();
     p.max_logits = max_logits.data_ptr<float>();
     p.exp_sums = exp_sums.data_ptr<float>();

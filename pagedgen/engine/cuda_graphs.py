@@ -3,9 +3,11 @@ smallest captured batch size >= B, instead of launching every kernel of the forw
 
 Captured: embedding, every layer (projections, RoPE, ``reshape_and_cache``, ``paged_attention``),
 final norm and lm_head, for static input buffers. Before a replay the step's inputs are copied into
-those buffers; rows past B are padding: slot -1 (nothing written), seq_len 0 (attention output 0),
-and their logits are ignored. The block-table width is fixed to ``max_blocks_per_seq``
-(max_model_len / block_size), so every replay plans attention for the longest possible context.
+those buffers; rows past B are padding: slot -1 (nothing written), seq_len 0 (a row at position -1:
+attention output 0), and their logits are ignored. A decode step has one row per sequence, so
+``query_start_loc`` is 0, 1, ..., b for every replay (a constant buffer). The block-table width is
+fixed to ``max_blocks_per_seq`` (max_model_len / block_size), so every replay plans attention for the
+longest possible context.
 Sampling stays outside the graph.
 """
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 
 import torch
 
-from pagedgen.model.llama import AttentionMetadata, LlamaForCausalLM
+from pagedgen.model.llama import LlamaForCausalLM
+from pagedgen.ops import AttentionMetadata
 
 logger = logging.getLogger("pagedgen")
 
@@ -40,6 +43,7 @@ class CUDAGraphRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.block_size = kv_caches[0][0].shape[1] if kv_caches else 1
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks = max_blocks_per_seq
         dev = model.device
@@ -50,13 +54,17 @@ class CUDAGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)  # [n]
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)  # [n, max_blocks]
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)  # [n]
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [n + 1], never changes
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)  # [n]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # logits [b, vocab] float32 per captured size
         self._pool = None
 
     def _forward(self, b: int) -> torch.Tensor:
-        attn = AttentionMetadata(self.slot_mapping[:b], self.block_tables[:b], self.seq_lens[:b])
+        attn = AttentionMetadata(
+            self.slot_mapping[:b], self.block_tables[:b], self.seq_lens[:b], self.query_start_loc[: b + 1],
+            max_seq_len=self.max_blocks * self.block_size,
+        )
         return self.model.forward(self.input_ids[:b], self.positions[:b], attn, self.kv_caches, self.logits_indices[:b])
 
     def capture(self) -> None:

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from pagedgen.engine.block_manager import cdiv
-from pagedgen.model.llama import AttentionMetadata, LlamaForCausalLM
+from pagedgen.model.llama import LlamaForCausalLM
+from pagedgen.ops import AttentionMetadata
 
 #: Share of the available host memory the KV cache takes by default on the CPU.
 DEFAULT_CPU_KV_FRACTION = 0.25
@@ -86,10 +87,12 @@ def cuda_kv_bytes(model: LlamaForCausalLM, max_num_batched_tokens: int, gpu_memo
     T = max_num_batched_tokens
     one_block = (1, 1, cfg.num_kv_heads, cfg.head_dim)  # a stand-in cache: nothing is written (slot -1)
     caches = [(torch.zeros(one_block, dtype=cfg.dtype, device=dev), torch.zeros(one_block, dtype=cfg.dtype, device=dev)) for _ in range(cfg.num_layers)]
-    attn = AttentionMetadata(
+    attn = AttentionMetadata(  # T one-token sequences, each attending over its own (unwritten) slot
         slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
         block_tables=torch.zeros(T, 1, dtype=torch.int32, device=dev),
         seq_lens=torch.ones(T, dtype=torch.int32, device=dev),
+        query_start_loc=torch.arange(T + 1, dtype=torch.int32, device=dev),
+        max_seq_len=1,
     )
     ids = torch.zeros(T, dtype=torch.int64, device=dev)
     positions = torch.zeros(T, dtype=torch.int64, device=dev)

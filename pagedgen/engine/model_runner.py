@@ -9,9 +9,12 @@ all layers at once.
 One step's inputs, for the scheduled sequences s_0..s_{n-1} computing tokens [c_i, c_i + k_i):
     input_ids    [T]            the tokens, sequence after sequence (T = sum k_i)
     positions    [T]            c_i .. c_i + k_i - 1
-    slot_mapping [T]            block_table[p // block_size] * block_size + p % block_size
-    block_tables [T, max_blocks] each token's sequence's block table (padded with 0, never read)
-    seq_lens     [T]            position + 1: each token attends over itself and all before it
+    attn (pagedgen.ops.AttentionMetadata):
+      slot_mapping [T]          block_table[p // block_size] * block_size + p % block_size
+      block_tables [n, max_blocks] each sequence's block table (padded with 0, never read)
+      seq_lens     [n]          c_i + k_i: the context of sequence i after this step
+      query_start_loc [n + 1]   0, k_0, k_0 + k_1, ...: sequence i's rows of the step
+      max_seq_len               max(c_i + k_i)
     logits_indices [S + B + R]  the last token of each of the S sequences that sample this step
                                 (a forked parallel sample repeats its parent's row), of the B beams,
                                 then the R prompt positions whose logits give prompt logprobs
@@ -38,7 +41,8 @@ from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence
-from pagedgen.model.llama import AttentionMetadata, LlamaForCausalLM
+from pagedgen.model.llama import LlamaForCausalLM
+from pagedgen.ops import AttentionMetadata
 from pagedgen.outputs import Logprob
 
 
@@ -169,6 +173,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        query_start_loc: list[int] = [0]
         logits_indices: list[int] = []
         sampling: list[Sequence] = []
         beam_rows: list[int] = []
@@ -180,6 +186,7 @@ class ModelRunner:
             token_ids = seq.token_ids
             table = block_table(seq.seq_id)
             tables.append(table)
+            seq_lens.append(end)
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt_plan.add(seq, start, end, len(input_ids))
             if n == 1:
@@ -190,6 +197,7 @@ class ModelRunner:
                 input_ids.extend(token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            query_start_loc.append(len(input_ids))
             if end == len(token_ids):
                 if seq.beam_group is not None:
                     beam_rows.append(len(input_ids) - 1)
@@ -200,18 +208,16 @@ class ModelRunner:
         for child, parent in batch.forked:  # parallel samples share their parent's last row
             logits_indices.append(logits_indices[sampling.index(parent)])
             sampling.append(child)
-        positions_t = _int_tensor(positions, torch.int64)
-        block_tables = _padded_int32(tables)  # [S, max_blocks]
-        if len(input_ids) != len(tables):  # prefill chunks: one row per token
-            block_tables = block_tables.repeat_interleave(_int_tensor(batch.num_new_tokens, torch.int64), dim=0)
         attn = AttentionMetadata(
-            slot_mapping=self._to_device(_int_tensor(slots, torch.int64)),
-            block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device((positions_t + 1).to(torch.int32)),
+            slot_mapping=self._to_device(_int_tensor(slots, torch.int64)),  # [T]
+            block_tables=self._to_device(_padded_int32(tables)),  # [n, max_blocks]
+            seq_lens=self._to_device(_int_tensor(seq_lens, torch.int32)),  # [n]
+            query_start_loc=self._to_device(_int_tensor(query_start_loc, torch.int32)),  # [n + 1]
+            max_seq_len=max(seq_lens),
         )
         tensors = (
             self._to_device(_int_tensor(input_ids, torch.int64)),
-            self._to_device(positions_t),
+            self._to_device(_int_tensor(positions, torch.int64)),
             attn,
             self._to_device(_int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64)),
         )

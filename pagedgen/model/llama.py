@@ -1,177 +1,170 @@
-"""Llama decoder (``LlamaForCausalLM``) over a flattened token batch and the paged KV cache.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 and Phi-3 (transformers' ``modeling_llama``,
+``modeling_mistral``, ``modeling_qwen2``, ``modeling_qwen3``, ``modeling_phi3``).
 
-Numerics follow transformers' ``modeling_llama`` (RMSNorm in float32, rotate-half RoPE with cos/sin
-computed in float32, SwiGLU MLP) so that greedy output matches it token for token. q/k/v and
-gate/up projections are fused into one matmul each (fewer, larger matmuls per step), and the small
-per-token layers are one op each (``pagedgen.ops``: rms_norm, fused_add_rms_norm for the residual add
-and the norm after it, rotary_embedding in place on the q/k views, silu_and_mul): one pass over the
-rows instead of up to ten ATen ops, which matters when a step is a few hundred tokens of a small model.
+    token ids [T]
+      -> embed_tokens                                          [T, hidden]
+      -> layers x N:
+           input_layernorm (RMSNorm, fused with the residual add)
+           self_attn: qkv_proj -> (q_norm, k_norm: Qwen3) -> rotary_emb -> paged attention -> o_proj
+           post_attention_layernorm (RMSNorm, fused with the residual add)
+           mlp: gate_up_proj -> SiLU(gate) * up -> down_proj
+      -> rows at logits_indices -> norm                        [S, hidden]
+      -> lm_head                                               [S, vocab]
 
-One step's batch is flat: T tokens from many sequences, prefill chunks and decode tokens mixed.
-Attention for every token goes through the paged kernels: the new keys/values are first written
-into their slots (``reshape_and_cache``), then each token attends over its sequence's cached tokens
-up to and including itself (``paged_attention`` with one row per token, seq_len = position + 1).
+The variants are flags read from the config: Qwen2 has q/k/v biases, Llama ``attention_bias`` /
+``mlp_bias``, Qwen3 per-head RMSNorm of q and k before RoPE, Mistral/Qwen2/Phi-3 may have a sliding
+window, Phi-3 a partial rotary factor. Phi-3 checkpoints store q/k/v and gate/up already fused under
+the names of this file's fused modules, so they load as they are; Llama-style checkpoints give the
+parts, mapped by ``packed_modules_mapping``.
+
+One step's batch is flat: T tokens of many sequences, prefill chunks and decode tokens mixed.
+Numerics follow transformers step by step (RMSNorm statistics in float32, RoPE bitwise), so greedy
+output matches it token for token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from pagedgen import ops
 from pagedgen.config import ModelConfig
+from pagedgen.layers.activation import ActAndMul
+from pagedgen.layers.attention import Attention
+from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedgen.layers.module import Module
+from pagedgen.layers.norm import RMSNorm
+from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_cos_sin  # noqa: F401 (rope_cos_sin: re-exported)
+from pagedgen.model.base import CausalLM, KVCache, layer_sliding_windows
+from pagedgen.ops import AttentionMetadata
 
 
-@dataclass
-class AttentionMetadata:
-    """Per-step inputs of attention (built by the model runner).
-
-    Attributes:
-        slot_mapping: [T] int64, KV slot of each token (block * block_size + offset).
-        block_tables: [T, max_blocks] int32, the block table of each token's sequence.
-        seq_lens: [T] int32, tokens each token attends over (its position + 1).
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-
-
-def rope_cos_sin(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim] float32, as transformers' LlamaRotaryEmbedding.
-
-    The inverse frequencies come from transformers' RoPE initialisers (default, linear, llama3, yarn...);
-    types that depend on the running sequence length (dynamic, longrope) are refused.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"rope_type {rope_type!r} is not supported")
-    if rope_type == "default":
-        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
-    return emb.cos() * scaling, emb.sin() * scaling
-
-
-def check_layer_count(weights: dict[str, torch.Tensor], num_layers: int) -> None:
-    """Raises ValueError when the checkpoint holds layers past config.json's ``num_hidden_layers``
-    (missing ones are reported weight by weight when the model takes them)."""
-    indices = {int(name.split(".")[2]) for name in weights if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
-    if indices and max(indices) >= num_layers:
-        raise ValueError(
-            f"the checkpoint holds {max(indices) + 1} decoder layers, but config.json says num_hidden_layers="
-            f"{num_layers}: config.json does not describe these weights"
-        )
-
-
-class LlamaForCausalLM:
-    """Weights of a Llama checkpoint and its forward pass over the paged KV cache.
+class LlamaAttention(Module):
+    """q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection.
 
     Args:
-        config: model shape and dtype.
-        weights: tensors by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``...).
-        cos, sin: RoPE tables [max_positions, head_dim] float32 (see ``rope_cos_sin``).
-        device: where weights and activations live.
-
-    Raises:
-        ValueError: a weight is missing, has a shape other than config.json implies, or the checkpoint
-            holds more layers than config.json says.
+        qkv_bias / o_bias: biases of the q/k/v and output projections.
+        qk_norm: Qwen3's RMSNorm over each head of q and k (eps ``rms_norm_eps``) before RoPE.
+        sliding_window: this layer's window (0: full attention).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, device) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        dt = config.dtype
+    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int) -> None:
+        super().__init__()
+        H, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, Hkv, bias=qkv_bias)
+        self.q_norm = RMSNorm(D, hf_config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(D, hf_config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(H, D, D**-0.5, Hkv, sliding_window)
+        self.o_proj = RowParallelLinear(H * D, config.hidden_size, bias=o_bias)
 
-        c = config
-        hidden, q_dim, kv_dim = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        check_layer_count(weights, c.num_layers)
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+        T, D = h.shape[0], self.attn.head_dim
+        qkv = self.qkv_proj(h)  # [T, (H + 2 Hkv) D]
+        q, k, v = self.qkv_proj.split(qkv)  # views: [T, H, D], [T, Hkv, D], [T, Hkv, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, D)).view(T, -1, D)
+            k = self.k_norm(k.reshape(-1, D)).view(T, -1, D)
+        self.rotary_emb(positions, q, k)  # in place
+        out = self.attn(q, k, v, kv_cache, attn)  # [T, H, D]
+        return self.o_proj(out.view(T, -1))  # [T, hidden]
 
-        def take(name: str, *shape: int) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"weight {name!r} is missing from the checkpoint")
-            if tuple(weights[name].shape) != shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(weights[name].shape)}, but config.json implies {shape} "
-                    f"(hidden_size={hidden}, intermediate_size={c.intermediate_size}, num_attention_heads="
-                    f"{c.num_heads}, num_key_value_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
-                    f"vocab_size={c.vocab_size}): config.json does not describe these weights"
-                )
-            return weights[name].to(device=self.device, dtype=dt).contiguous()
 
-        self.embed_tokens = take("model.embed_tokens.weight", c.vocab_size, hidden)  # [vocab, hidden]
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(
-                {
-                    "input_norm": take(p + "input_layernorm.weight", hidden),  # [hidden]
-                    # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-                    "qkv": torch.cat(
-                        [take(p + f"self_attn.{x}_proj.weight", d, hidden) for x, d in zip("qkv", (q_dim, kv_dim, kv_dim))]
-                    ),
-                    "o": take(p + "self_attn.o_proj.weight", hidden, q_dim),  # [hidden, num_heads * head_dim]
-                    "post_norm": take(p + "post_attention_layernorm.weight", hidden),  # [hidden]
-                    # [2 * intermediate, hidden]
-                    "gate_up": torch.cat(
-                        [take(p + f"mlp.{x}_proj.weight", c.intermediate_size, hidden) for x in ("gate", "up")]
-                    ),
-                    "down": take(p + "mlp.down_proj.weight", hidden, c.intermediate_size),  # [hidden, intermediate]
-                }
-            )
-        self.norm = take("model.norm.weight", hidden)
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed_tokens
+class LlamaMLP(Module):
+    """Gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``, gate and up in one matmul
+    (SwiGLU for ``silu``; Gemma's GeGLU with ``gelu_pytorch_tanh``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.act_fn = ActAndMul(hidden_act)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(h)))  # [T, hidden]
+
+
+class LlamaDecoderLayer(Module):
+    """Pre-norm decoder layer. ``forward(positions, h, residual, kv_cache, attn) -> (h, residual)``:
+    the residual add is deferred to the next norm (fused with it), as in vLLM; the first layer gets
+    ``residual=None`` and the embeddings as ``h``.
+
+    Args:
+        attention: the layer's self-attention module; mlp: its MLP.
+        gemma_norm: Gemma's RMSNorm form ``(1 + weight)`` instead of Llama's.
+    """
+
+    def __init__(self, hf_config, attention: nn.Module, mlp: nn.Module, gemma_norm: bool = False) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, gemma=gemma_norm)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(hidden, eps, gemma=gemma_norm)
+        self.mlp = mlp
+
+    def forward(self, positions, h, residual, kv_cache: KVCache, attn: AttentionMetadata):
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
         else:
-            self.lm_head = take("lm_head.weight", c.vocab_size, hidden)  # [vocab, hidden]
-        self.cos = cos.to(self.device)  # [max_positions, head_dim] float32
-        self.sin = sin.to(self.device)
-        self.scale = config.head_dim**-0.5
+            h, residual = self.input_layernorm(h, residual)  # residual += h; h = norm(residual)
+        h = self.self_attn(positions, h, kv_cache, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        attn: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x [num_blocks, block_size, num_kv_heads, head_dim]
-        logits_indices: torch.Tensor,  # [S] int64, rows of the tokens whose next token is sampled
-    ) -> torch.Tensor:
-        """Returns logits [S, vocab] float32 for the tokens at ``logits_indices``."""
-        cfg = self.config
-        T = input_ids.shape[0]
-        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], the residual stream
-        h = torch.empty_like(x)  # [T, hidden], the normalised input of the next sublayer
-        ops.rms_norm(h, x, self.layers[0]["input_norm"], eps)
-        attn_out = torch.empty(T, H, D, dtype=cfg.dtype, device=self.device)
-        act = torch.empty(T, cfg.intermediate_size, dtype=cfg.dtype, device=self.device)  # [T, intermediate]
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            qkv = F.linear(h, layer["qkv"])  # [T, (H + 2 Hkv) D]
-            q = qkv[:, : H * D].view(T, H, D)  # views into qkv
-            k = qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D)
-            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-            ops.rotary_embedding(positions, q, k, self.cos, self.sin)  # in place
-            ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-            ops.paged_attention(attn_out, q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale)
-            h = F.linear(attn_out.view(T, H * D), layer["o"])  # [T, hidden]
-            ops.fused_add_rms_norm(h, x, layer["post_norm"], eps)  # x += h; h = norm(x)
-            gate_up = F.linear(h, layer["gate_up"])  # [T, 2 intermediate]
-            ops.silu_and_mul(act, gate_up)  # [T, intermediate]
-            h = F.linear(act, layer["down"])  # [T, hidden]
-            if i + 1 < len(self.layers):
-                ops.fused_add_rms_norm(h, x, self.layers[i + 1]["input_norm"], eps)  # x += h; h = norm(x)
-            else:
-                x = x[logits_indices] + h[logits_indices]  # [S, hidden]: only the rows that are sampled
-        out = torch.empty_like(x)
-        ops.rms_norm(out, x, self.norm, eps)
-        return F.linear(out, self.lm_head).float()  # [S, vocab]
+
+class LlamaModel(Module):
+    """Embedding, decoder layers, final norm; returns the normalised rows at ``logits_indices``.
+
+    Args:
+        layers: the decoder layers (built by the family, so that Gemma can reuse this stack).
+        embed_scale: multiplier of the embeddings (Gemma: sqrt(hidden_size)).
+        gemma_norm: Gemma's RMSNorm form for the final norm.
+    """
+
+    def __init__(self, hf_config, layers: list[nn.Module], embed_scale: float = 1.0, gemma_norm: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, scale=embed_scale)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, gemma=gemma_norm)
+
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h, residual = layer(positions, h, residual, kv_cache, attn)
+        h, residual = h[logits_indices], residual[logits_indices]  # [S, hidden]: only the rows sampled
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(CausalLM):
+    """``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+    ``Phi3ForCausalLM``: one decoder stack, the variants chosen from ``config.architecture``."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    ignored_weights = (r"\.rotary_emb\.inv_freq$",)
+    required_config_fields = ("intermediate_size",)
+    shape_fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+    def __init__(self, hf_config, config: ModelConfig) -> None:
+        super().__init__(hf_config, config)
+        arch = config.architecture
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = True if arch == "Qwen2ForCausalLM" else attention_bias  # Qwen2: q/k/v biases, no o_proj bias
+        qk_norm = arch == "Qwen3ForCausalLM"
+        rotary_emb = get_rope(hf_config, config.head_dim)
+        windows = layer_sliding_windows(hf_config, config.num_layers)
+        layers = [
+            LlamaDecoderLayer(
+                hf_config,
+                LlamaAttention(hf_config, config, rotary_emb, qkv_bias, attention_bias, qk_norm, windows[i]),
+                LlamaMLP(config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bool(getattr(hf_config, "mlp_bias", False))),
+            )
+            for i in range(config.num_layers)
+        ]
+        self.model = LlamaModel(hf_config, layers)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if config.tie_word_embeddings else None)

@@ -1,10 +1,14 @@
-"""Reads a Hugging Face checkpoint folder: config.json (through transformers), safetensors weights
-(single file or sharded with ``model.safetensors.index.json``), generation_config.json.
+"""Reads a Hugging Face checkpoint folder: config.json (checked, then parsed by transformers), the
+tokenizer, generation_config.json; ``load_model`` builds the model through the registry and streams
+the safetensors weights into it (``pagedgen.model.weights``).
 
 Only safetensors are read: pickled ``.bin`` checkpoints are refused (they can run code when loaded).
+Every problem with a file is an error naming the file: ``FileNotFoundError`` for a missing one,
+``CheckpointError`` (a ``ValueError``) for one that is there but unusable.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Union
@@ -12,9 +16,25 @@ from typing import Union
 import torch
 
 from pagedgen.config import ModelConfig
+from pagedgen.model import registry
+from pagedgen.model.base import layer_sliding_windows
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: config.json fields every family needs (transformers would silently fill in its defaults)
+REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings")
+
+#: Files of which at least one makes a folder a tokenizer folder for transformers' AutoTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file exists but cannot be used (not JSON, a truncated or corrupt safetensors
+    file, fields missing...). ``path`` is the file (or folder) at fault."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
 
 
 def check_model_folder(path: str) -> None:
@@ -54,60 +74,94 @@ def resolve_dtype(dtype: Union[str, torch.dtype], hf_config) -> torch.dtype:
     return _DTYPES[name]
 
 
+def read_json(file: str) -> dict:
+    """The JSON object in ``file``; CheckpointError naming it when it is not one."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(file, f"is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(file, f"must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_hf_config(path: str):
-    """The transformers config of the checkpoint, checked to be a supported architecture."""
+    """The transformers config of the checkpoint folder ``path``, checked before anything is built.
+
+    Raises:
+        FileNotFoundError: the folder, config.json or the weights are missing.
+        CheckpointError: config.json is not JSON, lacks a required field (transformers would fill in
+            a default silently), or transformers cannot parse it.
+        ValueError: an unsupported architecture (listing the supported ones), or a field the
+            family cannot honour (e.g. an unsupported RoPE type), naming the field.
+    """
     from transformers import AutoConfig
 
     check_model_folder(path)
-    hf_config = AutoConfig.from_pretrained(path)
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"unsupported architecture {archs or hf_config.model_type!r} in {path!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if getattr(hf_config, "sliding_window", None):
-        raise ValueError(f"sliding-window attention (sliding_window={hf_config.sliding_window}) is not supported")
+    file = os.path.join(path, "config.json")
+    raw = read_json(file)
+    _, cls = registry.resolve_architecture(raw.get("architectures"), file, raw.get("model_type"))
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers' own error, with the file named
+        raise CheckpointError(file, f"transformers cannot read it: {exc}") from exc
+    aliases = dict(getattr(hf_config, "attribute_map", {}))  # hidden_size -> n_embd (GPT-2)
+    for field in REQUIRED_CONFIG_FIELDS + cls.required_config_fields:
+        if field not in raw and aliases.get(field) not in raw:
+            name = field if field not in aliases else f"{field} (or {aliases[field]})"
+            raise CheckpointError(file, f"the required field {name} is missing")
+    cls.check_config(hf_config)
     return hf_config
 
 
 def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
-    """The fields of a ``LlamaConfig`` that the model needs."""
+    """The engine's view of ``hf_config`` (see ``ModelConfig``)."""
+    architecture, _ = registry.resolve_architecture(hf_config.architectures)
     num_heads = hf_config.num_attention_heads
+    num_layers = hf_config.num_hidden_layers
+    windows = layer_sliding_windows(hf_config, num_layers)
     return ModelConfig(
+        architecture=architecture,
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
-        num_layers=hf_config.num_hidden_layers,
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-        rms_norm_eps=hf_config.rms_norm_eps,
         max_position_embeddings=hf_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         dtype=dtype,
+        sliding_window=max(windows) if all(windows) else 0,
     )
 
 
-def load_safetensors(path: str, dtype: torch.dtype, device: Union[str, torch.device] = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, by name, cast to ``dtype`` on ``device``."""
-    from safetensors import safe_open
+def load_model(path: str, hf_config, config: ModelConfig, device: Union[str, torch.device] = "cpu"):
+    """The model of the checkpoint folder ``path``, its weights streamed in (``weights.load_model``)."""
+    from pagedgen.model import weights
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        shard = os.path.join(path, name)
-        if not os.path.isfile(shard):
-            raise FileNotFoundError(f"weight shard {name!r} listed in the index is missing in {path!r}")
-        with safe_open(shard, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
-    return tensors
+    _, cls = registry.resolve_architecture([config.architecture])
+    return weights.load_model(cls, path, hf_config, config, torch.device(device))
+
+
+def load_tokenizer(path: str):
+    """transformers' AutoTokenizer of the folder ``path``.
+
+    Raises:
+        FileNotFoundError: the folder holds no tokenizer files (naming the ones expected).
+        CheckpointError: transformers cannot load the tokenizer files there.
+    """
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES) and not glob.glob(os.path.join(path, "*.tiktoken")):
+        raise FileNotFoundError(
+            f"no tokenizer files in {path!r} (expected one of {', '.join(TOKENIZER_FILES)}); "
+            "pass tokenizer= a folder that has them"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise CheckpointError(path, f"transformers cannot load the tokenizer: {exc}") from exc
 
 
 def load_eos_token_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
@@ -116,6 +170,7 @@ def load_eos_token_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
 
     eos = None
     if os.path.isfile(os.path.join(path, "generation_config.json")):
+        read_json(os.path.join(path, "generation_config.json"))
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)

@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from pagedgen.ops import fake, reference
+from pagedgen.ops.metadata import AttentionMetadata
 
 try:
     importlib.import_module("pagedgen._C")  # loading the library registers torch.ops.pagedgen.*
@@ -24,8 +25,8 @@ if _IMPORT_ERROR is None:
     fake.register_fakes()  # FakeTensor / torch.compile / opcheck support of the ops just loaded
 
 __all__ = [
-    "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks",
-    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
+    "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -75,9 +76,13 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     _impl("reshape_and_cache", key_cache.device.type)(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale: float) -> None:
-    """See :func:`pagedgen.ops.reference.paged_attention`."""
-    _impl("paged_attention", query.device.type)(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+def paged_attention(
+    out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float, sliding_window: int = 0
+) -> None:
+    """See :func:`pagedgen.ops.reference.paged_attention` (shapes in :class:`AttentionMetadata`)."""
+    _impl("paged_attention", query.device.type)(
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+    )
 
 
 def copy_blocks(key_cache, value_cache, block_mapping) -> None:

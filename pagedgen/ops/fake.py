@@ -16,12 +16,19 @@ def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None
     torch._check(key.shape[1:] == key_cache.shape[2:], lambda: f"key {key.shape} does not fit key_cache {key_cache.shape}")
 
 
-def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale) -> None:
-    # out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads, head_size]
+def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                     sliding_window) -> None:
+    # out, query: [num_tokens, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads, head_size]
+    # block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs]; query_start_loc: [num_seqs + 1]
     torch._check(out.shape == query.shape, lambda: f"out {out.shape} and query {query.shape} differ")
     torch._check(
         query.shape[2] == key_cache.shape[3] and query.shape[1] % key_cache.shape[2] == 0,
         lambda: f"query {query.shape} does not fit key_cache {key_cache.shape}",
+    )
+    torch._check(
+        seq_lens.shape[0] == block_tables.shape[0] and query_start_loc.shape[0] == block_tables.shape[0] + 1,
+        lambda: f"block_tables {block_tables.shape}, seq_lens {seq_lens.shape} and query_start_loc "
+        f"{query_start_loc.shape} must describe the same sequences ([S, max_blocks], [S], [S + 1])",
     )
 
 

@@ -24,38 +24,57 @@ def reshape_and_cache(
 
 
 def paged_attention(
-    out: torch.Tensor,  # [num_seqs, num_heads, head_size], written in place
-    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length of each sequence after this step
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
+    sliding_window: int = 0,
 ) -> None:
-    """Decode attention: query i attends over the first seq_lens[i] cached tokens of its block table.
+    """Varlen paged attention: prefill chunks and decode rows of many sequences in one call.
+
+    Rows ``query_start_loc[s] .. query_start_loc[s + 1] - 1`` of ``query`` are the new tokens of
+    sequence s, at positions ``seq_lens[s] - q_len .. seq_lens[s] - 1`` (their keys and values are
+    already in the cache). A row at position p attends over the positions t <= p of its sequence
+    (causal), and with ``sliding_window > 0`` only over ``p - sliding_window < t <= p``, the mask of
+    transformers' Mistral / Qwen2 (``masking_utils.sliding_window_overlay``). A row at a negative
+    position (``seq_lens[s] < q_len``, e.g. a padding sequence with seq_len 0) gets zeros.
 
     Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_heads).
     Softmax is computed in float32 whatever the input dtype (PagedAttention paper, section 4.1).
+    Only the cache slots of attended positions are read (blocks before a window may be reused).
     """
-    num_seqs, num_heads, head_size = query.shape
+    num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    for i in range(num_seqs):
-        seq_len = int(seq_lens[i])
-        if seq_len <= 0:
-            out[i] = 0
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        positions = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+        out[q_start:q_end][positions < 0] = 0
+        valid = positions >= 0
+        if not bool(valid.any()):
             continue
-        positions = torch.arange(seq_len, device=query.device)
-        blocks = block_tables[i].long()[positions // block_size]  # block_table[j // block_size]
-        offsets = positions % block_size
-        k = key_cache[blocks, offsets].float()  # [seq_len, num_kv_heads, head_size]
-        v = value_cache[blocks, offsets].float()
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_size]
-        v = v.repeat_interleave(group, dim=1)
-        q = query[i].float()  # [num_heads, head_size]
-        scores = torch.einsum("hd,thd->ht", q, k) * scale  # [num_heads, seq_len]
+        rows = torch.arange(q_start, q_end, device=query.device)[valid]
+        positions = positions[valid]
+        first = max(0, int(positions[0]) - sliding_window + 1) if sliding_window > 0 else 0
+        keys = torch.arange(first, seq_len, device=query.device)  # the attended positions
+        blocks = block_tables[s].long()[keys // block_size]  # block_table[t // block_size]
+        offsets = keys % block_size
+        k = key_cache[blocks, offsets].float().repeat_interleave(group, dim=1)  # [n_keys, num_heads, head_size]
+        v = value_cache[blocks, offsets].float().repeat_interleave(group, dim=1)
+        q = query[rows].float()  # [n_rows, num_heads, head_size]
+        scores = torch.einsum("rhd,thd->rht", q, k) * scale  # [n_rows, num_heads, n_keys]
+        allowed = keys[None, :] <= positions[:, None]  # [n_rows, n_keys]
+        if sliding_window > 0:
+            allowed &= keys[None, :] > positions[:, None] - sliding_window
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[i] = torch.einsum("ht,thd->hd", probs, v).to(out.dtype)
+        out[rows] = torch.einsum("rht,thd->rhd", probs, v).to(out.dtype)
 
 
 def copy_blocks(

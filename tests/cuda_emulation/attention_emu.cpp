@@ -41,7 +41,7 @@ void run(const AttentionParams& p, bool fast) {
     pagedgen_emu::launch(attention_grid(p), kAttentionThreads, [&] { attention_generic_kernel<scalar_t>(p); });
   }
   if (p.partition_size > 0)
-    pagedgen_emu::launch(dim3(p.num_seqs, p.num_heads), kAttentionThreads,
+    pagedgen_emu::launch(dim3(p.num_rows, p.num_heads), kAttentionThreads,
                          [&] { attention_reduce_kernel<scalar_t>(p); });
 }
 
@@ -49,16 +49,18 @@ void run(const AttentionParams& p, bool fast) {
 }  // namespace pagedgen
 
 // dtype: 0 float32, 1 float16, 2 bfloat16. Tensors as in csrc/ops.cpp (host memory, the caches
-// contiguous). plan (out) [4]: partition_size, max_partitions, heads_per_block, fast kernel used.
+// contiguous): num_rows query rows, num_seqs sequences (block_tables, seq_lens, query_start_loc).
+// plan (out) [4]: partition_size, max_partitions, heads_per_block, fast kernel used.
 extern "C" int emu_paged_attention(int dtype, void* out, const void* query, const void* key_cache,
                                    const void* value_cache, const int* block_tables, const int* seq_lens,
-                                   int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
-                                   int max_blocks_per_seq, int64_t q_stride_seq, int64_t q_stride_head,
-                                   int64_t out_stride_seq, int64_t out_stride_head, int64_t block_table_stride,
-                                   float scale, int num_sms, int allow_fast, int* plan) {
+                                   const int* query_start_loc, int num_rows, int num_seqs, int num_heads,
+                                   int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
+                                   int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row,
+                                   int64_t out_stride_head, int64_t block_table_stride, float scale,
+                                   int sliding_window, int num_sms, int allow_fast, int* plan) {
   using namespace pagedgen;
   const int elem = dtype == 0 ? 4 : 2;
-  const bool fast = allow_fast && has_fast_kernel(head_size) && q_stride_seq % (16 / elem) == 0 &&
+  const bool fast = allow_fast && has_fast_kernel(head_size) && q_stride_row % (16 / elem) == 0 &&
                     q_stride_head % (16 / elem) == 0;
   AttentionParams p{};
   p.out = out;
@@ -67,16 +69,19 @@ extern "C" int emu_paged_attention(int dtype, void* out, const void* query, cons
   p.value_cache = value_cache;
   p.block_tables = block_tables;
   p.seq_lens = seq_lens;
-  p.q_stride_seq = q_stride_seq;
+  p.query_start_loc = query_start_loc;
+  p.q_stride_row = q_stride_row;
   p.q_stride_head = q_stride_head;
-  p.out_stride_seq = out_stride_seq;
+  p.out_stride_row = out_stride_row;
   p.out_stride_head = out_stride_head;
   p.block_table_stride = block_table_stride;
   p.kv_token_stride = int64_t(num_kv_heads) * head_size;
+  p.num_rows = num_rows;
   p.num_seqs = num_seqs;
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
   p.head_size = head_size;
+  p.sliding_window = sliding_window;
   p.group_size = num_heads / num_kv_heads;
   p.block_size = block_size;
   p.max_blocks_per_seq = max_blocks_per_seq;
@@ -84,7 +89,7 @@ extern "C" int emu_paged_attention(int dtype, void* out, const void* query, cons
   plan_attention(p, fast, num_sms);
   std::vector<float> tmp_out, max_logits, exp_sums;
   if (p.partition_size > 0) {
-    const size_t rows = size_t(num_seqs) * num_heads * p.max_partitions;
+    const size_t rows = size_t(num_rows) * num_heads * p.max_partitions;
     tmp_out.assign(rows * head_size, NAN);  // poisoned: every value read must have been written
     max_logits.assign(rows, NAN);
     exp_sums.assign(rows, NAN);

@@ -1,0 +1,173 @@
+"""The matmul roofline of a throughput run: this machine's FLOP/s at the model's own GEMM shapes.
+
+A decoder forward is, in FLOPs, almost all weight matmuls. For a Llama with L layers, hidden size h,
+H query heads and KV key/value heads of size d, intermediate size I and vocabulary V, the weight
+shapes [N, K] (``F.linear(x, W)`` with x: [M, K], W: [N, K]) are taken in the fused layout that both
+pagedgen and vLLM run (vLLM's QKVParallelLinear / MergedColumnParallelLinear): per layer qkv_proj
+[(H + 2·KV)·d, h], o_proj [h, H·d], gate_up_proj [2·I, h], down_proj [h, I]; then lm_head [V, h].
+Parameters touched per token row: W = L · Σ_layer N·K (the embedding lookup is a gather, no FLOPs);
+the lm_head's W_head = V·h runs only on the rows that sample a token.
+
+For a workload of requests i with prompt p_i tokens and m_i output tokens (exact, ignore_eos):
+
+    prefill rows  P = Σ p_i            decode rows  D = Σ (m_i - 1)       sampled rows  O = Σ m_i
+    FLOPs         = 2·W·(P + D) + 2·W_head·O                       (attention scores not counted)
+    roofline time = Σ_shapes 2·N·K·c·(P / F(N,K; M_prefill) + D / F(N,K; M_decode))
+                    + 2·W_head·O / F(V,h; M_decode)
+    roofline tok/s = O / roofline time;  share = measured output tok/s / roofline tok/s
+
+with c the shape's count per token row (layers × uses per layer) and F(N, K; M) the FLOP/s of
+``F.linear`` measured here at M rows in the run's dtype (median of several timed runs). M_decode is
+the decode batch (min(max_num_seqs, requests)); M_prefill a prefill chunk (min(step token budget,
+P, 1,024): FLOP/s barely change past 1,024 rows). The last output token of a request is never fed back, so
+it costs no forward row. Prefix-cache hits are not subtracted (an upper bound on the work).
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import subprocess
+import time
+
+FORMULA = ("roofline: FLOPs = 2*W*(P + D) + 2*W_head*O, W = weights per token row, W_head = vocab*hidden, "
+           "P = prompt tokens, D = sum(max_tokens - 1), O = output tokens; time = each GEMM shape's FLOPs / its "
+           "measured F.linear FLOP/s (M_prefill rows for P, M_decode rows for D and the lm_head); "
+           "roofline tok/s = O / time")
+PREFILL_CHUNK = 1024  # rows: the largest M measured for prefill
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def gemm_shapes(cfg: dict) -> list[dict]:
+    """Distinct fused weight shapes of a Llama config: [dict(names, n, k, count, lm_head)], count per token row."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    d = cfg.get("head_dim") or h // heads
+    inter = cfg["intermediate_size"]
+    per_layer = [("qkv_proj", (heads + 2 * kv) * d, h), ("o_proj", h, heads * d), ("gate_up_proj", 2 * inter, h),
+                 ("down_proj", h, inter)]
+    shapes: dict[tuple[int, int], dict] = {}
+    for name, n, k in per_layer:
+        s = shapes.setdefault((n, k), dict(names=[], n=n, k=k, count=0, lm_head=False))
+        s["names"].append(name)
+        s["count"] += layers
+    out = list(shapes.values())
+    out.append(dict(names=["lm_head"], n=cfg["vocab_size"], k=h, count=1, lm_head=True))
+    return out
+
+
+def weights_per_row(shapes: list[dict]) -> tuple[int, int]:
+    """(W: layer weights touched per token row, W_head: lm_head weights per sampled row), parameters."""
+    return (sum(s["n"] * s["k"] * s["count"] for s in shapes if not s["lm_head"]),
+            sum(s["n"] * s["k"] for s in shapes if s["lm_head"]))
+
+
+def workload_rows(prompt_lens: list[int], max_tokens: list[int]) -> dict:
+    """P (prefill rows), D (decode rows) and O (sampled rows = output tokens) of a workload."""
+    return dict(P=sum(prompt_lens), D=sum(m - 1 for m in max_tokens), O=sum(max_tokens))
+
+
+def workload_flops(shapes: list[dict], rows: dict) -> int:
+    """FLOPs = 2·W·(P + D) + 2·W_head·O."""
+    w, w_head = weights_per_row(shapes)
+    return 2 * w * (rows["P"] + rows["D"]) + 2 * w_head * rows["O"]
+
+
+def roofline_tokens_per_s(shapes: list[dict], rows: dict, flops_per_s: dict, m_prefill: int, m_decode: int) -> float:
+    """Output tokens/s the measured FLOP/s allow. ``flops_per_s[(n, k, m)]``: F.linear FLOP/s at M = m."""
+    seconds = 0.0
+    for s in shapes:
+        flops_row = 2 * s["n"] * s["k"] * s["count"]
+        if s["lm_head"]:
+            seconds += flops_row * rows["O"] / flops_per_s[(s["n"], s["k"], m_decode)]
+        else:
+            seconds += flops_row * (rows["P"] / flops_per_s[(s["n"], s["k"], m_prefill)]
+                                    + rows["D"] / flops_per_s[(s["n"], s["k"], m_decode)])
+    return rows["O"] / seconds
+
+
+def gemm_rows(max_num_seqs: int, num_requests: int, step_budget: int, prompt_tokens: int) -> tuple[int, int]:
+    """(M_prefill, M_decode): a prefill chunk's rows and the decode batch's rows."""
+    return max(1, min(step_budget, PREFILL_CHUNK, prompt_tokens)), max(1, min(max_num_seqs, num_requests))
+
+
+def _median_flops(fn, flops: float, sync, runs: int, min_seconds: float, budget_seconds: float) -> float:
+    """Median FLOP/s of ``fn`` over ``runs`` timed runs, each repeating it for >= ``min_seconds``."""
+    fn()  # warm-up: first-call allocation and dispatch
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    one = max(time.perf_counter() - start, 1e-7)
+    reps = max(1, math.ceil(min_seconds / one))
+    runs = max(1, min(runs, int(budget_seconds / (one * reps))))  # a very slow path gets fewer runs
+    rates = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        rates.append(flops * reps / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
+            runs: int = 7, min_seconds: float = 0.02, budget_seconds: float = 3.0) -> dict:
+    """FLOP/s of F.linear at every shape and M the roofline needs, and of torch.mm as a reference.
+
+    Returns dict(linear={(n, k, m): FLOP/s}, mm=(size, FLOP/s)). torch.mm is square, 2048 per side,
+    or 1024 / 512 where a 2048 multiply would take over ``budget_seconds`` (slow bf16 paths).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    linear = {}
+    for s in shapes:
+        w = torch.randn(s["n"], s["k"], generator=gen).to(device=device, dtype=dt)  # [N, K]
+        for m in sorted({m_decode} if s["lm_head"] else {m_prefill, m_decode}):
+            x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
+            linear[(s["n"], s["k"], m)] = _median_flops(lambda: F.linear(x, w), 2 * m * s["n"] * s["k"], sync, runs,
+                                                        min_seconds, budget_seconds)
+    probe = None
+    for size in (512, 1024, 2048):
+        if probe is not None and 2 * size**3 / probe > budget_seconds:
+            break
+        a = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
+        b = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
+        probe = _median_flops(lambda: torch.mm(a, b), 2 * size**3, sync, runs, min_seconds, budget_seconds)
+        mm = (size, probe)
+    return dict(linear=linear, mm=mm)
+
+
+def machine(device: str = "cpu") -> dict:
+    """CPU model name, the matmul-relevant CPU flags, core count, torch threads and CPU capability."""
+    import torch
+
+    name, flags = "unknown", set()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name":
+                name = value.strip()
+            elif key.strip() == "Flags":
+                flags = set(value.split())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    info = dict(cpu=name, flags={f: f in flags for f in CPU_FLAGS}, cores=os.cpu_count(),
+                torch_threads=torch.get_num_threads(), capability=torch.backends.cpu.get_cpu_capability(),
+                onednn_bf16=bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()))
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def describe_machine(info: dict) -> str:
+    flags = ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in info["flags"].items())
+    gpu = f"; GPU {info['gpu']}" if "gpu" in info else ""
+    return (f"machine: {info['cpu']}, {info['cores']} CPUs ({flags}); torch CPU capability {info['capability']}, "
+            f"oneDNN bf16 {'yes' if info['onednn_bf16'] else 'no'}, {info['torch_threads']} torch threads{gpu}")

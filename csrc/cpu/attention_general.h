@@ -1,0 +1,153 @@
+// The general path of the CPU paged attention kernel (csrc/cpu/attention.cpp): any head size, one
+// work item per (block of rows of one sequence, KV head), all query heads of the KV head's GQA group
+// together.
+//
+// Decode and prefill are one loop: a decode item is a block of one row, a prefill item a block of up
+// to R consecutive rows of a prompt chunk. The item walks the tiles of kTile tokens (aligned to
+// absolute positions) that any of its rows needs, reads each tile's K/V rows once through the block
+// table (converted to float once for bf16/fp16: the cost shared by all R x group (row, head) pairs),
+// and then runs, for each row, the per-row inner loops of attention_math.h over the slots that row
+// attends to in the tile (causal within the chunk, the cached prefix before it, the sliding window).
+// Rows whose slot ranges in a tile are equal (a whole tile of an earlier prefix or chunk) share one
+// call of the score loop, as extra heads. Every (row, head) value is computed by the same operations
+// whatever R is, so a row's output is bitwise the same in a prefill chunk of any size, as a decode
+// row, and whatever the other rows of the call are.
+#pragma once
+
+#include "attention_common.h"
+#include "attention_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace pagedgen::cpu {
+
+// Floats of per-thread scratch of the general path for blocks of up to R rows and KV heads at a time.
+inline int64_t general_scratch_floats(int64_t R, int64_t kv_heads, int64_t group, int64_t head_size) {
+  const int64_t heads = R * kv_heads * group;
+  return 2 * heads * head_size + R * group * kTile + 2 * heads + 3 * kTile * head_size + 16;
+}
+
+// Attention of the rows of `b` for the query heads of KV heads [kv_begin, kv_end) (each with its
+// group of query heads). Returns false (having written zeros) if the block table names a block
+// outside the cache. Several KV heads per item (decode rows of a large batch) read each token's
+// rows of those heads together: a block is then one contiguous run of memory.
+template <typename scalar_t, int kHeadSize>
+bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch) {
+  const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(p.head_size);
+  const int G = static_cast<int>(p.group), R = b.rows, K = static_cast<int>(kv_end - kv_begin);
+  const int RG = R * G;  // (row, query head) pairs of one KV head
+  float* q = scratch;                 // [K, R, G, D] scaled queries
+  float* acc = q + K * RG * D;        // [K, R, G, D] un-normalised outputs
+  float* m = acc + K * RG * D;        // [K, R, G] running max of the scores
+  float* l = m + K * RG;              // [K, R, G] running sum of exp(score - m)
+  float* sc = l + K * RG;             // [R, G, kTile] scores, then weights, of the current tile and KV head
+  float* kbuf = sc + RG * kTile;      // [kTile, D] the tile's K rows as float (unused for fp32 decode)
+  float* vbuf = kbuf + kTile * D;     // [kTile, D] the tile's V rows as float
+  float* kt = vbuf + kTile * D;       // [D, kTile] the tile's K rows transposed (heads <= 16 floats)
+  const float* krows[kTile];  // slot j: the tile's K row of token (tile start + j), as float
+  const float* vrows[kTile];
+  int64_t slots[kTile];
+
+  for (int k = 0; k < K; ++k) {
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (k * R + i) * G;
+      load_query(p, b.row + i, (kv_begin + k) * G, G, D, q + at * D, m + at, l + at);
+    }
+  }
+  std::fill(acc, acc + K * RG * D, 0.0f);
+  const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens in a block
+  const int64_t bytes = K * D * static_cast<int64_t>(sizeof(scalar_t));  // of a token's row for the item's KV heads
+  auto prefetch = [&](int64_t slot) {
+    prefetch_lines(p.key_cache + slot * row_stride + kv_begin * D, bytes);
+    prefetch_lines(p.value_cache + slot * row_stride + kv_begin * D, bytes);
+  };
+  const int64_t lo = window_start(b.pos, p.sliding_window);  // the first row's window starts first
+  const int64_t end = b.pos + R;                              // one past the last row's position
+  BlockWalker walk = walker_of(p, b, lo);
+  bool ok = true;
+  for (int64_t t0 = lo / kTile * kTile; t0 < end; t0 += kTile) {
+    // The tile's tokens that some row attends to: [ua, ub), contiguous from tile to tile.
+    const int ua = static_cast<int>(std::max(lo, t0) - t0), ub = static_cast<int>(std::min(end, t0 + kTile) - t0);
+    ok = walk.next(ub - ua, slots + ua, prefetch);
+    if (!ok) break;
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (kv_begin + k) * D;  // this KV head's first element in a token's row
+      for (int j = ua; j < ub; ++j) {
+        const int64_t row = slots[j] * row_stride + col;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (R == 1) {  // a decode row of fp32: read in place
+            krows[j] = p.key_cache + row;
+            vrows[j] = p.value_cache + row;
+            continue;
+          }
+        }
+        // as float into kbuf/vbuf: converted (bf16/fp16), or copied for a block of rows that reads
+        // them many times (in the cache, rows lie num_kv_heads * head_size apart, which maps them to
+        // few L1 sets)
+        to_float(p.key_cache + row, kbuf + j * D, D);
+        to_float(p.value_cache + row, vbuf + j * D, D);
+        krows[j] = kbuf + j * D;
+        vrows[j] = vbuf + j * D;
+      }
+      if constexpr (kHeadSize > 0 && kHeadSize <= 16) transpose_tile<kHeadSize>(krows, ua, ub, kt);
+      float* qk = q + k * RG * D;
+      float* ak = acc + k * RG * D;
+      float* mk = m + k * RG;
+      float* lk = l + k * RG;
+      // Rows i0 .. i1 - 1 with the same slots [ja, jb) of this tile: scores in one call.
+      int i0 = 0;
+      while (i0 < R) {
+        const int64_t pos0 = b.pos + i0;
+        const int ja = static_cast<int>(std::max(window_start(pos0, p.sliding_window), t0) - t0);
+        const int jb = static_cast<int>(std::min(pos0 + 1, t0 + kTile) - t0);
+        int i1 = i0 + 1;
+        while (i1 < R && std::max(window_start(b.pos + i1, p.sliding_window), t0) - t0 == ja &&
+               std::min(b.pos + i1 + 1, t0 + kTile) - t0 == jb) {
+          ++i1;
+        }
+        if (ja < jb) {
+          const int h0 = i0 * G, h1 = i1 * G;  // the (row, head) pairs of the run
+          if constexpr (kHeadSize > 0 && kHeadSize <= 16) {
+            score_transposed<kHeadSize>(qk + h0 * D, h1 - h0, kt, ja, jb, sc + h0 * kTile);  // sc[h, j] = q[h] . k[j]
+          } else if constexpr (kHeadSize > 0) {
+            score_rows<kHeadSize>(qk + h0 * D, h1 - h0, krows, ja, jb, sc + h0 * kTile);
+          } else {
+            score_rows_runtime(qk + h0 * D, h1 - h0, D, krows, ja, jb, sc + h0 * kTile);
+          }
+          for (int h = h0; h < h1; ++h) {
+            const float alpha = softmax_tile(sc + h * kTile, ja, jb, mk[h], lk[h]);  // scores -> weights
+            rescale(ak + h * D, D, alpha);
+          }
+          int h = h0;  // acc[h] += sum_j w[h, j] * v[j]
+          if constexpr (kHeadSize > 16) {
+            if constexpr (accumulate_chains<kHeadSize>() == 1) {
+              for (; h + 2 <= h1; h += 2) {
+                accumulate_pair<kHeadSize>(ak + h * D, ak + (h + 1) * D, sc + h * kTile, sc + (h + 1) * kTile, vrows,
+                                           ja, jb);
+              }
+            }
+          }
+          for (; h < h1; ++h) {
+            if constexpr (kHeadSize > 0) {
+              accumulate_tile<kHeadSize>(ak + h * D, sc + h * kTile, vrows, ja, jb);
+            } else {
+              accumulate_tile_runtime(ak + h * D, D, sc + h * kTile, vrows, ja, jb);
+            }
+          }
+        }
+        i0 = i1;
+      }
+    }
+  }
+  for (int k = 0; k < K; ++k) {
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (k * R + i) * G;
+      store_output(p, b.row + i, (kv_begin + k) * G, G, D, acc + at * D, l + at, ok);
+    }
+  }
+  return ok;
+}
+
+}  // namespace pagedgen::cpu

@@ -1,0 +1,319 @@
+// SIMD building blocks of the CPU kernels: float vectors of W lanes (GCC/Clang vector extensions),
+// loads and stores that convert bfloat16 / float16 to and from float32, explicit fused multiply-add,
+// and exp. Used by every kernel in csrc/cpu.
+//
+// Exactness rules, which the kernels' tests rely on (bitwise batch invariance, bitwise rotary):
+//   * The extension is compiled with -ffp-contract=off (setup.py): `a * b + c` is a multiply and an
+//     add, each rounded; a fused multiply-add is only ever the explicit fmadd() below. So the same
+//     source gives the same roundings wherever it is inlined.
+//   * Every operation is elementwise and IEEE-exact per lane (load, convert, round, +, *, fmadd, /,
+//     compare, select, exp below): a lane's result does not depend on W or on the other lanes. Only
+//     hsum/hmax combine lanes, in a fixed tree.
+//   * Conversions round to nearest even exactly as c10::BFloat16 / c10::Half do (NaN -> 0x7FC0 for
+//     bf16), so a vector kernel and torch's scalar conversion agree bitwise.
+// W is 4, 8 or 16; the instruction set comes from the build's -march (AVX-512F, AVX2 + FMA + F16C,
+// or any other target through plain vector code and per-lane conversions).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+// Vectors wider than the build's registers (8 floats without AVX) are passed by value between inline
+// functions only; GCC's note that such arguments change the ABI does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace pagedgen::cpu {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // floats per native SIMD register
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+
+template <int W>
+struct VecOf;
+template <>
+struct VecOf<4> {
+  typedef float type __attribute__((vector_size(16)));
+  typedef int32_t itype __attribute__((vector_size(16)));
+  typedef uint32_t utype __attribute__((vector_size(16)));
+  typedef uint16_t htype __attribute__((vector_size(8)));
+};
+template <>
+struct VecOf<8> {
+  typedef float type __attribute__((vector_size(32)));
+  typedef int32_t itype __attribute__((vector_size(32)));
+  typedef uint32_t utype __attribute__((vector_size(32)));
+  typedef uint16_t htype __attribute__((vector_size(16)));
+};
+template <>
+struct VecOf<16> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef int32_t itype __attribute__((vector_size(64)));
+  typedef uint32_t utype __attribute__((vector_size(64)));
+  typedef uint16_t htype __attribute__((vector_size(32)));
+};
+template <int W>
+using Vec = typename VecOf<W>::type;  // W floats
+template <int W>
+using IVec = typename VecOf<W>::itype;  // W int32
+template <int W>
+using UVec = typename VecOf<W>::utype;  // W uint32
+template <int W>
+using HVec = typename VecOf<W>::htype;  // W 16-bit words (bf16 / fp16 bits)
+
+template <int W>
+inline Vec<W> splat(float x) {
+  return Vec<W>{} + x;
+}
+
+template <int W>
+inline UVec<W> bits_of(const Vec<W>& v) {
+  UVec<W> u;
+  std::memcpy(&u, &v, sizeof(u));
+  return u;
+}
+template <int W, typename Int>
+inline Vec<W> float_of(const Int& u) {  // Int: IVec<W> or UVec<W>
+  static_assert(sizeof(Int) == sizeof(Vec<W>));
+  Vec<W> v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// ---- fused multiply-add: a * b + c rounded once ----------------------------------------------------
+template <int W>
+inline Vec<W> fmadd(const Vec<W>& a, const Vec<W>& b, const Vec<W>& c) {
+#if defined(__FMA__) || defined(__AVX512F__)
+  if constexpr (W == 4) {
+    const __m128 r = _mm_fmadd_ps(reinterpret_cast<const __m128&>(a), reinterpret_cast<const __m128&>(b),
+                                  reinterpret_cast<const __m128&>(c));
+    return reinterpret_cast<const Vec<W>&>(r);
+  } else if constexpr (W == 8) {
+    const __m256 r = _mm256_fmadd_ps(reinterpret_cast<const __m256&>(a), reinterpret_cast<const __m256&>(b),
+                                     reinterpret_cast<const __m256&>(c));
+    return reinterpret_cast<const Vec<W>&>(r);
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    const __m512 r = _mm512_fmadd_ps(reinterpret_cast<const __m512&>(a), reinterpret_cast<const __m512&>(b),
+                                     reinterpret_cast<const __m512&>(c));
+    return reinterpret_cast<const Vec<W>&>(r);
+  }
+#endif
+  // No hardware FMA for this width: the same per-lane value through the libm fma.
+  Vec<W> r;
+  for (int i = 0; i < W; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+}
+
+// ---- loads and stores, converting to / from float32 -----------------------------------------------
+template <int W>
+inline Vec<W> load(const float* p) {
+  Vec<W> v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned
+  return v;
+}
+template <int W>
+inline void store(float* p, const Vec<W>& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// bf16 -> float: the 16 bits become the upper half of the float's 32.
+template <int W>
+inline Vec<W> load(const c10::BFloat16* p) {
+  HVec<W> h;
+  std::memcpy(&h, p, sizeof(h));
+  return float_of<W>(__builtin_convertvector(h, UVec<W>) << 16);
+}
+
+// float -> bf16 bits (in the low 16 bits of each int32 lane): round to nearest even, NaN -> 0x7FC0,
+// as c10::BFloat16's round_to_nearest_even. Integer arithmetic on every instruction set: AVX-512
+// BF16's vcvtneps2bf16 would save a few instructions but flushes denormal inputs and outputs to
+// zero, which c10 (and so the PyTorch references) does not.
+template <int W>
+inline UVec<W> bf16_bits(const Vec<W>& v) {
+  const UVec<W> u = bits_of<W>(v);
+  const UVec<W> rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
+  return v != v ? UVec<W>{} + 0x7FC0u : rounded;  // v != v: the NaN lanes
+}
+template <int W>
+inline void store(c10::BFloat16* p, const Vec<W>& v) {
+  const HVec<W> h = __builtin_convertvector(bf16_bits<W>(v), HVec<W>);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// float16 <-> float: F16C / AVX-512 conversions (round to nearest even, as c10::Half), else per lane.
+template <int W>
+inline Vec<W> load(const c10::Half* p) {
+#if defined(__F16C__)
+  if constexpr (W == 4) {
+    const __m128 r = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return reinterpret_cast<const Vec<W>&>(r);
+  } else if constexpr (W == 8) {
+    const __m256 r = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return reinterpret_cast<const Vec<W>&>(r);
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    const __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return reinterpret_cast<const Vec<W>&>(r);
+  }
+#endif
+  Vec<W> r;
+  for (int i = 0; i < W; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+}
+template <int W>
+inline void store(c10::Half* p, const Vec<W>& v) {
+#if defined(__F16C__)
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  if constexpr (W == 4) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_cvtps_ph(reinterpret_cast<const __m128&>(v), kRound));
+    return;
+  } else if constexpr (W == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(reinterpret_cast<const __m256&>(v), kRound));
+    return;
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(reinterpret_cast<const __m512&>(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return;
+  }
+#endif
+  for (int i = 0; i < W; ++i) p[i] = c10::Half(v[i]);
+}
+
+// v rounded to scalar_t and back to float (the identity for float): torch's rounding point when an
+// intermediate result is stored in the model dtype.
+template <typename scalar_t, int W>
+inline Vec<W> round_to(const Vec<W>& v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return float_of<W>(bf16_bits<W>(v) << 16);
+  } else {
+    scalar_t tmp[W];
+    store<W>(tmp, v);
+    return load<W>(tmp);
+  }
+}
+
+// The first n (< W) elements, the other lanes 0; and the matching partial store. Lanes are
+// independent, so a row's tail gives the bits a full vector would.
+template <int W, typename scalar_t>
+inline Vec<W> load_partial(const scalar_t* p, int n) {
+  scalar_t tmp[W] = {};
+  std::memcpy(tmp, p, n * sizeof(scalar_t));
+  return load<W>(tmp);
+}
+template <int W, typename scalar_t>
+inline void store_partial(scalar_t* p, const Vec<W>& v, int n) {
+  scalar_t tmp[W];
+  store<W>(tmp, v);
+  std::memcpy(p, tmp, n * sizeof(scalar_t));
+}
+
+// ---- lane reductions (fixed trees) -----------------------------------------------------------------
+template <int W>
+inline float hsum(const Vec<W>& v) {  // sum of the lanes as a tree of half-width adds
+  if constexpr (W == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    Vec<W / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return hsum<W / 2>(lo + hi);
+  }
+}
+template <int W>
+inline float hmax(const Vec<W>& v) {  // max of the lanes (exact: any order gives the same value)
+  if constexpr (W == 4) {
+    return std::max(std::max(v[0], v[2]), std::max(v[1], v[3]));
+  } else {
+    Vec<W / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return hmax<W / 2>(lo > hi ? lo : hi);
+  }
+}
+template <int W>
+inline Vec<W> vmax(const Vec<W>& a, const Vec<W>& b) {
+  return a > b ? a : b;
+}
+
+// ---- exp -----------------------------------------------------------------------------------------
+// exp(x) = 2^n * e^r with n = round(x / ln 2) (to nearest even, by the 1.5 * 2^23 trick), r = x - n ln 2
+// (Cody-Waite split of ln 2, exact high part), e^r by its degree-7 Taylor polynomial in Horner form
+// with fused multiply-adds (truncation error < 6e-9 relative; results within an ulp or two of the
+// correctly rounded exp). Branch-free and elementwise, so the same in every lane and every W.
+// Below -87 the result is exactly 0 (never a denormal: arithmetic on denormals can take microcode
+// assists), above 88.72 it is +inf, NaN stays NaN.
+template <int W>
+inline Vec<W> exp(const Vec<W>& x) {
+  const Vec<W> lo = splat<W>(-87.0f), hi = splat<W>(88.72283935546875f);  // hi: ln(FLT_MAX)
+  Vec<W> xc = x > hi ? hi : x;  // NaN compares false and stays
+  xc = xc < lo ? lo : xc;
+  const Vec<W> shifter = splat<W>(12582912.0f);  // 1.5 * 2^23: (v + shifter) - shifter rounds v to an integer
+  const Vec<W> n = (xc * splat<W>(1.44269504088896341f) + shifter) - shifter;  // in [-126, 128]
+  Vec<W> r = fmadd<W>(n, splat<W>(-0.693359375f), xc);
+  r = fmadd<W>(n, splat<W>(2.12194440e-4f), r);
+  Vec<W> p = splat<W>(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fmadd<W>(p, r, splat<W>(c));
+  const Vec<W> n127 = n > splat<W>(127.0f) ? splat<W>(127.0f) : n;
+  const IVec<W> e = (__builtin_convertvector(n127, IVec<W>) + 127) << 23;  // 2^min(n, 127), a normal float
+  Vec<W> y = p * float_of<W>(e);
+  y = n > splat<W>(127.0f) ? y * 2.0f : y;  // n = 128 (x above 88.37): 2^128 would not be a float
+  const Vec<W> zero = {}, inf = splat<W>(__builtin_inff());
+  return x < lo ? zero : (x > hi ? inf : y);
+}
+
+// exp(x) for x <= 0 (attention's softmax weights exp(score - running max)): exp<W>'s range reduction
+// and polynomial without the overflow branches (n = round(x / ln 2) is in [-126, 0]); below -87
+// exactly 0; NaN stays NaN.
+template <int W>
+inline Vec<W> exp_nonpositive(const Vec<W>& x) {
+  const Vec<W> lo = splat<W>(-87.0f);
+  const Vec<W> xc = x < lo ? lo : x;
+  const Vec<W> shifter = splat<W>(12582912.0f);
+  const Vec<W> n = (xc * splat<W>(1.44269504088896341f) + shifter) - shifter;
+  Vec<W> r = fmadd<W>(n, splat<W>(-0.693359375f), xc);
+  r = fmadd<W>(n, splat<W>(2.12194440e-4f), r);
+  Vec<W> p = splat<W>(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fmadd<W>(p, r, splat<W>(c));
+  const Vec<W> y = p * float_of<W>((__builtin_convertvector(n, IVec<W>) + 127) << 23);
+  return x < lo ? Vec<W>{} : y;
+}
+
+// exp of one float, bitwise the value of any lane of exp<W>.
+inline float exp_scalar(float x) { return exp<4>(splat<4>(x))[0]; }
+
+// Calls fn(scalar_t{}) for the kernels' three dtypes (float32, bfloat16, float16): like
+// AT_DISPATCH_FLOATING_TYPES_AND2 without a float64 instantiation. `op` names the op in the error.
+template <typename Fn>
+inline void dispatch_float_types(c10::ScalarType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return fn(float{});
+    case c10::ScalarType::BFloat16: return fn(c10::BFloat16{});
+    case c10::ScalarType::Half: return fn(c10::Half{});
+    default: TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+}  // namespace pagedgen::cpu

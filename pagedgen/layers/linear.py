@@ -1,0 +1,180 @@
+"""Linear layers, and ``linear``: the single point through which every matmul of every model runs.
+
+A model never calls ``F.linear`` or ``@`` itself: its projections are the classes below and its
+lm_head is ``ParallelLMHead`` (``pagedgen.layers.embedding``), all of which call ``linear``. So a
+change to how matmuls run — fixed-size row blocks for batch invariance, prepacked weights, a
+quantised kernel — is a change to this one function.
+
+The classes carry vLLM's names (``vllm/model_executor/layers/linear.py``) because they are where a
+tensor-parallel split goes: a column-parallel linear splits its output features across ranks, a
+row-parallel one its input features (followed by an all-reduce). pagedgen runs on one device today
+(tensor-parallel size 1), so each holds the whole matrix; the model files already say which kind
+each projection is, so that the split will change this file, not the models.
+
+Weights are loaded per parameter (nano-vllm ``layers/linear.py``): ``param.weight_loader(param,
+loaded, shard_id)`` copies one checkpoint tensor into its place. Fused projections (q/k/v in one
+matrix, gate/up in one matrix) take either their parts (``shard_id`` "q"/"k"/"v" or 0/1, as Llama
+checkpoints store them) or the whole fused tensor (``shard_id=None``, as Phi-3 and GPT-2 store
+them). Checkpoint layouts other than ``[out_features, in_features]``:
+
+- ``"conv1d"``: GPT-2's ``Conv1D`` stores ``[in_features, out_features]``; transposed on load.
+- ``"interleaved_qkv"``: GPT-NeoX stores q/k/v per head, ``[num_heads, 3, head_dim]`` along the
+  output features; reordered on load to ``[q heads | k heads | v heads]``.
+
+A weight loader given a ``meta`` tensor only checks the shape (``pagedgen.layers.loading``).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedgen.layers.loading import check_shape
+from pagedgen.layers.module import Module
+
+ShardId = Union[str, int, None]
+LAYOUTS = ("default", "conv1d", "interleaved_qkv")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x @ weight.T + bias``: the one function every matmul of a model goes through.
+
+    Args:
+        x: [T, in_features] activations (model dtype).
+        weight: [out_features, in_features], same dtype.
+        bias: [out_features] or None.
+
+    Returns:
+        [T, out_features] in the model dtype.
+    """
+    return F.linear(x, weight, bias)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Uninitialised: the model is built on the meta device and materialised by the loader.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LinearBase(Module):
+    """``y = x W^T + b`` over ``[T, input_size]`` rows; W: [output_size, input_size] (model dtype).
+
+    Args:
+        input_size, output_size: features in and out.
+        bias: whether the layer has a bias [output_size].
+        output_shards: for fused layers, the parts along the output features, in order:
+            ``{shard_id: size}``; their sizes sum to ``output_size``.
+        layout: how the checkpoint stores the weight (see the module docstring).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, output_shards: Optional[dict] = None, layout: str = "default") -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.input_size, self.output_size, self.layout = input_size, output_size, layout
+        self.output_shards: dict = dict(output_shards or {})
+        self.weight = _param(output_size, input_size)
+        self.bias = _param(output_size) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.weight_loader = self.weight_loader
+                p.shard_ids = tuple(self.output_shards)  # the parts a checkpoint may give separately
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size] -> [T, output_size]
+        return linear(x, self.weight, self.bias)
+
+    def _shard_slice(self, shard_id: ShardId) -> tuple[int, int]:
+        """(offset, size) of a part along the output features; the whole for None."""
+        if shard_id is None:
+            return 0, self.output_size
+        if shard_id not in self.output_shards:
+            raise KeyError(f"unknown shard {shard_id!r} (this layer has {list(self.output_shards)})")
+        offset = 0
+        for sid, size in self.output_shards.items():
+            if sid == shard_id:
+                return offset, size
+            offset += size
+        raise AssertionError("unreachable")
+
+    def _to_param_layout(self, loaded: torch.Tensor, is_weight: bool) -> torch.Tensor:
+        """The checkpoint tensor rearranged to the parameter's [out, in] / [out] layout."""
+        if self.layout == "conv1d" and is_weight:
+            return loaded.t()
+        if self.layout == "interleaved_qkv":
+            heads = self.output_size // (3 * self.head_size)
+            # [heads, 3, head_size, ...] -> [3, heads, head_size, ...]: q heads, then k, then v
+            return loaded.reshape(heads, 3, self.head_size, -1).transpose(0, 1).reshape(loaded.shape)
+        return loaded
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy the checkpoint tensor ``loaded`` (the part ``shard_id``, or all) into ``param``,
+        converting to its dtype in the same pass. Raises WeightShapeError on a shape mismatch."""
+        is_weight = param is self.weight
+        offset, size = self._shard_slice(shard_id)
+        dst = param.narrow(0, offset, size)
+        expected = tuple(dst.shape)
+        if self.layout == "conv1d" and is_weight:
+            expected = expected[::-1]
+        if check_shape(loaded, expected):  # False for a meta tensor: the dry run checks the shape only
+            with torch.no_grad():
+                dst.copy_(self._to_param_layout(loaded, is_weight))
+
+
+class ReplicatedLinear(LinearBase):
+    """A linear layer every tensor-parallel rank holds whole (small projections, e.g. OPT's
+    ``project_in``/``project_out``)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, layout: str = "default") -> None:
+        super().__init__(input_size, output_size, bias, layout=layout)
+
+
+class ColumnParallelLinear(LinearBase):
+    """A linear layer whose output features a tensor-parallel split divides across ranks (the
+    first matrix of an MLP, e.g. GPT-2's ``c_fc``)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, layout: str = "default") -> None:
+        super().__init__(input_size, output_size, bias, layout=layout)
+
+
+class RowParallelLinear(LinearBase):
+    """A linear layer whose input features a tensor-parallel split divides across ranks, its
+    partial outputs summed by an all-reduce (``o_proj``, ``down_proj``)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, layout: str = "default") -> None:
+        super().__init__(input_size, output_size, bias, layout=layout)
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel projections of the same input in one matmul (gate and up of a gated
+    MLP): output ``[T, sum(output_sizes)]``, part i at its offset; checkpoint shard ids 0, 1, ..."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False, layout: str = "default") -> None:
+        super().__init__(input_size, sum(output_sizes), bias, dict(enumerate(output_sizes)), layout)
+
+
+class QKVParallelLinear(LinearBase):
+    """The query, key and value projections in one matmul: output ``[T, (num_heads + 2 *
+    num_kv_heads) * head_size]`` = [q heads | k heads | v heads]; checkpoint shard ids "q", "k", "v".
+
+    Args:
+        hidden_size: input features.
+        head_size: features of one head.
+        num_heads, num_kv_heads: query heads and key/value heads (grouped-query attention).
+        bias: whether q, k and v have biases.
+        layout: "default" / "conv1d" (GPT-2) / "interleaved_qkv" (GPT-NeoX, needs num_kv_heads ==
+            num_heads).
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False, layout: str = "default") -> None:
+        if layout == "interleaved_qkv" and num_kv_heads != num_heads:
+            raise ValueError("the interleaved q/k/v layout needs num_kv_heads == num_heads")
+        self.head_size, self.num_heads, self.num_kv_heads = head_size, num_heads, num_kv_heads
+        q, kv = num_heads * head_size, num_kv_heads * head_size
+        super().__init__(hidden_size, q + 2 * kv, bias, {"q": q, "k": kv, "v": kv}, layout)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, (H + 2 Hkv) D] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], views into ``qkv``."""
+        T, D = qkv.shape[0], self.head_size
+        q_end, k_end = self.num_heads * D, (self.num_heads + self.num_kv_heads) * D
+        return qkv[:, :q_end].view(T, -1, D), qkv[:, q_end:k_end].view(T, -1, D), qkv[:, k_end:].view(T, -1, D)

@@ -1,0 +1,92 @@
+"""What every model family shares: the interface the engine calls, and how its checkpoint names map
+onto its parameters.
+
+The engine sees ``model.config`` (a ``ModelConfig``), ``model.device`` and
+``model.forward(input_ids, positions, attn, kv_caches, logits_indices) -> logits``. A family
+subclasses ``CausalLM``, builds its layers in ``__init__`` from ``(hf_config, config)`` under
+``self.model`` and ``self.lm_head``, and says how checkpoint tensors find their parameters:
+
+- parameter names mirror the checkpoint's (``model.layers.0.self_attn.o_proj.weight``), except
+  fused projections: ``packed_modules_mapping`` maps a checkpoint module name to the fused module
+  and its shard (``"q_proj": ("qkv_proj", "q")``), applied to one dotted component of the name;
+- ``base_model_prefix``: the attribute holding the decoder stack; checkpoints saved from the bare
+  model lack it (GPT-2's ``h.0...``, OPT's ``decoder...``) and get it prepended;
+- ``ignored_weights``: regexes of checkpoint tensors that are not weights (buffers older
+  transformers saved: causal masks, rotary ``inv_freq``).
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from pagedgen.config import ModelConfig
+from pagedgen.layers.module import Module
+from pagedgen.ops import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def layer_sliding_windows(hf_config, num_layers: int) -> list[int]:
+    """Per layer, the sliding window in tokens (0: full attention), as transformers applies it:
+    per-layer ``layer_types`` (Qwen2/Qwen3: ``"sliding_attention"`` layers use ``sliding_window``),
+    else ``sliding_window`` for every layer (Mistral, Phi-3)."""
+    window = getattr(hf_config, "sliding_window", None) or 0
+    if getattr(hf_config, "use_sliding_window", True) is False or window >= hf_config.max_position_embeddings:
+        window = 0  # a window as long as the context is full attention
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None and window:
+        return [window if t == "sliding_attention" else 0 for t in types[:num_layers]]
+    return [window] * num_layers
+
+
+class CausalLM(Module):
+    """Base of the model families (a decoder-only causal LM over the paged KV cache).
+
+    Args:
+        hf_config: the transformers config of the checkpoint (the family's own fields).
+        config: the engine's view of it (shape of the KV cache, dtype).
+
+    Subclasses set the decoder stack as the attribute named ``base_model_prefix`` (``self.model``,
+    GPT-2's ``self.transformer``...; ``forward(input_ids, positions, attn, kv_caches,
+    logits_indices) -> [S, hidden]``, the final hidden rows of the sampled tokens) and the head as
+    the one named ``lm_head_name`` (a ``ParallelLMHead``). Built on the
+    meta device by the loader, which then allocates and fills the parameters
+    (``pagedgen.model.weights.load_model``).
+    """
+
+    packed_modules_mapping: ClassVar[dict] = {}
+    base_model_prefix: ClassVar[str] = "model"
+    lm_head_name: ClassVar[str] = "lm_head"
+    ignored_weights: ClassVar[tuple[str, ...]] = ()
+    #: config.json fields the family needs beyond ``loader.REQUIRED_CONFIG_FIELDS``
+    required_config_fields: ClassVar[tuple[str, ...]] = ()
+    #: config.json fields that describe the weight shapes (named in shape-mismatch errors)
+    shape_fields: ClassVar[tuple[str, ...]] = ("hidden_size", "num_attention_heads", "vocab_size")
+
+    def __init__(self, hf_config, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @classmethod
+    def check_config(cls, hf_config) -> None:
+        """Raise ValueError naming a config.json field whose value this family cannot honour.
+        Called before the model is built; the default accepts everything."""
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self.lm_head_name).weight.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],  # one per layer
+        logits_indices: torch.Tensor,  # [S] int64, rows of the tokens whose next token is wanted
+    ) -> torch.Tensor:
+        """Logits [S, vocab] float32 for the tokens at ``logits_indices``."""
+        hidden = getattr(self, self.base_model_prefix)(input_ids, positions, attn, kv_caches, logits_indices)  # [S, hidden]
+        return getattr(self, self.lm_head_name)(hidden)  # [S, vocab] float32
+

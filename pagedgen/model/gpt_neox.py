@@ -1,0 +1,105 @@
+"""GPT-NeoX and Pythia (transformers' ``modeling_gpt_neox``, Black et al. 2022; Biderman et al. 2023).
+
+    token ids [T]
+      -> embed_in                                               [T, hidden]
+      -> layers x N:
+           a = attention(input_layernorm(x))   query_key_value -> partial RoPE -> paged attention -> dense
+           use_parallel_residual:  x = mlp(post_attention_layernorm(x)) + a + x
+           otherwise:              x = a + x;  x = mlp(post_attention_layernorm(x)) + x
+              mlp: dense_h_to_4h -> gelu -> dense_4h_to_h
+      -> rows at logits_indices -> final_layer_norm
+      -> embed_out (the lm_head, untied by default)              [S, vocab]
+
+RoPE rotates only the first ``partial_rotary_factor`` (``rotary_pct``) of each head's features.
+Checkpoints store the fused q/k/v per head (``[num_heads, 3, head_dim]`` along the output
+features), reordered on load (``layout="interleaved_qkv"``); older ones carry the buffers
+``attention.bias``, ``attention.masked_bias`` and ``rotary_emb.inv_freq`` (ignored).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedgen.config import ModelConfig
+from pagedgen.layers.activation import get_act_fn
+from pagedgen.layers.attention import Attention
+from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedgen.layers.module import Module
+from pagedgen.layers.norm import LayerNorm
+from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope
+from pagedgen.model.base import CausalLM, KVCache
+from pagedgen.ops import AttentionMetadata
+
+
+class GPTNeoXAttention(Module):
+    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        H, D, bias = config.num_heads, config.head_dim, hf_config.attention_bias
+        self.query_key_value = QKVParallelLinear(config.hidden_size, D, H, H, bias=bias, layout="interleaved_qkv")
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(H, D, D**-0.5, H)
+        self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias)
+
+    def forward(self, positions, h: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.query_key_value.split(self.query_key_value(h))  # [T, H, D] each
+        self.rotary_emb(positions, q, k)  # in place, first rotary_dim features
+        return self.dense(self.attn(q, k, v, kv_cache, attn).view(h.shape[0], -1))
+
+
+class GPTNeoXMLP(Module):
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size, bias=True)
+        self.act = get_act_fn(hf_config.hidden_act)
+        self.dense_4h_to_h = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size, bias=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(h)))
+
+
+class GPTNeoXLayer(Module):
+    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.use_parallel_residual = hf_config.use_parallel_residual
+        self.input_layernorm = LayerNorm(config.hidden_size, hf_config.layer_norm_eps)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, hf_config.layer_norm_eps)
+        self.attention = GPTNeoXAttention(hf_config, config, rotary_emb)
+        self.mlp = GPTNeoXMLP(hf_config)
+
+    def forward(self, positions, x: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+        a = self.attention(positions, self.input_layernorm(x), kv_cache, attn)
+        if self.use_parallel_residual:
+            return self.mlp(self.post_attention_layernorm(x)) + a + x  # transformers' order of the adds
+        a = a + x
+        return self.mlp(self.post_attention_layernorm(a)) + a
+
+
+class GPTNeoXModel(Module):
+    def __init__(self, hf_config, config: ModelConfig) -> None:
+        super().__init__()
+        rotary_emb = get_rope(hf_config, config.head_dim)
+        self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([GPTNeoXLayer(hf_config, config, rotary_emb) for _ in range(config.num_layers)])
+        self.final_layer_norm = LayerNorm(config.hidden_size, hf_config.layer_norm_eps)
+
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
+        x = self.embed_in(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, attn)
+        return self.final_layer_norm(x[logits_indices])  # [S, hidden]
+
+
+class GPTNeoXForCausalLM(CausalLM):
+    """``GPTNeoXForCausalLM`` (GPT-NeoX-20B, Pythia)."""
+
+    base_model_prefix = "gpt_neox"
+    lm_head_name = "embed_out"
+    ignored_weights = (r"\.attention\.bias$", r"\.attention\.masked_bias$", r"\.rotary_emb\.inv_freq$")
+    required_config_fields = ("intermediate_size",)
+    shape_fields = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+    def __init__(self, hf_config, config: ModelConfig) -> None:
+        super().__init__(hf_config, config)
+        self.gpt_neox = GPTNeoXModel(hf_config, config)
+        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.gpt_neox.embed_in if config.tie_word_embeddings else None)

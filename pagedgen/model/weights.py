@@ -1,0 +1,225 @@
+"""Streaming weight loading: each safetensors tensor is read once, straight into its parameter.
+
+    build the model on the meta device (no memory)
+    plan: read every file's header (names, shapes, dtypes), map each tensor to its parameter and
+          shard, dry-run every weight loader on a meta tensor of that shape
+          -> every error (missing file, corrupt header, unknown tensor, wrong shape, missing weight)
+             before any data is read or any memory allocated
+    materialise: every parameter ``torch.empty`` in the target dtype on the target device
+    load: per tensor, ``safe_open`` -> ``get_tensor`` (a view of the memory-mapped file) ->
+          ``param.weight_loader`` copies it into place, converting the dtype in the same pass
+
+No full-checkpoint dict and no second copy of the weights: peak memory is the parameters plus one
+checkpoint tensor (``tests/test_model_loading.py`` measures the RSS). Each tensor gets its own
+``safe_open``: one open for a whole file keeps every page read so far mapped, and those pages
+count in the process's resident memory until the file is closed — for a single-file checkpoint,
+the whole file on top of the parameters.
+
+Sharded checkpoints are listed by ``model.safetensors.index.json`` (its ``weight_map``); tied
+embeddings share one parameter, and a checkpoint's copy of the tied head is skipped.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedgen.config import ModelConfig
+from pagedgen.layers.loading import WeightShapeError, weight_loader
+from pagedgen.model.base import CausalLM
+from pagedgen.model.loader import CheckpointError, read_json
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+# safetensors dtype names -> torch dtypes of floating-point tensors
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass
+class TensorPlan:
+    """One checkpoint tensor and where it goes."""
+
+    file: str  # path of its safetensors file
+    name: str  # its name in the checkpoint
+    param_name: str  # the parameter it fills
+    shard_id: object  # the part of a fused parameter, or None for all of it
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """Paths of the safetensors files of the checkpoint folder ``path`` (the shards listed by the
+    index, or model.safetensors).
+
+    Raises:
+        CheckpointError: the index is not JSON or has no ``weight_map``.
+        FileNotFoundError: a shard the index lists is missing (naming it and the index).
+    """
+    index = os.path.join(path, INDEX_FILE)
+    if not os.path.isfile(index):
+        return [os.path.join(path, SINGLE_FILE)]
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(index, "has no weight_map (tensor name -> shard file)")
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise FileNotFoundError(f"weight shard {os.path.join(path, missing[0])}{more} listed in {index} is missing")
+    return [os.path.join(path, f) for f in files]
+
+
+def read_headers(files: list[str]) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(file, name, shape, safetensors dtype) of every tensor, from the headers only.
+
+    Raises:
+        CheckpointError: a file is not a readable safetensors file (truncated, corrupt, random bytes).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    out = []
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    out.append((file, name, tuple(sl.get_shape()), sl.get_dtype()))
+        except SafetensorError as exc:
+            raise CheckpointError(file, f"is not a readable safetensors file, truncated or corrupt ({exc})") from exc
+    return out
+
+
+def _target(model: CausalLM, name: str, params: dict) -> Optional[tuple[str, object]]:
+    """(parameter name, shard id) that checkpoint tensor ``name`` fills, None if none does."""
+    for candidate in (name, f"{model.base_model_prefix}.{name}"):
+        parts = candidate.split(".")
+        shard_id = None
+        for i, part in enumerate(parts):
+            if part in model.packed_modules_mapping:
+                parts[i], shard_id = model.packed_modules_mapping[part]
+                break
+        param_name = ".".join(parts)
+        if param_name in params:
+            return param_name, shard_id
+    return None
+
+
+def _checkpoint_name(model: CausalLM, param_name: str, shard_id) -> str:
+    """The checkpoint name a part of a fused parameter comes from (inverse of the mapping)."""
+    parts = param_name.split(".")
+    for key, (fused, sid) in model.packed_modules_mapping.items():
+        if sid == shard_id and fused in parts:
+            parts[parts.index(fused)] = key
+            return ".".join(parts)
+    return param_name
+
+
+def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
+    """Every tensor of the checkpoint mapped to its parameter and checked, no data read.
+
+    Raises:
+        FileNotFoundError / CheckpointError: see ``checkpoint_files`` and ``read_headers``.
+        ValueError: a tensor the model does not have (more layers than ``num_hidden_layers``, or
+            another architecture's weights), a non-float tensor, a shape other than config.json
+            implies, or a weight the model needs that the checkpoint lacks.
+    """
+    params = dict(model.named_parameters())
+    order = {name: i for i, name in enumerate(params)}
+    head = getattr(model, model.lm_head_name)
+    tied_head = f"{model.lm_head_name}.weight" if getattr(head, "tied", False) else None
+    ignored = [re.compile(p) for p in model.ignored_weights]
+    num_layers = model.config.num_layers
+
+    headers = read_headers(checkpoint_files(path))
+    layer_indices = [int(m.group(1)) for _, name, _, _ in headers if (m := _LAYER_INDEX.search(name))]
+    if layer_indices and max(layer_indices) >= num_layers:
+        raise ValueError(
+            f"the checkpoint holds {max(layer_indices) + 1} decoder layers, but config.json says num_hidden_layers="
+            f"{num_layers}: config.json does not describe these weights"
+        )
+    fields = ", ".join(f"{f}={getattr(hf_config, f, None)}" for f in model.shape_fields)
+    plan: list[TensorPlan] = []
+    shape_errors: list[tuple[int, str]] = []
+    loaded: dict[str, set] = {}
+    for file, name, shape, dtype in headers:
+        if name == tied_head or any(p.search(name) for p in ignored):
+            continue
+        target = _target(model, name, params)
+        if target is None:
+            raise ValueError(
+                f"{file}: tensor {name!r} is not a weight of {model.config.architecture}: config.json does not "
+                "describe these weights"
+            )
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; only floating-point (unquantised) weights are supported")
+        param_name, shard_id = target
+        param = params[param_name]
+        try:
+            weight_loader(param)(param, torch.empty(shape, dtype=_FLOAT_DTYPES[dtype], device="meta"), shard_id)
+        except WeightShapeError as exc:
+            shape_errors.append((order[param_name], f"weight {name!r} {exc} ({fields}): config.json does not describe these weights"))
+            continue
+        loaded.setdefault(param_name, set()).add(shard_id)
+        plan.append(TensorPlan(file, name, param_name, shard_id))
+    if shape_errors:
+        shape_errors.sort()
+        more = f" (and {len(shape_errors) - 1} more mismatched weights)" if len(shape_errors) > 1 else ""
+        raise ValueError(shape_errors[0][1] + more)
+    for param_name, param in params.items():
+        got = loaded.get(param_name, set())
+        shards = getattr(param, "shard_ids", ())
+        if None in got or (shards and got >= set(shards)):
+            continue
+        missing = [s for s in shards if s not in got] if shards else [None]
+        raise ValueError(f"weight {_checkpoint_name(model, param_name, missing[0])!r} is missing from the checkpoint in {path!r}")
+    return plan
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter by an uninitialised one of ``dtype`` on ``device`` (ties and the
+    ``weight_loader`` attributes kept) and move the buffers (RoPE tables) to ``device``."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in memo:
+                new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+                new.__dict__.update(p.__dict__)
+                memo[id(p)] = new
+            if p is not None:
+                setattr(module, name, memo[id(p)])
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                setattr(module, name, memo.setdefault(id(b), b.to(device)))
+
+
+def read_weights(model: CausalLM, plan: list[TensorPlan]) -> None:
+    """Copy every planned tensor into its parameter, one ``safe_open`` per tensor (see the module
+    docstring for why)."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    for t in plan:
+        param = params[t.param_name]
+        with safe_open(t.file, framework="pt") as f:
+            tensor = f.get_tensor(t.name)
+            weight_loader(param)(param, tensor, t.shard_id)
+            del tensor
+
+
+def load_model(cls: type, path: str, hf_config, config: ModelConfig, device: torch.device) -> CausalLM:
+    """Build ``cls`` for ``hf_config`` and load the checkpoint folder ``path`` into it.
+
+    Raises:
+        ValueError: the config has a field the family cannot honour, or the weights do not match
+            it (see ``plan_checkpoint``); FileNotFoundError / CheckpointError for unusable files.
+    """
+    with torch.device("meta"):
+        model = cls(hf_config, config)
+    plan = plan_checkpoint(model, path, hf_config)
+    materialize(model, config.dtype, device)
+    read_weights(model, plan)
+    return model.eval()
