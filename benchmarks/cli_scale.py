@@ -50,7 +50,7 @@ print(json.dumps({"loop_s": time.perf_counter() - start, "tokens": sum(len(o.out
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=STORIES, help="checkpoint folder, or random-135m / random-1b (built here, see throughput.py)")
+    ap.add_argument("--model", default=STORIES, help="checkpoint folder, or random-135m / random-1b (random bf16 weights, built once and cached by benchmarks/_workload.py)")
     ap.add_argument("--rows", type=int, default=10_000, help="rows of the throughput comparison")
     ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per row (EOS ignored)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -120,10 +120,9 @@ def main(argv=None) -> dict:
         model = args.model
         if model.startswith("random-"):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from throughput import build_random_model
+            from _workload import ensure_random_model  # the harness's cached random checkpoints (bf16)
 
-            model = os.path.join(tmp, model)
-            build_random_model(args.model, os.path.join(SHARED, "models", "gpt2-tokenizer"), "bfloat16", model)
+            model, _ = ensure_random_model(args.model, "bfloat16")
         src = os.path.join(tmp, "rows.jsonl")
         write_rows(src, args.rows, texts)
         sides = {"cli": [], "generate": []}

@@ -76,3 +76,38 @@ def test_cli_unwritable_output_fails_before_generating(stories_path, tmp_path, c
     rc, err = run_cli(capsys, "--model", stories_path, "--input", txt, "--output", old)
     assert rc == 2 and "has no sidecar" in err and "--overwrite" in err
     assert old.read_text() == "earlier results\n"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_progress_bar_counts_rows_with_a_total(stories_path, tmp_path, capsys):
+    from pagedgen.cli import main
+
+    src = tmp_path / "in.txt"
+    src.write_text("".join(f"Once upon a time {i}\n" for i in range(12)))
+    capsys.readouterr()
+    assert main(["--model", stories_path, "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--max-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "| 12/12 [" in err and "<00:00" in err and "output tok/s" in err  # the total, the ETA and the rate
+    assert "12 rows: 12 generated" in err
+
+
+def test_old_flags_and_console_script():
+    """The first CLI's flags are still accepted; ``pagedgen`` (the console script) is this main."""
+    from importlib.metadata import entry_points
+
+    from pagedgen.cli import build_parser, main
+
+    ns = build_parser().parse_args([
+        "--model", "m", "--input", "i", "--output", "o", "--prompt-field", "text", "--max-tokens", "8", "--temperature", "0.5",
+        "--top-p", "0.9", "--top-k", "4", "--n", "2", "--seed", "1", "--stop", "x", "--ignore-eos", "--dtype", "float32",
+        "--device", "cpu", "--max-num-seqs", "4", "--num-kv-blocks", "32", "--no-prefix-caching", "--no-tqdm"])
+    assert (ns.prompt_field, ns.max_tokens, ns.temperature, ns.top_p, ns.top_k, ns.n, ns.seed, ns.stop) == ("text", 8, 0.5, 0.9, 4, 2, 1, ["x"])
+    assert (ns.ignore_eos, ns.dtype, ns.device, ns.max_num_seqs, ns.num_kv_blocks, ns.enable_prefix_caching, ns.no_tqdm) == (
+        True, "float32", "cpu", 4, 32, False, True)
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"]["pagedgen"] == "pagedgen.cli:main"
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "pagedgen"] or [None]
+    if script is not None:  # installed (editable): it resolves to the same function
+        assert script.value == "pagedgen.cli:main" and script.load() is main

@@ -125,31 +125,61 @@ def test_output_is_the_input(stories_path, tmp_path, capsys):
 
 
 def _broken_model(tmp_path, stories_path, how):
+    """A copy of stories260K broken in one way (issue 15 item 4); returns (folder, the file at fault)."""
     model = tmp_path / f"model-{how}"
     shutil.copytree(stories_path, model)
     weights = model / "model.safetensors"
+    at_fault = weights
     if how == "corrupt-safetensors":
         weights.write_bytes(os.urandom(4096))
     elif how == "truncated-safetensors":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    elif how == "config-not-json":
-        (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    elif how in ("config-not-json", "config-incomplete"):
+        at_fault = model / "config.json"
+        config = json.loads(at_fault.read_text())
+        del config["hidden_size"]
+        at_fault.write_text(json.dumps(config) if how == "config-incomplete" else '{"architectures": ["LlamaForCausalLM"],')
     elif how == "no-tokenizer":
         for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
             (model / name).unlink()
+        at_fault = model
+    elif how == "garbage-tokenizer":
+        (model / "tokenizer.json").write_text("garbage")
+        at_fault = model
     elif how == "no-weights":
         weights.unlink()
-    return model
+        at_fault = model
+    elif how in ("missing-shard", "index-not-json"):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        weights.unlink()
+        names = sorted(tensors)
+        shards = {f"model-0000{k + 1}-of-00002.safetensors": names[k::2] for k in range(2)}
+        for shard, keys in shards.items():
+            save_file({k: tensors[k] for k in keys}, model / shard)
+        index = model / "model.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}))
+        if how == "missing-shard":
+            at_fault = model / "model-00002-of-00002.safetensors"
+            at_fault.unlink()
+        else:
+            index.write_text('{"weight_map": ')
+            at_fault = index
+    return model, at_fault
 
 
-@pytest.mark.parametrize("case", ["missing-input", "input-is-a-folder", "bad-flag-value", "bad-sampling-value",
-                                  "missing-model", "corrupt-safetensors", "truncated-safetensors", "config-not-json",
-                                  "no-tokenizer", "no-weights", "output-folder-missing", "output-is-a-folder",
+BROKEN_CHECKPOINTS = ("corrupt-safetensors", "truncated-safetensors", "config-not-json", "config-incomplete", "no-tokenizer",
+                      "garbage-tokenizer", "no-weights", "missing-shard", "index-not-json")
+
+
+@pytest.mark.parametrize("case", ["missing-input", "input-is-a-folder", "bad-flag-value", "bad-sampling-value", "missing-model",
+                                  *BROKEN_CHECKPOINTS, "output-folder-missing", "output-is-a-folder",
                                   "missing-chat-template", "messages-from-csv", "bad-engine-value"])
 def test_user_errors_are_one_line(case, stories_path, tmp_path, capsys):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"prompt": "a"}) + "\n")
-    model, extra = stories_path, []
+    model, extra, at_fault = stories_path, [], None
     if case == "missing-input":
         src = tmp_path / "nope.jsonl"
     elif case == "input-is-a-folder":
@@ -162,8 +192,8 @@ def test_user_errors_are_one_line(case, stories_path, tmp_path, capsys):
         extra = ["--max-num-seqs", "0"]
     elif case == "missing-model":
         model = tmp_path / "nope"
-    elif case in ("corrupt-safetensors", "truncated-safetensors", "config-not-json", "no-tokenizer", "no-weights"):
-        model = _broken_model(tmp_path, stories_path, case)
+    elif case in BROKEN_CHECKPOINTS:
+        model, at_fault = _broken_model(tmp_path, stories_path, case)
     elif case == "output-folder-missing":
         dst = tmp_path / "no" / "out.jsonl"
     elif case == "output-is-a-folder":
@@ -176,7 +206,10 @@ def test_user_errors_are_one_line(case, stories_path, tmp_path, capsys):
         extra = ["--messages-field", "prompt"]
     rc, err = run_cli(capsys, *_base(model, src, dst, *extra))
     assert rc == 2, err
-    assert len(error_lines(err)) == 1 and "Traceback" not in err, err
+    (line,) = error_lines(err)
+    assert "Traceback" not in err, err
+    if at_fault is not None:  # a broken checkpoint: the message names the file (or the folder) at fault
+        assert str(at_fault) in line, line
     assert not dst.is_file() or dst.stat().st_size == 0
 
 

@@ -112,7 +112,8 @@ def test_openai_batch_completions_and_chat(stories_path, tmp_path, capsys, llm, 
     greedy3 = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[0].outputs[0]
     assert [c["text"] for c in body1["choices"]] == [greedy3.text] * 2 and [c["index"] for c in body1["choices"]] == [0, 1]
     lp = body1["choices"][0]["logprobs"]
-    assert len(lp["tokens"]) == 3 and lp["token_logprobs"][0] == pytest.approx(greedy3.logprobs[0][greedy3.token_ids[0]].logprob)
+    # within a tolerance: the CLI batches the three requests together (no batch invariance is promised)
+    assert len(lp["tokens"]) == 3 and lp["token_logprobs"][0] == pytest.approx(greedy3.logprobs[0][greedy3.token_ids[0]].logprob, abs=1e-4)
     assert len(lp["top_logprobs"][0]) >= 2 and lp["text_offset"][0] == 0
     chat = llm.chat([{"role": "user", "content": PROMPTS[2]}], SamplingParams(temperature=0, max_tokens=4), chat_template=TEMPLATE, use_tqdm=False)
     assert body2["object"] == "chat.completion"

@@ -101,6 +101,8 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
+            if self.counter is not None:
+                self.counter.join(timeout=0.2)  # a short input's count is there; a huge one's is not awaited
             self.update()
             self.bar.close()
 
