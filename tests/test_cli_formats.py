@@ -190,3 +190,30 @@ def test_stdin_resume_checks_the_rows_as_they_stream(stories_path, tmp_path, cap
     stdin(src.read_bytes())
     rc, err = run_cli(capsys, *_base(stories_path, "-", dst))
     assert rc == 0 and "4 skipped as already done" in err and dst.read_bytes() == full
+
+
+def test_field_names_logprobs_and_seeded_resume(stories_path, tmp_path, capsys, llm):
+    """Rows with their own ``index``: refused by default, written with --index-field/--output-field;
+    seeded sampling with n, logprobs and prompt logprobs equals LLM.generate's and resumes to the same rows."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"index": f"doc-{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[:6])))
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and "line 1: the row has its own field 'index', which the output adds; choose another name with --index-field" in err
+    flags = ["--overwrite", "--index-field", "row", "--output-field", "out", "--temperature", "1", "--seed", "5", "--n", "2",
+             "--logprobs", "1", "--prompt-logprobs", "1"]
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
+    assert rc == 0, err
+    params = SamplingParams(temperature=1, seed=5, n=2, max_tokens=MAX_TOKENS, logprobs=1, prompt_logprobs=1)
+    expected = llm.generate(PROMPTS[:6], params, use_tqdm=False)
+    out = read_jsonl(dst)
+    assert [(r["row"], r["index"]) for r in out] == [(i, f"doc-{i}") for i in range(6)]
+    for r, e in zip(out, expected):
+        assert [c["token_ids"] for c in r["out"]] == [c.token_ids for c in e.outputs]
+        for c, ec in zip(r["out"], e.outputs):
+            got = [{int(t): v["logprob"] for t, v in step.items()} for step in c["logprobs"]]
+            assert got == [{t: pytest.approx(lp.logprob, abs=1e-4) for t, lp in step.items()} for step in ec.logprobs]
+        assert r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) == len(e.prompt_token_ids)
+    _drop_tail(dst, 2)
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags[1:]))
+    assert rc == 0 and "2 skipped as already done" in err, err
+    assert [[c["token_ids"] for c in r["out"]] for r in read_jsonl(dst)] == [[c["token_ids"] for c in r["out"]] for r in out]

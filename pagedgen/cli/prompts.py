@@ -86,6 +86,8 @@ class RequestBuilder:
             if name in fields:
                 raise BadRow(f"the row has its own field {name!r}, which the output adds; choose another name with "
                              f"{'--index-field' if name == spec.index_field else '--output-field'}")
+        if self.params.prompt_logprobs is not None and "prompt_logprobs" in fields:
+            raise BadRow("the row has its own field 'prompt_logprobs', which --prompt-logprobs adds to the output")
         truncate = self._truncation(None, self.params)
         if spec.mode == "messages":
             if spec.messages_field not in fields:
