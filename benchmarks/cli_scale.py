@@ -10,7 +10,7 @@ time ("wall"); medians of --repeats. Peak RSS: the CLI on R1 and R2 rows (one ou
 read from the child's rusage (ru_maxrss).
 
     python benchmarks/cli_scale.py                       # 10,000 rows x 16 tokens, RSS at 10k and 1M rows
-    python benchmarks/cli_scale.py --quick               # a minute: 300 rows, RSS at 1k and 20k rows
+    python benchmarks/cli_scale.py --quick               # a couple of minutes: 200 rows, RSS at 1k and 10k rows
     python benchmarks/cli_scale.py --model random-135m --rows 2000 --max-tokens 32 --out results/
 """
 from __future__ import annotations
@@ -57,11 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side; medians reported")
     ap.add_argument("--rss-rows", default="10000,1000000", help="row counts of the peak-RSS runs (one output token each)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the child processes (default: unset)")
-    ap.add_argument("--quick", action="store_true", help="300 rows, 1 repeat, RSS at 1k and 20k rows: checks the script runs")
+    ap.add_argument("--quick", action="store_true", help="200 rows, 1 repeat, RSS at 1k and 10k rows: checks the script runs")
     ap.add_argument("--out", default=None, help="folder for cli_scale.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rows, args.repeats, args.rss_rows = min(args.rows, 300), 1, "1000,20000"
+        args.rows, args.repeats, args.rss_rows = min(args.rows, 200), 1, "1000,10000"
     args.rss_rows = [int(x) for x in args.rss_rows.split(",") if x.strip()]
     if min([args.rows, args.max_tokens, args.repeats, args.max_num_seqs, *args.rss_rows]) < 1:
         ap.error("--rows, --max-tokens, --repeats, --max-num-seqs and --rss-rows must be >= 1")

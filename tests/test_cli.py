@@ -1,10 +1,8 @@
-"""The command line: prompts file in, completions .jsonl out, summary on stderr (``python -m pagedgen``
-as a subprocess once, in-process otherwise); a user error is one `pagedgen: error:` line and exit
-code 2 (more in test_cli_formats.py, test_cli_errors.py and test_cli_interrupt.py)."""
+"""The command line: prompts file in, completions .jsonl out, summary on stderr (in-process here;
+``python -m pagedgen`` runs as a subprocess in test_cli_interrupt.py); a user error is one
+`pagedgen: error:` line and exit code 2 (more in test_cli_formats.py and test_cli_errors.py)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -12,19 +10,14 @@ from cli_util import run_cli
 from conftest import ROOT
 
 
-def _run(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pagedgen", *args], capture_output=True, text=True, env=env, timeout=300)
-
-
-def test_cli_jsonl_roundtrip(stories_path, tmp_path, llm):
+@pytest.mark.usefixtures("one_torch_thread")
+def test_cli_jsonl_roundtrip(stories_path, tmp_path, llm, capsys):
     prompts = ["Once upon a time", "The little dog", "Lily had a red ball"]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)))
     dst = tmp_path / "out.jsonl"
-    proc = _run("--model", stories_path, "--input", str(src), "--output", str(dst), "--temperature", "0",
-                "--max-tokens", "12", "--n", "2", "--no-tqdm")
-    assert proc.returncode == 0, proc.stderr
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", dst, "--temperature", "0", "--max-tokens", "12", "--n", "2")
+    assert rc == 0, err
     records = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["prompt"] for r in records] == prompts and [r["index"] for r in records] == [0, 1, 2]
     assert [r["id"] for r in records] == [0, 1, 2] and list(records[0]) == ["index", "prompt", "id", "completions"]
@@ -34,8 +27,8 @@ def test_cli_jsonl_roundtrip(stories_path, tmp_path, llm):
     for r, e in zip(records, expected):
         assert len(r["completions"]) == 2
         assert all(c["token_ids"] == e.outputs[0].token_ids and c["text"] == e.outputs[0].text for c in r["completions"])
-    assert "3 rows: 3 generated, 0 skipped as already done, 0 bad" in proc.stderr
-    assert "72 output tokens" in proc.stderr and "KV cache utilization" in proc.stderr and "prefix-cache hit rate" in proc.stderr
+    assert "3 rows: 3 generated, 0 skipped as already done, 0 bad" in err
+    assert "72 output tokens" in err and "KV cache utilization" in err and "prefix-cache hit rate" in err
     sidecar = json.loads((tmp_path / "out.pagedgen.json").read_text())
     assert sidecar["input"]["rows"] == 3 and sidecar["params"]["max_tokens"] == 12
 
