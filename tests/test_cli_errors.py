@@ -213,6 +213,28 @@ def test_user_errors_are_one_line(case, stories_path, tmp_path, capsys):
     assert not dst.is_file() or dst.stat().st_size == 0
 
 
+def test_out_of_memory_at_load_is_a_user_error(stories_path, tmp_path, capsys, monkeypatch):
+    """A KV cache too big for the machine (the CPU allocator's RuntimeError, torch.OutOfMemoryError on
+    CUDA) says what to lower; another RuntimeError stays an internal error (exit code 1)."""
+    import torch
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "a"}) + "\n")
+    for exc, code in ((RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1000000000000 bytes"), 2),
+                      (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB"), 2), (RuntimeError("a bug"), 1)):
+        def fail(**kwargs):
+            raise exc
+
+        monkeypatch.setattr("pagedgen.engine_args.LLM", fail)
+        rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--kv-cache-memory-bytes", "1TB"))
+        (line,) = error_lines(err)
+        assert rc == code and "Traceback" not in err, err
+        if code == 2:
+            assert line.startswith("pagedgen: error: out of memory while loading the model") and "lower --kv-cache-memory-bytes" in line
+        else:
+            assert "internal error: RuntimeError: a bug" in line and "--debug" in line
+
+
 def test_debug_shows_the_traceback(stories_path, tmp_path):
     from pagedgen.cli import main
 

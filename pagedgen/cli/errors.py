@@ -30,7 +30,8 @@ class BadRow(Exception):
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exception classes that mean the user's input is at fault while loading the model or reading
     files: bad values (ValueError, TypeError; JSON and Unicode decoding errors are ValueErrors),
-    missing or unreadable files (OSError), broken safetensors, missing optional packages."""
+    missing or unreadable files (OSError), broken safetensors, missing optional packages. A model or
+    KV cache too big for the machine is recognised by ``is_out_of_memory``."""
     types: list[type[BaseException]] = [CLIError, ValueError, TypeError, OSError, ImportError]
     try:
         from safetensors import SafetensorError
@@ -38,13 +39,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         types.append(SafetensorError)
     except ImportError:  # pragma: no cover - safetensors is a dependency
         pass
-    try:
-        import torch
-
-        types.append(torch.OutOfMemoryError)  # a KV cache or model too big for the device
-    except (ImportError, AttributeError):  # pragma: no cover
-        pass
-    return tuple(types)
+    return tuple(types)  # out of memory at load: is_out_of_memory (main adds what to lower)
 
 
 def one_line(exc: BaseException) -> str:
@@ -54,3 +49,22 @@ def one_line(exc: BaseException) -> str:
         text = f"{exc.strerror}: {exc.filename!r}"
     parts = [p.strip() for p in text.splitlines() if p.strip()]
     return " / ".join(parts) if parts else type(exc).__name__
+
+
+#: the CPU allocator's message for a failed allocation (torch raises a plain RuntimeError on the CPU;
+#: on CUDA it is torch.OutOfMemoryError)
+_CPU_ALLOC_FAILED = "can't allocate memory"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a failed memory allocation: ``torch.OutOfMemoryError`` or the CPU allocator's
+    RuntimeError (what a KV cache, swap space or model too big for the machine raises)."""
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    return isinstance(exc, (RuntimeError, MemoryError)) and (isinstance(exc, MemoryError) or _CPU_ALLOC_FAILED in str(exc))
+

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 from pagedgen.cli import progress as progress_mod
 from pagedgen.cli import readers, resume, sidecar
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
-from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, one_line, user_error_types
+from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
 from pagedgen.cli.prompts import PromptSpec, RequestBuilder
 from pagedgen.cli.runner import Outcome, RunSettings, StopSignals, run_rows
 from pagedgen.cli.writer import Appender, RowWriter, output_is_input
@@ -85,8 +85,15 @@ def _run(args) -> int:
     fingerprint = _params_fingerprint(args, fmt, params, spec)
     state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
 
-    with _UserErrors(""):
-        llm = engine_args.create_llm()
+    try:
+        with _UserErrors(""):
+            llm = engine_args.create_llm()
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise CLIError(f"out of memory while loading the model and allocating the KV cache ({one_line(exc)}): lower "
+                       "--kv-cache-memory-bytes, --num-kv-blocks, --swap-space-bytes or --gpu-memory-utilization, "
+                       "or pass a smaller --max-model-len") from exc
     if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
         raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
 
