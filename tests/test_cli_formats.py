@@ -217,3 +217,45 @@ def test_field_names_logprobs_and_seeded_resume(stories_path, tmp_path, capsys, 
     rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags[1:]))
     assert rc == 0 and "2 skipped as already done" in err, err
     assert [[c["token_ids"] for c in r["out"]] for r in read_jsonl(dst)] == [[c["token_ids"] for c in r["out"]] for r in out]
+
+
+@pytest.mark.parametrize("unordered", [False, True])
+def test_rows_in_memory_are_bounded(unordered, stories_path, tmp_path, capsys, monkeypatch):
+    """Flat memory: rows are pulled from the input only while fewer than --max-in-flight run and the
+    reorder buffer has room, so the rows held at once never depend on the input's length."""
+    from pagedgen.cli import readers
+    from pagedgen.cli.writer import RowWriter
+    from pagedgen.engine.llm_engine import LLMEngine
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"prompt": PROMPTS[i % len(PROMPTS)], "id": i} for i in range(40)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = {"unfinished": 0, "held": 0}
+    writers = []
+    real_add, real_read, real_init = LLMEngine.add_request, readers.read_rows, RowWriter.__init__
+
+    def add_request(self, *args, **kwargs):
+        seen["unfinished"] = max(seen["unfinished"], self.get_num_unfinished_requests() + 1)
+        return real_add(self, *args, **kwargs)
+
+    def read_rows(*args, **kwargs):
+        for row in real_read(*args, **kwargs):
+            # rows read but not yet written: running, or finished and waiting in the reorder buffer
+            seen["held"] = max(seen["held"], row.index - writers[0].rows_written - writers[0].errors_written)
+            yield row
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        writers.append(self)
+
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    monkeypatch.setattr(readers, "read_rows", read_rows)
+    monkeypatch.setattr(RowWriter, "__init__", init)
+    flags = ["--max-in-flight", 3, "--reorder-buffer", 2, "--flush-rows", 1] + (["--unordered"] if unordered else [])
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
+    assert rc == 0, err
+    out = read_jsonl(dst)
+    assert sorted(r["index"] for r in out) == list(range(40)) and [r["id"] for r in sorted(out, key=lambda r: r["index"])] == list(range(40))
+    assert seen["unfinished"] == 3  # the window fills, and never more
+    # when a row is read: fewer than 3 in flight, plus (in input order) at most 2 finished rows waiting for an earlier one
+    assert 2 <= seen["held"] <= 2 + (0 if unordered else 2)
