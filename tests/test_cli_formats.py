@@ -86,6 +86,16 @@ def test_messages_field_with_chat_template_file(stories_path, tmp_path, capsys, 
     out = read_jsonl(dst)
     assert [r["conversation"] for r in out] == conversations
     assert [r["completions"][0]["token_ids"] for r in out] == [e.outputs[0].token_ids for e in expected]
+    try:  # a Parquet list-of-structs column holds conversations too
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return
+    pq.write_table(pa.Table.from_pylist([{"conversation": c, "n": i} for i, c in enumerate(plain)]), tmp_path / "chat.parquet")
+    rc, err = run_cli(capsys, *_base(stories_path, tmp_path / "chat.parquet", tmp_path / "pq.jsonl", "--messages-field", "conversation",
+                                     "--chat-template", tmp_path / "tmpl.jinja"))
+    assert rc == 0, err
+    assert [r["completions"][0]["token_ids"] for r in read_jsonl(tmp_path / "pq.jsonl")] == [e.outputs[0].token_ids for e in expected]
 
 
 def test_openai_batch_completions_and_chat(stories_path, tmp_path, capsys, llm, expected):
