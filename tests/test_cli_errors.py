@@ -89,6 +89,24 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(stories_path, tmp_path, ca
     assert read_jsonl(dst)[0]["completions"][0]["token_ids"] == want
 
 
+@pytest.mark.parametrize("on_error", ["stop", "skip"])
+def test_broken_json_array_keeps_the_rows_before_and_resumes_after_the_fix(on_error, stories_path, tmp_path, capsys):
+    """A syntax error between a JSON array's elements cannot be skipped: the rows read before it are
+    finished and written, the message says how many, and a rerun after the fix finishes the rest."""
+    src, dst = tmp_path / "in.json", tmp_path / "out.jsonl"
+    elements = [json.dumps({"prompt": p}) for p in PROMPTS[:4]]
+    src.write_text("[" + ",\n".join(elements[:3]) + "\n" + elements[3] + "]")  # no comma before the last element
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--on-error", on_error))
+    assert rc == 2 and error_lines(err) == [
+        f"pagedgen: error: {src}:4: expected ',' or ']' after an array element, found '{{' (stopped there: 3 rows are in "
+        f"{str(dst)!r}; rerun the same command to resume once the input is fixed)"]
+    assert [r["index"] for r in read_jsonl(dst)] == [0, 1, 2]
+    src.write_text("[" + ",\n".join(elements) + "]")
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--on-error", on_error))
+    assert rc == 0 and "1 generated, 3 skipped as already done" in err, err
+    assert [r["prompt"] for r in read_jsonl(dst)] == PROMPTS[:4]
+
+
 def test_changed_input_model_or_params_are_refused(stories_path, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(stories_path, model)

@@ -281,12 +281,17 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     bar.close()
     _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None)
     total_done = done.count + stats.generated + stats.bad
+    kept = f"{rows_in_output + writer.rows_written:,} rows are in {args.output!r}"
     if outcome.bad_row is not None:
         row, reason = outcome.bad_row
         where = "<stdin>" if args.input == "-" else args.input
         unit = "row" if fmt == "parquet" else "line"
-        raise CLIError(f"{where}: {unit} {row.line}: {reason} (stopped there: {rows_in_output + writer.rows_written:,} rows are in {args.output!r}; "
+        raise CLIError(f"{where}: {unit} {row.line}: {reason} (stopped there: {kept}; "
                        f"fix the row and rerun the same command to resume, or pass --on-error skip)")
+    if outcome.read_error is not None:
+        exc = outcome.read_error
+        message = one_line(exc) if isinstance(exc, CLIError) else f"cannot read --input: {one_line(exc)}"
+        raise CLIError(f"{message} (stopped there: {kept}; rerun the same command to resume once the input is fixed)") from exc
     if outcome.signal is not None:
         name = signal.Signals(outcome.signal).name
         _say(f"interrupted by {name}: {total_done:,} rows done ({stats.generated + stats.bad:,} in this run), "

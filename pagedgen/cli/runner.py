@@ -6,7 +6,8 @@ buffer has room; each row is validated on its own (``add_request`` raises for a 
 the engine as it was), so a bad row is caught where it is and the rest go on (``--on-error skip``)
 or the run stops after the rows before it finish (``stop``). SIGINT/SIGTERM stop the admission;
 the rows running get ``drain_seconds`` to finish (a second signal stops at once), then the rest
-are aborted and what is finished is written.
+are aborted and what is finished is written. An input that cannot be read on (a JSON array's broken
+syntax, an I/O error) stops the admission too; the rows already read finish and are written.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from pagedgen.cli import records
-from pagedgen.cli.errors import BadRow, one_line
+from pagedgen.cli.errors import BadRow, CLIError, one_line
 from pagedgen.cli.progress import Progress, RunStats
 from pagedgen.cli.prompts import PromptSpec, Request, RequestBuilder
 from pagedgen.cli.readers import Row
@@ -50,12 +51,13 @@ class Outcome:
     """How the loop ended: all rows done, a bad row (``--on-error stop``), or a signal."""
 
     bad_row: Optional[tuple[Row, str]] = None
+    read_error: Optional[BaseException] = None  # the input could not be read on (CLIError or OSError)
     signal: Optional[int] = None
     aborted_rows: int = 0  # running or finished-but-unwritten rows dropped by an interruption
 
     @property
     def completed(self) -> bool:
-        return self.bad_row is None and self.signal is None
+        return self.bad_row is None and self.read_error is None and self.signal is None
 
 
 @dataclass
@@ -70,7 +72,7 @@ class RunSettings:
 def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWriter, spec: PromptSpec, settings: RunSettings,
              stats: RunStats, progress: Progress, signals: StopSignals, outcome: Outcome) -> None:
     """Generate for every row of ``rows`` (those not already done) and hand each result to
-    ``writer``; ``outcome`` records a bad row (``--on-error stop``) or a signal as soon as it happens."""
+    ``writer``; ``outcome`` records a bad row (``--on-error stop``), a read error or a signal as soon as it happens."""
     engine = llm.llm_engine
     in_flight: dict[int, tuple[Row, Request]] = {}
     exhausted = False
@@ -78,7 +80,10 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
     while True:
         while (not exhausted and outcome.bad_row is None and not signals.received
                and len(in_flight) < settings.max_in_flight and writer.can_admit()):
-            row = next(rows, None)
+            try:
+                row = next(rows, None)
+            except (CLIError, OSError) as exc:  # e.g. a JSON array's broken syntax: the rows before it still finish
+                outcome.read_error, row = exc, None
             if row is None:
                 exhausted = True
                 break
