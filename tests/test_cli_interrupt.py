@@ -12,7 +12,7 @@ from cli_util import popen_cli, read_jsonl, run_cli
 from conftest import story_openings
 
 ROWS = 2000
-ARGS = ("--temperature", "0", "--max-tokens", 6, "--flush-rows", 25, "--flush-seconds", 0.05)
+ARGS = ("--temperature", "0", "--max-tokens", 4, "--flush-rows", 25, "--flush-seconds", 0.05)
 
 
 @pytest.fixture(scope="module")
