@@ -53,12 +53,15 @@ class CacheConfig:
     Attributes:
         enable_prefix_caching: reuse cached full blocks of equal token prefixes.
         num_cpu_blocks: blocks of CPU swap space for swap preemption (0: none).
+        sliding_window: ``ModelConfig.sliding_window`` (tokens; 0: none): a sequence's blocks wholly
+            before it are returned to the pool (``BlockManager``'s module docstring gives the bound).
     """
 
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool = False
     num_cpu_blocks: int = 0
+    sliding_window: int = 0
 
     @property
     def num_slots(self) -> int:
