@@ -24,8 +24,9 @@ class ModelConfig:
         tie_word_embeddings: lm_head shares the input embedding matrix.
         dtype: torch dtype of weights, activations and the KV cache.
         sliding_window: 0 when some layer attends over the whole sequence; else every layer attends
-            over at most this many most recent tokens (Mistral's ``sliding_window``), so blocks
-            that fall wholly out of it are no longer read.
+            over at most this many most recent tokens (Mistral's ``sliding_window``; the largest
+            when layers differ), so blocks that fall wholly out of it are no longer read and go
+            back to the pool (``CacheConfig.sliding_window``).
     """
 
     architecture: str
