@@ -77,16 +77,25 @@ def mistral(tmp_path_factory):
 
 def _watch_blocks(llm: LLM) -> list[tuple[int, int, int]]:
     """Record (first position, new tokens, blocks held) of every sequence of every step, read
-    from the block manager when the step's model call starts (its blocks allocated)."""
+    from the block manager when the step's model call starts (its blocks allocated); also keep a
+    worker's mirror of the block tables from the steps' plain-data deltas and check it against the
+    block manager's tables (released entries included)."""
     engine = llm.llm_engine
-    bm, execute, seen = engine.block_manager, engine.model_runner.execute, []
+    bm, schedule, execute, seen, mirror = engine.block_manager, engine.scheduler.schedule, engine.model_runner.execute, [], {}
+
+    def watched_schedule():
+        plan = schedule()
+        plan.apply_block_tables(mirror)
+        for seq_id in plan.seq_ids:
+            assert mirror[seq_id] == bm.block_table(seq_id), f"the mirror of sequence {seq_id}'s table is stale"
+        return plan
 
     def watched(batch, block_manager):
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seen.append((seq.num_computed_tokens, n, len(bm.held_blocks(seq.seq_id))))
         return execute(batch, block_manager)
 
-    engine.model_runner.execute = watched
+    engine.scheduler.schedule, engine.model_runner.execute = watched_schedule, watched
     return seen
 
 
