@@ -171,11 +171,10 @@ class Scheduler:
         """Bring back swapped-out sequences, then admit waiting ones, first come first served,
         while the token budget, ``max_num_seqs`` (sequences computing in this step, counting the
         completions a parallel-sampling request forks into) and free blocks allow."""
-        bm, limit = self.block_manager, self.config.max_num_seqs
+        bm, cpu, limit = self.block_manager, self.cpu_block_manager, self.config.max_num_seqs
         while self.swapped and budget > 0 and len(self._planned) < limit:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            cpu = self.cpu_block_manager
             if not bm.can_allocate_copy(cpu.num_tokens(seq.seq_id), cpu.num_released(seq.seq_id), n):
                 return budget
             self.swapped.popleft()
