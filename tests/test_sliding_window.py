@@ -100,7 +100,7 @@ def _watch_blocks(llm: LLM) -> list[tuple[int, int, int]]:
 
 
 def _check_bound(seen: list[tuple[int, int, int]]) -> None:
-    """Every step within the bound of the module docstring; long decodes actually exercised it."""
+    """Every step within the bound (``BlockManager``'s module docstring); long decodes ran."""
     for start, n, held in seen:
         bound = cdiv(n, BS) if start == 0 else cdiv(W + n - 2, BS) + 1
         assert held <= bound, f"{held} blocks held computing {n} tokens from position {start} (bound {bound})"
@@ -115,6 +115,9 @@ def _check_pool_whole(llm: LLM) -> None:
 
 
 def _check_greedy(mistral: Mistral, outputs, indices) -> None:
+    """Each completion of ``outputs`` (for PROMPTS[i], i in ``indices``) is transformers' greedy
+    one, logprobs within ATOL."""
+    assert len(outputs) == len(indices)
     for out, i in zip(outputs, indices):
         assert out.prompt_token_ids == PROMPTS[i]
         want = _hf_logprobs(mistral.hf_model, PROMPTS[i] + mistral.tokens[i])[len(PROMPTS[i]) - 1 :]
