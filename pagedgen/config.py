@@ -24,8 +24,9 @@ class ModelConfig:
         tie_word_embeddings: lm_head shares the input embedding matrix.
         dtype: torch dtype of weights, activations and the KV cache.
         sliding_window: 0 when some layer attends over the whole sequence; else every layer attends
-            over at most this many most recent tokens (Mistral's ``sliding_window``), so blocks
-            that fall wholly out of it are no longer read.
+            over at most this many most recent tokens (Mistral's ``sliding_window``; the largest
+            when layers differ), so blocks that fall wholly out of it are no longer read and go
+            back to the pool (``CacheConfig.sliding_window``).
     """
 
     architecture: str
@@ -53,12 +54,15 @@ class CacheConfig:
     Attributes:
         enable_prefix_caching: reuse cached full blocks of equal token prefixes.
         num_cpu_blocks: blocks of CPU swap space for swap preemption (0: none).
+        sliding_window: ``ModelConfig.sliding_window`` (tokens; 0: none): a sequence's blocks wholly
+            before it are returned to the pool (``BlockManager``'s module docstring gives the bound).
     """
 
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool = False
     num_cpu_blocks: int = 0
+    sliding_window: int = 0
 
     @property
     def num_slots(self) -> int:

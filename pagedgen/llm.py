@@ -193,6 +193,7 @@ class LLM:
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
+            sliding_window=model_config.sliding_window,
         )
         kv_sizing.check_max_model_len(num_blocks, block_size, block_bytes, max_model_len, max_model_len_given, sized_by)
         scheduler_config = SchedulerConfig(

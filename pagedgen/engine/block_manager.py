@@ -13,6 +13,20 @@ logical blocks, in token order, to physical blocks anywhere in the pool:
 A new physical block is taken only when the last one is full, so at most ``block_size - 1`` slots
 per sequence are ever reserved but empty; a finished or preempted sequence returns all its blocks.
 
+**Sliding window** (``sliding_window`` W > 0: every layer attends over (p - W, p], Mistral). A
+sequence whose next token to compute is at position c never reads keys before c - W + 1 again, so
+its logical blocks wholly before that position are *released* (reference count - 1, back to the
+pool at 0) when it next allocates. Their block-table entries become ``RELEASED`` placeholders, so
+logical indices stay right; the kernels never read them (the window), like the padding of the
+step's block tables. With block_size B, a step computing n tokens of a sequence holds at most
+
+    ceil((W + n - 2) / B) + 1 blocks of it; decoding (n = 1): ceil((W - 1) / B) + 1 <= ceil(W / B) + 1
+
+(the W - 1 + n positions from c - W + 1 to c + n - 1), in place of ceil((c + n) / B). A released
+block that is shared (fork, beams) or cached stays with its other owners / findable in the prefix
+cache exactly as after ``free``. Models where some layer attends over everything keep every block
+(W = 0; the engine sets W only when every layer has a window: ``ModelConfig.sliding_window``).
+
 Sharing (paper sections 4.3-4.4):
 - **Reference counts.** A block may sit in several block tables (``fork``: parallel samples, beams);
   it returns to the pool when its count drops to 0.
@@ -47,6 +61,9 @@ from collections import OrderedDict
 from typing import Optional, Sequence
 
 
+RELEASED = 0  # block-table entry of a block released before the sliding window (never read)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -70,22 +87,29 @@ class BlockManager:
         num_blocks: blocks in the pool (>= 1).
         block_size: token slots per block (>= 1).
         enable_prefix_caching: name full blocks by their token prefix and reuse them.
+        sliding_window: tokens every layer attends over (0: all); blocks wholly before it are
+            released (see the module docstring).
 
     Invariants (checked by the property tests): a block with reference count 0 is in the free
-    queue exactly once, a block with count c > 0 is in exactly c block tables and not in the free
-    queue; no block is lost; freeing every sequence leaves the pool full.
+    queue exactly once, a block with count c > 0 is in exactly c block tables (counting only the
+    entries past each table's released ones) and not in the free queue; no block is lost; freeing
+    every sequence leaves the pool full.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, sliding_window: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 tokens (0: no window), got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._ref_counts = [0] * num_blocks
         self._filled = [0] * num_blocks  # slots of each physical block that hold tokens
         self._tables: dict[int, list[int]] = {}
+        self._released: dict[int, int] = {}  # leading RELEASED entries of a table (absent: 0)
         self._num_tokens: dict[int, int] = {}  # tokens of each sequence in its blocks
         self._hashes: dict[int, list[bytes]] = {}  # names of each sequence's full blocks, in order
         self._cached: dict[bytes, int] = {}  # prefix cache: block name -> physical block
@@ -99,8 +123,17 @@ class BlockManager:
 
     # ----- queries -------------------------------------------------------------------------------
     def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's block table (logical -> physical); empty if it holds no blocks."""
+        """The sequence's block table (logical -> physical); empty if it holds no blocks. Its first
+        ``num_released(seq_id)`` entries are ``RELEASED`` placeholders (sliding window)."""
         return self._tables.get(seq_id, [])
+
+    def num_released(self, seq_id: int) -> int:
+        """Leading logical blocks of the sequence released before its sliding window."""
+        return self._released.get(seq_id, 0)
+
+    def held_blocks(self, seq_id: int) -> list[int]:
+        """The physical blocks the sequence holds (its table less the released entries)."""
+        return self._tables.get(seq_id, [])[self._released.get(seq_id, 0) :]
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence held in its blocks."""
@@ -139,7 +172,7 @@ class BlockManager:
 
     @property
     def num_logical_blocks(self) -> int:
-        """Blocks the block tables would take if nothing were shared."""
+        """Blocks the block tables would take if nothing were shared (released entries excluded)."""
         return self._logical_blocks
 
     def utilization(self) -> float:
@@ -167,17 +200,35 @@ class BlockManager:
         return blocks
 
     def blocks_needed(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> int:
-        """Free blocks that ``allocate(seq_id, num_tokens, ..., prefix_blocks)`` would take."""
+        """Free blocks that ``allocate(seq_id, num_tokens, ..., prefix_blocks)`` would take, net of
+        those it returns to the pool first (blocks wholly before the sliding window that only this
+        sequence holds): negative when it returns more than it takes."""
+        bs = self.block_size
+        if prefix_blocks:  # a new table: cached blocks, those before the window not even taken
+            skip = self._window_start_block(len(prefix_blocks) * bs)
+            revived = sum(1 for b in prefix_blocks[skip:] if self._ref_counts[b] == 0)  # from the free queue
+            return max(0, cdiv(num_tokens, bs) - len(prefix_blocks)) + revived
         table = self._tables.get(seq_id, [])
-        needed = max(0, cdiv(num_tokens, self.block_size) - len(table) - len(prefix_blocks))
-        if prefix_blocks:
-            needed += sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)  # revived from the free queue
+        needed = max(0, cdiv(num_tokens, bs) - len(table))
         if table and self._needs_copy(seq_id, num_tokens):
             needed += 1
+        if self.sliding_window and table:
+            released = self._released.get(seq_id, 0)
+            drop = self._window_start_block(self._num_tokens.get(seq_id, 0))
+            needed -= sum(1 for b in table[released:drop] if self._ref_counts[b] == 1)
         return needed
 
     def can_allocate(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
         return self.blocks_needed(seq_id, num_tokens, prefix_blocks) <= len(self._free)
+
+    def blocks_needed_copy(self, num_tokens: int, num_released: int, num_new_tokens: int = 0) -> int:
+        """Free blocks that ``allocate_copy(.., num_tokens, num_released)`` and then growing the
+        copy by ``num_new_tokens`` tokens would take."""
+        kept = max(num_released, self._window_start_block(num_tokens))
+        return cdiv(num_tokens + num_new_tokens, self.block_size) - kept
+
+    def can_allocate_copy(self, num_tokens: int, num_released: int, num_new_tokens: int = 0) -> bool:
+        return self.blocks_needed_copy(num_tokens, num_released, num_new_tokens) <= len(self._free)
 
     # ----- changes -------------------------------------------------------------------------------
     def allocate(
@@ -197,6 +248,8 @@ class BlockManager:
 
         Takes new blocks only for slots past the last block's end, plus one copy-on-write block when
         the last block is shared and partly filled. Blocks that become full enter the prefix cache.
+        With a sliding window, first releases the blocks wholly before the window of the first new
+        token (prefix blocks there are entered as ``RELEASED`` without being taken).
         Raises NoFreeBlocksError (changing nothing) when the pool is too small.
         """
         old = self._num_tokens.get(seq_id, 0)
@@ -212,11 +265,21 @@ class BlockManager:
         bs = self.block_size
         table = self._tables.setdefault(seq_id, [])
         hashes = self._hashes.setdefault(seq_id, [])
+        if prefix_blocks:
+            skip = self._window_start_block(len(prefix_blocks) * bs)
+            for i, block in enumerate(prefix_blocks):
+                hashes.append(self._block_hash[block])
+                if i < skip:
+                    table.append(RELEASED)
+                else:
+                    self._share(block)
+                    table.append(block)
+                    self._logical_blocks += 1
+            if skip:
+                self._released[seq_id] = skip
+        elif self.sliding_window:
+            self._release(seq_id, self._window_start_block(old))
         before = len(table)
-        for block in prefix_blocks:
-            self._share(block)
-            table.append(block)
-            hashes.append(self._block_hash[block])
         if self._needs_copy(seq_id, num_tokens):
             src, dst = table[-1], self._new_block()
             self._ref_counts[src] -= 1  # still > 0: another table holds it
@@ -229,7 +292,7 @@ class BlockManager:
         while len(table) < num_blocks:
             table.append(self._new_block())
         self._logical_blocks += len(table) - before
-        for i in range(old // bs, num_blocks):  # slots that now hold tokens
+        for i in range(max(old // bs, self._released.get(seq_id, 0)), num_blocks):  # slots that now hold tokens
             block, fill = table[i], min(bs, num_tokens - i * bs)
             if fill > self._filled[block]:
                 self._used_slots += fill - self._filled[block]
@@ -250,6 +313,8 @@ class BlockManager:
         last = table[-1]
         if old % bs == 0 or not old <= num_tokens <= len(table) * bs or self._ref_counts[last] != 1:
             return False
+        if self.sliding_window and self._window_start_block(old) > self._released.get(seq_id, 0):
+            return False  # blocks to release: the table changes
         self._used_slots += num_tokens - old
         self._filled[last] = num_tokens - (len(table) - 1) * bs
         self._num_tokens[seq_id] = num_tokens
@@ -262,12 +327,15 @@ class BlockManager:
         if self._tables.get(child_id):
             raise ValueError(f"sequence {child_id} already holds blocks")
         table = list(self.block_table(parent_id))
-        for block in table:
+        released = self._released.get(parent_id, 0)
+        for block in table[released:]:
             self._ref_counts[block] += 1
         self._tables[child_id] = table
+        if released:
+            self._released[child_id] = released
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))
         self._num_tokens[child_id] = self.num_tokens(parent_id)
-        self._logical_blocks += len(table)
+        self._logical_blocks += len(table) - released
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's claim on its blocks (a no-op for an unknown sequence).
@@ -277,16 +345,37 @@ class BlockManager:
         A cached block keeps its tokens (findable by ``match_prefix``) until it is handed out again.
         """
         table = self._tables.pop(seq_id, [])
-        self._logical_blocks -= len(table)
-        for block in reversed(table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._used_slots -= self._filled[block]
-                if not self.is_cached(block):
-                    self._filled[block] = 0
-                self._free[block] = None
+        released = self._released.pop(seq_id, 0)
+        self._logical_blocks -= len(table) - released
+        for i in range(len(table) - 1, released - 1, -1):
+            self._drop_ref(table[i])
         self._num_tokens.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+
+    def allocate_copy(self, seq_id: int, num_tokens: int, num_released: int) -> None:
+        """A new block table for ``num_tokens`` tokens computed elsewhere (swap out to, or swap in
+        from, another pool) whose first ``num_released`` logical blocks were released: blocks only
+        for the rest, and also none for blocks before this pool's own sliding window. The caller
+        copies the tokens of ``held_blocks`` in. Raises NoFreeBlocksError (changing nothing) when
+        the pool is too small (callers check ``can_allocate_copy``)."""
+        if self._tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        needed = self.blocks_needed_copy(num_tokens, num_released)
+        if needed > len(self._free):
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {len(self._free)} free")
+        kept = max(num_released, self._window_start_block(num_tokens))
+        bs = self.block_size
+        table = self._tables[seq_id] = [RELEASED] * kept
+        if kept:
+            self._released[seq_id] = kept
+        self._hashes.setdefault(seq_id, [])
+        for i in range(kept, cdiv(num_tokens, bs)):
+            block = self._new_block()
+            table.append(block)
+            self._filled[block] = min(bs, num_tokens - i * bs)
+            self._used_slots += self._filled[block]
+            self._logical_blocks += 1
+        self._num_tokens[seq_id] = num_tokens
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) copy-on-write copies recorded since the last call, to run before the step."""
@@ -299,6 +388,35 @@ class BlockManager:
         self.num_prefix_hits += num_hit_tokens
 
     # ----- internals -----------------------------------------------------------------------------
+    def _window_start_block(self, position: int) -> int:
+        """Logical blocks wholly before the sliding window of a token at ``position`` (and of every
+        later one): it attends over positions > position - W, so block i is out once
+        (i + 1) * block_size <= position - W + 1. 0 without a window."""
+        w = self.sliding_window
+        return max(0, position - w + 1) // self.block_size if w else 0
+
+    def _release(self, seq_id: int, num_blocks: int) -> None:
+        """Release the sequence's logical blocks before ``num_blocks`` that it still holds (the
+        newest first, as ``free``, so that the oldest stay findable in the prefix cache longest)."""
+        table, released = self._tables[seq_id], self._released.get(seq_id, 0)
+        if num_blocks <= released:
+            return
+        for i in range(num_blocks - 1, released - 1, -1):
+            self._drop_ref(table[i])
+            table[i] = RELEASED
+        self._released[seq_id] = num_blocks
+        self._logical_blocks -= num_blocks - released
+
+    def _drop_ref(self, block: int) -> None:
+        """One owner less; at 0 the block joins the back of the free queue (a cached block keeps
+        its tokens and stays findable until it is handed out again)."""
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._used_slots -= self._filled[block]
+            if not self.is_cached(block):
+                self._filled[block] = 0
+            self._free[block] = None
+
     def _needs_copy(self, seq_id: int, num_tokens: int) -> bool:
         """True when the next write lands in a shared, partly filled last block."""
         table = self._tables.get(seq_id)
@@ -329,12 +447,13 @@ class BlockManager:
     def _name_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
         """Name the sequence's blocks that are now full and offer them to the prefix cache."""
         table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
+        released = self._released.get(seq_id, 0)
         while len(hashes) < num_tokens // bs:
             i = len(hashes)
             name = hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
             hashes.append(name)
             block = table[i]
-            if self._block_hash[block] is None and name not in self._cached:
+            if i >= released and self._block_hash[block] is None and name not in self._cached:
                 self._block_hash[block] = name
                 self._cached[name] = block
 
@@ -348,13 +467,21 @@ class BlockManager:
         counts = [0] * self.num_blocks
         filled = [0] * self.num_blocks
         bs = self.block_size
+        held_entries = 0
         for seq_id, table in self._tables.items():
             n = self._num_tokens.get(seq_id, 0)
             if cdiv(n, bs) != len(table):
                 problems.append(f"sequence {seq_id} holds {n} tokens in {len(table)} blocks")
-            for i, b in enumerate(table):
+            released = self._released.get(seq_id, 0)
+            if not 0 <= released <= len(table) or any(b != RELEASED for b in table[:released]):
+                problems.append(f"sequence {seq_id}'s {released} released entries are not placeholders")
+            for i in range(released, len(table)):
+                b = table[i]
                 counts[b] += 1
                 filled[b] = max(filled[b], min(bs, n - i * bs))
+            held_entries += len(table) - released
+        if not set(self._released) <= set(self._tables):
+            problems.append("released entries recorded for a sequence without a table")
         if len(self._free) + sum(c > 0 for c in counts) != self.num_blocks:
             problems.append(f"{len(self._free)} free + {sum(c > 0 for c in counts)} held blocks != {self.num_blocks}")
         for b in range(self.num_blocks):
@@ -365,8 +492,8 @@ class BlockManager:
         held = [b for b in range(self.num_blocks) if counts[b]]
         if self._used_slots != sum(filled[b] for b in held):
             problems.append(f"used slots {self._used_slots} != {sum(filled[b] for b in held)}")
-        if self._logical_blocks != sum(map(len, self._tables.values())):
-            problems.append(f"logical blocks {self._logical_blocks} != {sum(map(len, self._tables.values()))}")
+        if self._logical_blocks != held_entries:
+            problems.append(f"logical blocks {self._logical_blocks} != {held_entries}")
         for name, b in self._cached.items():
             if self._block_hash[b] != name or self._filled[b] != bs:
                 problems.append(f"prefix-cache entry of block {b} is inconsistent")
@@ -397,5 +524,5 @@ class BlockManager:
         self._free = OrderedDict.fromkeys(order)
         self._ref_counts = [0] * self.num_blocks
         self._filled = [0] * self.num_blocks
-        self._tables, self._num_tokens, self._hashes = {}, {}, {}
+        self._tables, self._num_tokens, self._hashes, self._released = {}, {}, {}, {}
         self._used_slots = self._logical_blocks = 0

@@ -105,7 +105,7 @@ class LLMEngine:
     ) -> None:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
-        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, cache_config.sliding_window)
         cpu_blocks = BlockManager(cache_config.num_cpu_blocks, cache_config.block_size) if cache_config.num_cpu_blocks else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, cpu_blocks)
         self.model_runner = model_runner

@@ -68,6 +68,7 @@ class Scheduler:
         # block tables as the last SchedulerOutputs gave them (what a worker's mirror holds), and
         # the sequences freed since the last step: the next output's deltas are computed from them
         self._sent_tables: dict[int, list[int]] = {}
+        self._sent_released: dict[int, int] = {}  # released entries (sliding window) of those tables
         self._freed: list[int] = []
         self._planned: list[Sequence] = []  # during schedule(): the sequences planned so far
         self._grown: list[Sequence] = []  # during schedule(): those whose table may have changed
@@ -137,22 +138,30 @@ class Scheduler:
         """The plain data of the planned sequences: ids, first positions, token ids, and the
         block-table updates (what changed in a table since the last output that held it) of the
         sequences whose table may have changed. Tables only grow at the end, except that
-        copy-on-write replaces the last block, so comparing with the last block sent is enough."""
+        copy-on-write replaces the last block and a sliding window turns the entries after those
+        already released into placeholders, so comparing with the last block sent and with the
+        released count sent is enough."""
         out.seq_ids = [seq.seq_id for seq in planned]
         out.num_computed_tokens = starts = [seq.num_computed_tokens for seq in planned]
         out.token_ids = [seq.token_ids[c : c + n] for seq, c, n in zip(planned, starts, out.num_new_tokens)]
         sent_tables, tables, updates = self._sent_tables, self.block_manager.block_table, out.block_table_updates
+        sent_released, num_released = self._sent_released, self.block_manager.num_released
         for seq in self._grown:
             seq_id = seq.seq_id
             table = tables(seq_id)
             sent = sent_tables.get(seq_id)
             if sent is None:
                 sent_tables[seq_id] = list(table)
+                sent_released[seq_id] = num_released(seq_id)
                 updates[seq_id] = (0, list(table))
                 continue
             start = len(sent)
             if start and sent[-1] != table[start - 1]:
                 start -= 1
+            released = num_released(seq_id)
+            if released != sent_released.get(seq_id, 0):
+                start = min(start, sent_released.get(seq_id, 0))
+                sent_released[seq_id] = released
             if start < len(table) or start < len(sent):
                 delta = table[start:]
                 sent[start:] = delta
@@ -162,11 +171,11 @@ class Scheduler:
         """Bring back swapped-out sequences, then admit waiting ones, first come first served,
         while the token budget, ``max_num_seqs`` (sequences computing in this step, counting the
         completions a parallel-sampling request forks into) and free blocks allow."""
-        bm, limit = self.block_manager, self.config.max_num_seqs
+        bm, cpu, limit = self.block_manager, self.cpu_block_manager, self.config.max_num_seqs
         while self.swapped and budget > 0 and len(self._planned) < limit:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
+            if not bm.can_allocate_copy(cpu.num_tokens(seq.seq_id), cpu.num_released(seq.seq_id), n):
                 return budget
             self.swapped.popleft()
             self._swap_in(seq, out)
@@ -248,7 +257,7 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             self._release(seq)
         self._freed.extend(self._sent_tables)  # a worker's mirror forgets every table
-        self._sent_tables = {}
+        self._sent_tables, self._sent_released = {}, {}
         self.block_manager.take_copies()
         return dropped
 
@@ -260,21 +269,24 @@ class Scheduler:
             self.cpu_block_manager.free(seq.seq_id)
 
     def _forget_table(self, seq_id: int) -> None:
+        self._sent_released.pop(seq_id, None)
         if self._sent_tables.pop(seq_id, None) is not None:
             self._freed.append(seq_id)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, allow_swap: bool = True, requeue_last: bool = False) -> None:
         """Preempt a running sequence, all or nothing: swap it out if configured and there is
-        room in swap space, else free everything and requeue it at the head for recompute."""
+        room in swap space, else free everything and requeue it at the head for recompute. Swap
+        moves only the blocks the sequence still holds (not those released before its window)."""
         bm, cpu = self.block_manager, self.cpu_block_manager
-        table = bm.block_table(seq.seq_id)
-        out.preempted_seq_ids.append(seq.seq_id)
-        self._forget_table(seq.seq_id)
+        seq_id = seq.seq_id
+        table, released, num_tokens = bm.block_table(seq_id), bm.num_released(seq_id), bm.num_tokens(seq_id)
+        out.preempted_seq_ids.append(seq_id)
+        self._forget_table(seq_id)
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        if allow_swap and self.config.preemption_mode == "swap" and cpu is not None and table and cpu.can_allocate(seq.seq_id, bm.num_tokens(seq.seq_id)):
-            cpu.allocate(seq.seq_id, bm.num_tokens(seq.seq_id))
-            out.blocks_to_swap_out.extend(zip(table, cpu.block_table(seq.seq_id)))
+        if allow_swap and self.config.preemption_mode == "swap" and cpu is not None and table and cpu.can_allocate_copy(num_tokens, released):
+            cpu.allocate_copy(seq_id, num_tokens, released)
+            out.blocks_to_swap_out.extend(zip(table[released:], cpu.held_blocks(seq_id)))
             bm.free(seq.seq_id)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)
@@ -290,10 +302,10 @@ class Scheduler:
         self.stats.num_recomputes += 1
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
-        cpu, bm = self.cpu_block_manager, self.block_manager
-        num_tokens = cpu.num_tokens(seq.seq_id)
-        bm.allocate(seq.seq_id, num_tokens)
-        out.blocks_to_swap_in.extend(zip(cpu.block_table(seq.seq_id), bm.block_table(seq.seq_id)))
+        cpu, bm, seq_id = self.cpu_block_manager, self.block_manager, seq.seq_id
+        bm.allocate_copy(seq_id, cpu.num_tokens(seq_id), cpu.num_released(seq_id))
+        released = bm.num_released(seq_id)  # >= the copy's: blocks before the window are not taken back
+        out.blocks_to_swap_in.extend(zip(cpu.block_table(seq_id)[released:], bm.held_blocks(seq_id)))
         cpu.free(seq.seq_id)
         seq.status = SequenceStatus.RUNNING
         self.stats.num_swaps_in += 1

@@ -28,7 +28,9 @@ class SchedulerOutput:
     ``block_table_updates``: {seq_id: (start, block ids)}: that sequence's table is the previous one
     with everything from index ``start`` on replaced by the block ids (a sequence new to a mirror,
     or back after preemption, gets its whole table from 0; a copy-on-write replaces the last
-    block). A scheduled sequence not in it keeps its table: most decode steps take no new block.
+    block; blocks released before a sliding window become placeholders, sent from the first one
+    newly released). A scheduled sequence not in it keeps its table: most decode steps take no
+    new block.
     ``freed_seq_ids``: sequences whose blocks were freed since the previous step (finished,
     aborted, preempted): a mirror forgets their tables before applying the deltas.
     Block moves to run before the model step, in this order, each a list of (src, dst) block ids:
