@@ -76,6 +76,19 @@ using HVec = typename VecOf<W>::htype;  // W 16-bit words (bf16 / fp16 bits)
 
 // x in every lane: one broadcast (`Vec<W>{} + x` would be an add of +0.0 first, which the compiler
 // must keep without fast-math: it turns -0.0 into +0.0).
+// Keeps v in a register: a value used by several multiply-adds is then loaded once, where the
+// compiler would fold a load into each of them (a load-bound inner loop). No instruction.
+template <int W>
+inline void register_value(Vec<W>& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
 template <int W>
 inline Vec<W> splat(float x) {
 #if defined(__AVX__)
