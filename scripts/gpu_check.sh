@@ -4,8 +4,11 @@
 # end-to-end benchmark, and writes results (JSON + text + logs) to $OUT (default ./gpu_results).
 # A failing stage is reported and the next stages still run; the exit status is 1 if any failed.
 #
-#   bash scripts/gpu_check.sh --prepare   # dev machine, BEFORE the device call: copies the ShareGPT
-#                                         # length data into .gpu_assets/ (git-ignored: carry it)
+#   bash scripts/gpu_check.sh --prepare   # dev machine, BEFORE the device call: copies what the
+#                                         # end-to-end benchmark reads from ../shared (ShareGPT
+#                                         # prompts and lengths, the gpt2 tokenizer; TinyStories and
+#                                         # stories260K when present, ~9 MB) into .gpu_assets/, the
+#                                         # names benchmarks/_workload.py looks for (git-ignored: carry it)
 #   bash scripts/gpu_check.sh --dry-run   # prints the stages it would run, exits 0
 #   bash scripts/gpu_check.sh             # GPU machine
 #
@@ -21,11 +24,18 @@ PYTHON=${PYTHON:-python3}
 OUT_DIR=${OUT:-./gpu_results}
 BUDGET=${GPU_CHECK_SECONDS:-450}
 SHARED=${PAGEDGEN_SHARED:-../shared}
-SHAREGPT_SRC=$SHARED/data/sharegpt_lengths_sarathi/sharegpt_8k_filtered_stats_llama2_tokenizer.csv
 SHAREGPT=.gpu_assets/sharegpt_lengths.csv
+# .gpu_assets/<name> <- $SHARED/<path>: "name|path|required" (benchmarks/_workload.py's asset() names)
+ASSETS=(
+  "sharegpt_lengths.csv|data/sharegpt_lengths_sarathi/sharegpt_8k_filtered_stats_llama2_tokenizer.csv|required"
+  "sharegpt_prompts.json|data/sharegpt_prompts_mlenergy/ShareGPT_V3_filtered_1000.json|required"
+  "gpt2-tokenizer|models/gpt2-tokenizer|required"
+  "tinystories_valid_first1000.jsonl|data/tinystories_valid_first1000/tinystories_valid_first1000.jsonl|optional"
+  "stories260K|models/stories260K|optional"
+)
 GPU_TESTS="tests/test_ops_cuda.py"
 [ -f tests/test_gpu_engine.py ] && GPU_TESTS="$GPU_TESTS tests/test_gpu_engine.py"
-THROUGHPUT_CMD="benchmarks/throughput.py --device cuda --dtype bfloat16 --model random-1b --workload sharegpt --num-prompts 1000 --out $OUT_DIR"
+THROUGHPUT_CMD="benchmarks/throughput.py --device cuda --dtype bfloat16 --model random-1b --workload sharegpt --num-prompts 1000 --systems pagedgen --repeats 1 --out $OUT_DIR"
 
 # name, cap in seconds, command (run by bash -c; exit status 99 = skipped, not failed)
 STAGES=(
@@ -39,22 +49,37 @@ STAGES=(
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 prepare() {
-  if [ ! -f "$SHAREGPT_SRC" ]; then
-    echo "gpu_check --prepare: $SHAREGPT_SRC not found (set PAGEDGEN_SHARED to the shared folder)" >&2
-    return 1
-  fi
-  mkdir -p .gpu_assets && cp "$SHAREGPT_SRC" "$SHAREGPT"
-  echo "gpu_check --prepare: copied $(wc -l < "$SHAREGPT") lines to $SHAREGPT (git-ignored: carry .gpu_assets)"
+  local entry name rel need missing=0
+  for entry in "${ASSETS[@]}"; do
+    IFS='|' read -r name rel need <<< "$entry"
+    if [ ! -e "$SHARED/$rel" ] && [ "$need" = required ]; then
+      echo "gpu_check --prepare: $SHARED/$rel not found (set PAGEDGEN_SHARED to the shared folder)" >&2
+      missing=1
+    fi
+  done
+  [ "$missing" -eq 0 ] || return 1
+  mkdir -p .gpu_assets
+  for entry in "${ASSETS[@]}"; do
+    IFS='|' read -r name rel need <<< "$entry"
+    [ -e "$SHARED/$rel" ] || { echo "gpu_check --prepare: $SHARED/$rel not found, skipped (optional)"; continue; }
+    rm -rf ".gpu_assets/$name" && cp -r "$SHARED/$rel" ".gpu_assets/$name"
+    echo "gpu_check --prepare: $SHARED/$rel -> .gpu_assets/$name ($(du -sh ".gpu_assets/$name" | cut -f1))"
+  done
+  echo "gpu_check --prepare: done (.gpu_assets is git-ignored: carry it)"
 }
 
 dry_run() {
   echo "gpu_check: would run these stages (results to $OUT_DIR, at most $BUDGET s in all):"
   for stage in "${STAGES[@]}"; do
     IFS='|' read -r name cap cmd <<< "$stage"
-    [ "$cmd" = run_end_to_end ] && cmd="$THROUGHPUT_CMD (only if benchmarks/throughput.py exists and its --help lists --device; needs $SHAREGPT)"
+    [ "$cmd" = run_end_to_end ] && cmd="$THROUGHPUT_CMD (only if benchmarks/throughput.py exists and its --help lists --device; needs the sharegpt assets)"
     printf '  %-11s <= %4ss  %s\n' "$name" "$cap" "$cmd"
   done
-  if [ -f "$SHAREGPT" ]; then echo "ShareGPT lengths: $SHAREGPT present"; else echo "ShareGPT lengths: $SHAREGPT missing (run --prepare first)"; fi
+  local entry name rel need
+  for entry in "${ASSETS[@]}"; do
+    IFS='|' read -r name rel need <<< "$entry"
+    if [ -e ".gpu_assets/$name" ]; then echo "asset .gpu_assets/$name: present"; else echo "asset .gpu_assets/$name: missing ($need; run --prepare first)"; fi
+  done
 }
 
 # The end-to-end benchmark is written elsewhere; run it only once it takes --device.
@@ -63,10 +88,13 @@ run_end_to_end() {
     echo "skipped: benchmarks/throughput.py is missing or does not support --device"
     return 99  # SKIPPED
   fi
-  if [ ! -f "$SHAREGPT" ]; then
-    echo "ShareGPT lengths $SHAREGPT missing: run 'bash scripts/gpu_check.sh --prepare' before the device call and carry .gpu_assets"
-    return 1
-  fi
+  local name
+  for name in sharegpt_lengths.csv sharegpt_prompts.json gpt2-tokenizer; do
+    if [ ! -e ".gpu_assets/$name" ]; then
+      echo ".gpu_assets/$name missing: run 'bash scripts/gpu_check.sh --prepare' before the device call and carry .gpu_assets"
+      return 1
+    fi
+  done
   # shellcheck disable=SC2086
   "$PYTHON" $THROUGHPUT_CMD
 }

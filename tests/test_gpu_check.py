@@ -55,13 +55,26 @@ def test_gpu_check_prepare_copies_the_sharegpt_lengths(tmp_path):
     src = shared / "data" / "sharegpt_lengths_sarathi" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
     src.parent.mkdir(parents=True)
     src.write_text("num_prefill_tokens,num_decode_tokens\n12,34\n")
+    prompts = shared / "data" / "sharegpt_prompts_mlenergy" / "ShareGPT_V3_filtered_1000.json"
+    prompts.parent.mkdir(parents=True)
+    prompts.write_text("[]")
+    tokenizer = shared / "models" / "gpt2-tokenizer"
+    tokenizer.mkdir(parents=True)
+    (tokenizer / "tokenizer.json").write_text("{}")
     # a copy of the script in a scratch checkout, so the real .gpu_assets/ stays untouched
     (tmp_path / "repo" / "scripts").mkdir(parents=True)
     shutil.copy(os.path.join(ROOT, "scripts", "gpu_check.sh"), tmp_path / "repo" / "scripts")
     r = subprocess.run(["bash", "scripts/gpu_check.sh", "--prepare"], cwd=tmp_path / "repo", capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PAGEDGEN_SHARED": str(shared)})
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "repo" / ".gpu_assets" / "sharegpt_lengths.csv").read_text() == src.read_text()
+    assets = tmp_path / "repo" / ".gpu_assets"
+    assert (assets / "sharegpt_lengths.csv").read_text() == src.read_text()
+    assert (assets / "sharegpt_prompts.json").read_text() == "[]"
+    assert (assets / "gpt2-tokenizer" / "tokenizer.json").read_text() == "{}"
+    assert "optional" in r.stdout and not (assets / "stories260K").exists()  # optional ones absent: skipped
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--prepare"], cwd=tmp_path / "repo", capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PAGEDGEN_SHARED": str(shared)})
+    assert r.returncode == 0 and (assets / "gpt2-tokenizer" / "tokenizer.json").exists(), "a second prepare replaces"
     r = subprocess.run(["bash", "scripts/gpu_check.sh", "--prepare"], cwd=tmp_path / "repo", capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PAGEDGEN_SHARED": str(tmp_path / "nowhere")})
     assert r.returncode != 0 and "not found" in r.stderr

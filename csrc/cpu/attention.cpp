@@ -142,16 +142,29 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
   const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);
   const int64_t nb = static_cast<int64_t>(blocks.size());
   // Items: a prefill block per KV head (its rows x group already share each tile); decode rows with
-  // all their KV heads when there are enough rows to share out, else one KV head each.
+  // all their KV heads when there are enough rows to share out, else one KV head each. The prefill
+  // blocks of a sequence are listed KV head after KV head, so that consecutive items read the same
+  // head's K/V prefix (still in L2 from the item before) rather than all heads' in turn.
   const int64_t decode_heads = nb >= 8 * threads_for(nb) ? p.num_kv_heads : 1;
   struct Item {
     int64_t block, kv_begin, kv_end;
   };
   std::vector<Item> items;
   items.reserve(nb * p.num_kv_heads);
-  for (int64_t i = 0; i < nb; ++i) {
-    const int64_t per_item = blocks[i].rows == 1 ? decode_heads : 1;
-    for (int64_t k = 0; k < p.num_kv_heads; k += per_item) items.push_back({i, k, std::min(k + per_item, p.num_kv_heads)});
+  for (int64_t i = 0; i < nb;) {
+    if (blocks[i].rows == 1) {
+      for (int64_t k = 0; k < p.num_kv_heads; k += decode_heads) {
+        items.push_back({i, k, std::min(k + decode_heads, p.num_kv_heads)});
+      }
+      ++i;
+      continue;
+    }
+    int64_t end = i + 1;  // the sequence's prefill blocks [i, end)
+    while (end < nb && blocks[end].seq == blocks[i].seq && blocks[end].rows > 1) ++end;
+    for (int64_t k = 0; k < p.num_kv_heads; ++k) {
+      for (int64_t j = i; j < end; ++j) items.push_back({j, k, k + 1});
+    }
+    i = end;
   }
   const int64_t scratch = general_scratch_floats(max_rows, 1, p.group, p.head_size);
   const int64_t scratch_decode = general_scratch_floats(1, decode_heads, p.group, p.head_size);

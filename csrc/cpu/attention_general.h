@@ -26,8 +26,12 @@ namespace pagedgen::cpu {
 // Floats of per-thread scratch of the general path for blocks of up to R rows and KV heads at a time.
 inline int64_t general_scratch_floats(int64_t R, int64_t kv_heads, int64_t group, int64_t head_size) {
   const int64_t heads = R * kv_heads * group;
-  return 2 * heads * head_size + R * group * kTile + 2 * heads + 3 * kTile * head_size + 16;
+  return 2 * heads * head_size + R * group * kTile + 2 * heads + 3 * kTile * head_size + 2 * kLanes * kTile + 16;
 }
+
+// (row, query head) pairs of an item from which its tiles' scores come from a transposed tile
+// (score_transposed_rows: no horizontal sums, for the cost of one transpose per tile).
+constexpr int kTransposedPairs = 16;
 
 // Attention of the rows of `b` for the query heads of KV heads [kv_begin, kv_end) (each with its
 // group of query heads). Returns false (having written zeros) if the block table names a block
@@ -45,7 +49,8 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   float* sc = l + K * RG;             // [R, G, kTile] scores, then weights, of the current tile and KV head
   float* kbuf = sc + RG * kTile;      // [kTile, D] the tile's K rows as float (unused for fp32 decode)
   float* vbuf = kbuf + kTile * D;     // [kTile, D] the tile's V rows as float
-  float* kt = vbuf + kTile * D;       // [D, kTile] the tile's K rows transposed (heads <= 16 floats)
+  float* kt = vbuf + kTile * D;       // [D, kTile] the tile's K rows transposed (heads <= 16 floats, or many pairs)
+  float* part = kt + kTile * D;       // [2 * kLanes * kTile] score_transposed_rows' lane chains
   const float* krows[kTile];  // slot j: the tile's K row of token (tile start + j), as float
   const float* vrows[kTile];
   int64_t slots[kTile];
@@ -96,6 +101,22 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
       float* ak = acc + k * RG * D;
       float* mk = m + k * RG;
       float* lk = l + k * RG;
+      // Many pairs (a prefill block): the scores of all rows that attend to the tile, for the whole
+      // tile, from its transpose (the same bits as score_rows).
+      bool scored = false;
+      if constexpr (kHeadSize > 16 && kHeadSize % kLanes == 0) {
+        if (RG >= kTransposedPairs) {
+          int i_first = 0, i_last = R;  // rows [i_first, i_last) attend to some slot of the tile
+          while (i_first < R && b.pos + i_first < t0) ++i_first;
+          while (i_last > i_first && window_start(b.pos + i_last - 1, p.sliding_window) >= t0 + kTile) --i_last;
+          if (i_first < i_last) {
+            transpose_full_tile<kHeadSize>(krows, ua, ub, kt);
+            score_transposed_rows<kHeadSize>(qk + i_first * G * D, (i_last - i_first) * G, kt, sc + i_first * G * kTile,
+                                             part);
+          }
+          scored = true;
+        }
+      }
       // Rows i0 .. i1 - 1 with the same slots [ja, jb) of this tile: scores in one call.
       int i0 = 0;
       while (i0 < R) {
@@ -109,7 +130,8 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         }
         if (ja < jb) {
           const int h0 = i0 * G, h1 = i1 * G;  // the (row, head) pairs of the run
-          if constexpr (kHeadSize > 0 && kHeadSize <= 16) {
+          if (scored) {
+          } else if constexpr (kHeadSize > 0 && kHeadSize <= 16) {
             score_transposed<kHeadSize>(qk + h0 * D, h1 - h0, kt, ja, jb, sc + h0 * kTile);  // sc[h, j] = q[h] . k[j]
           } else if constexpr (kHeadSize > 0) {
             score_rows<kHeadSize>(qk + h0 * D, h1 - h0, krows, ja, jb, sc + h0 * kTile);

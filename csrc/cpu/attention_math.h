@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace pagedgen::cpu {
 
@@ -228,6 +229,117 @@ inline void score_rows(const float* q, int G, const float* const* k, int ja, int
   }
 }
 
+// ---- scores, larger heads, many (row, head) pairs: on a transposed tile, the same bits -------------
+//
+// dot_row's lane r (W = kLanes lanes) is the chain q[r] * k[r], then + q[v W + r] * k[v W + r] for
+// v = 1 .. NV - 1, and the score is hsum<W> of the W lanes. With the tile transposed (kt[d, j]), the
+// chain of lane r is a vertical one over the tokens of a register: part_r = q[h, r] * kt[r] then
+// fmadd(q[h, v W + r], kt[v W + r], part_r), and hsum's tree becomes vertical adds of the part_r
+// (hsum_tree). So every (pair, slot) value is bitwise dot_row's, with no horizontal sum: worth the
+// transpose when many pairs share the tile (prefill blocks).
+
+// kt[d, j] = k[j][d] for every slot of a tile, 0 for the slots outside [ua, ub) (their rows are not
+// read). kt: [kD, kTile]; 8 x 8 register transposes with AVX.
+template <int kD>
+inline void transpose_full_tile(const float* const* k, int ua, int ub, float* kt) {
+  static_assert(kD % 8 == 0 && kTile % 8 == 0, "transpose_full_tile: 8 x 8 blocks");
+  alignas(64) static const float kZeros[kD] = {};
+  const float* rows[kTile];
+  for (int j = 0; j < kTile; ++j) rows[j] = j >= ua && j < ub ? k[j] : kZeros;
+  for (int j0 = 0; j0 < kTile; j0 += 8) {
+    for (int d0 = 0; d0 < kD; d0 += 8) {
+      float* dst = kt + d0 * kTile + j0;
+#if defined(__AVX__)
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[j0 + i] + d0);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // [rows i .. i + 3 of columns c | c + 4] for c = 0 .. 3
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(dst + c * kTile, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + 4) * kTile, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+      }
+#else
+      for (int d = 0; d < 8; ++d) {
+        for (int j = 0; j < 8; ++j) dst[d * kTile + j] = rows[j0 + j][d0 + d];
+      }
+#endif
+    }
+  }
+}
+
+// hsum<W>'s tree applied lane by lane to the W vectors p[0:W] (p[r]: lane r's chains).
+template <int W>
+inline Vec<kLanes> hsum_tree(const Vec<kLanes>* p) {
+  if constexpr (W == 4) {
+    return (p[0] + p[2]) + (p[1] + p[3]);
+  } else {
+    Vec<kLanes> u[W / 2];
+    for (int i = 0; i < W / 2; ++i) u[i] = p[i] + p[i + W / 2];
+    return hsum_tree<W / 2>(u);
+  }
+}
+
+// sc[h, j] = dot_row<kD>(q[h], k[j]) for the P heads (pairs) and every slot of the tile (the slots
+// outside the rows' ranges get values of the zero rows, which softmax_tile masks or never reads).
+// q: [P, kD]; kt: the tile transposed (transpose_full_tile); sc: [P, kTile]; part: scratch of
+// 2 * kLanes * kTile floats. Blocks of two heads by the whole tile (eight accumulators on AVX2).
+template <int kD>
+inline void score_transposed_rows(const float* q, int P, const float* kt, float* sc, float* part) {
+  constexpr int W = head_lanes<kD>(), NV = kD / W, T = kTile / kLanes;
+  static_assert(W == kLanes, "score_transposed_rows: heads of whole registers");
+  const auto block = [&](auto heads, int h) {
+    constexpr int HB = decltype(heads)::value;
+    const float* qh = q + h * kD;
+    for (int r = 0; r < W; ++r) {
+      Vec<kLanes> acc[HB][T];
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        Vec<kLanes> x = load<kLanes>(kt + r * kTile + t * kLanes);
+        register_value<kLanes>(x);
+#pragma GCC unroll 2
+        for (int b = 0; b < HB; ++b) acc[b][t] = splat<kLanes>(qh[b * kD + r]) * x;
+      }
+#pragma GCC unroll 16
+      for (int v = 1; v < NV; ++v) {
+        const int d = v * W + r;
+        Vec<kLanes> qb[HB];
+#pragma GCC unroll 2
+        for (int b = 0; b < HB; ++b) qb[b] = splat<kLanes>(qh[b * kD + d]);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) {
+          Vec<kLanes> x = load<kLanes>(kt + d * kTile + t * kLanes);
+          register_value<kLanes>(x);
+#pragma GCC unroll 2
+          for (int b = 0; b < HB; ++b) acc[b][t] = fmadd<kLanes>(qb[b], x, acc[b][t]);
+        }
+      }
+#pragma GCC unroll 2
+      for (int b = 0; b < HB; ++b) {
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) store<kLanes>(part + ((b * T + t) * W + r) * kLanes, acc[b][t]);
+      }
+    }
+    for (int b = 0; b < HB; ++b) {
+      for (int t = 0; t < T; ++t) {
+        Vec<kLanes> pv[W];
+        for (int r = 0; r < W; ++r) pv[r] = load<kLanes>(part + ((b * T + t) * W + r) * kLanes);
+        store<kLanes>(sc + (h + b) * kTile + t * kLanes, hsum_tree<W>(pv));
+      }
+    }
+  };
+  int h = 0;
+  for (; h + 2 <= P; h += 2) block(std::integral_constant<int, 2>(), h);
+  if (h < P) block(std::integral_constant<int, 1>(), h);
+}
+
 // ---- V accumulation ---------------------------------------------------------------------------------
 
 // Chains of the V accumulation of one head: U independent partial sums (token ja + i goes to chain
@@ -275,7 +387,8 @@ inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const flo
     for (int j = ja; j < jb; ++j) {
       const Vec<W> x0 = splat<W>(w0[j]), x1 = splat<W>(w1[j]);
       for (int i = 0; i < 4; ++i) {
-        const Vec<W> x = load<W>(v[j] + (c + i) * W);
+        Vec<W> x = load<W>(v[j] + (c + i) * W);
+        register_value<W>(x);  // loaded once for both heads
         a0[i] = fmadd<W>(x0, x, a0[i]);
         a1[i] = fmadd<W>(x1, x, a1[i]);
       }

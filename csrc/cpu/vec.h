@@ -74,9 +74,44 @@ using UVec = typename VecOf<W>::utype;  // W uint32
 template <int W>
 using HVec = typename VecOf<W>::htype;  // W 16-bit words (bf16 / fp16 bits)
 
+// x in every lane: one broadcast (`Vec<W>{} + x` would be an add of +0.0 first, which the compiler
+// must keep without fast-math: it turns -0.0 into +0.0).
+// Keeps v in a register: a value used by several multiply-adds is then loaded once, where the
+// compiler would fold a load into each of them (a load-bound inner loop). No instruction.
+template <int W>
+inline void register_value(Vec<W>& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
 template <int W>
 inline Vec<W> splat(float x) {
-  return Vec<W>{} + x;
+#if defined(__AVX__)
+  if constexpr (W == 8) {
+    const __m256 r = _mm256_set1_ps(x);
+    return reinterpret_cast<const Vec<W>&>(r);
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    const __m512 r = _mm512_set1_ps(x);
+    return reinterpret_cast<const Vec<W>&>(r);
+  }
+#endif
+#if defined(__SSE__)
+  if constexpr (W == 4) {
+    const __m128 r = _mm_set1_ps(x);
+    return reinterpret_cast<const Vec<W>&>(r);
+  }
+#endif
+  Vec<W> v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
 }
 
 template <int W>
