@@ -45,7 +45,14 @@ cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)
 src_hash=$( (find setup.py pyproject.toml csrc -type f | LC_ALL=C sort | xargs cat; echo "$cpu_flags"; echo "${CUDA_HOME:-}") | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedgen/_C*.so >/dev/null 2>&1; then
   echo "[setup] building the extension pagedgen._C (CUDA_HOME=${CUDA_HOME:-none}; a few minutes)"
+  cpu_hash=$(echo "$cpu_flags" | sha256sum | cut -c1-16)
+  if [ "$(cat "$VENV/.pagedgen-cpu" 2>/dev/null)" != "$cpu_hash" ]; then
+    # Another CPU kind: ninja would find the objects of build/ up to date (the -march=native
+    # command line is the same everywhere) and relink code this CPU may not run.
+    rm -rf build pagedgen/_C*.so
+  fi
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .
   echo "$src_hash" > "$VENV/.pagedgen-ext"
+  echo "$cpu_hash" > "$VENV/.pagedgen-cpu"
 fi
 "$PY" -c "import pagedgen.ops as o; assert o.extension_available('cpu'), o.extension_error('cpu'); print('[setup] ok: pagedgen._C loaded')"
