@@ -58,8 +58,10 @@ class PositionEmbedding(Module):
 
 
 class ParallelLMHead(Module):
-    """Logits of the rows to sample: [S, hidden] -> [S, vocab] float32 (the matmul in the model
-    dtype, as transformers, then converted).
+    """Logits of the rows to sample: [S, hidden] -> [S, vocab] in the model dtype (the matmul in the
+    model dtype, as transformers). Not converted to float32 here: a greedy step takes the argmax of
+    these logits as they are (the same token: bf16/fp16 -> float32 is exact and keeps the order),
+    and the sampler converts only when it processes or samples (``Sampler``, logprobs, beams).
 
     Args:
         num_embeddings: vocabulary size; embedding_dim: features in.
@@ -75,4 +77,4 @@ class ParallelLMHead(Module):
         self.bias = nn.Parameter(torch.empty(num_embeddings), requires_grad=False) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight, self.bias).float()
+        return linear(hidden, self.weight, self.bias)
