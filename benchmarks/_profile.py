@@ -30,7 +30,7 @@ COMPONENTS = [
      [("pagedgen/engine/model_runner.py", "prepare"), ("pagedgen/engine/model_runner.py", "move_blocks")]),
     ("forward", None, [("pagedgen/model/base.py", "forward")]),
     ("  layer matmuls (linear)", "forward", [("pagedgen/layers/linear.py", "linear")]),
-    ("  lm_head (matmul + float32 logits)", "forward", [("pagedgen/layers/embedding.py", "forward@ParallelLMHead")]),
+    ("  lm_head", "forward", [("pagedgen/layers/embedding.py", "forward@ParallelLMHead")]),
     ("  paged_attention", "forward", [("pagedgen/ops/__init__.py", "paged_attention")]),
     ("  reshape_and_cache", "forward", [("pagedgen/ops/__init__.py", "reshape_and_cache")]),
     ("  rms_norm + fused_add_rms_norm", "forward",

@@ -253,7 +253,7 @@ def measure_roofline(args, su: Setup, say) -> dict:
     table = {f"{n}x{k}@{m}": v for (n, k, m), v in flops["linear"].items()}
     best = {f"{n}x{k}@{m}": p for (n, k, m), p in flops["best_path"].items()}
     by_path = {p: {f"{n}x{k}@{m}": v for (n, k, m), v in t.items()} for p, t in flops["by_path"].items()}
-    say(f"roofline matmul path: {', '.join(f'{p} for {n} of {len(best)} shapes' for p, n in collections.Counter(best.values()).items())}")
+    say(f"roofline matmul path: {', '.join(f'{p} for {n} of {len(best)} (shape, rows) cases' for p, n in collections.Counter(best.values()).most_common())}")
     return dict(tokens_per_s=roof, m_prefill=m_prefill, m_decode=m_decode, linear_flops_per_s=table, best_path=best,
                 flops_per_s_by_path=by_path, mm_size=size, mm_flops_per_s=mm, formula=_roofline.FORMULA)
 

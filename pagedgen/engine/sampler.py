@@ -48,6 +48,11 @@ def make_generator(seed: Optional[int], index: int = 0) -> Optional[torch.Genera
     return torch.Generator().manual_seed(seed)
 
 
+def _processed(p) -> bool:
+    """True when step 2 or 3 changes this request's logits."""
+    return bool(p.has_penalties or p.logit_bias or p.min_tokens or p.allowed_token_ids)
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim: [N, vocab] -> [N] int64. ``max(dim).indices`` returns the same ids as
     ``argmax`` (the first maximal index on ties, NaN counting as the maximum) and is about twice as
@@ -79,11 +84,11 @@ class Sampler:
         The fast path takes the argmax in the logits' own dtype; every other path works in float32."""
         params = [s.sampling_params for s in seqs]
         kinds = {id(p): p for p in params}.values()
+        if all(p.greedy and p.logprobs is None and not _processed(p) for p in kinds):  # the fast path: one argmax
+            return SamplerOutput(greedy_ids(logits).tolist())
         all_greedy = all(p.greedy for p in kinds)
         want_logprobs = any(p.logprobs is not None for p in kinds)
-        processed = any(p.has_penalties or p.logit_bias or p.min_tokens or p.allowed_token_ids for p in kinds)
-        if all_greedy and not want_logprobs and not processed:  # the fast path: one argmax
-            return SamplerOutput(greedy_ids(logits).tolist())
+        processed = any(_processed(p) for p in kinds)
         logits = logits.float()  # [num_seqs, vocab] float32 (no copy when it is already)
 
         raw_logprobs = None
