@@ -334,7 +334,7 @@ def main(argv=None) -> None:
     summary = _report.report(runs, useful, roofline["tokens_per_s"], args.repeats, say)
     if "pagedgen" in runs:
         p = runs["pagedgen"][-1]["info"]
-        say(f"pagedgen: {p['ops']}; KV cache {p['kv_blocks']} blocks of {BLOCK_SIZE}, utilisation mean "
+        say(f"pagedgen: {p['ops']}; {p.get('matmul', 'matmul path not reported')}; KV cache {p['kv_blocks']} blocks of {BLOCK_SIZE}, utilisation mean "
             f"{p['kv_utilization_mean']:.1%}, preemptions {p['preemptions']}, {p['steps']} steps per run")
         if args.workload == "tinystories" and args.model == "random-135m" and info["dtype"] == "bfloat16":
             share = summary["roofline_share"]["pagedgen"]
