@@ -128,9 +128,7 @@ def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     m = x.shape[0]
     if m >= min_rows:
         return F.linear(x, weight, bias)
-    padded = torch.zeros(min_rows, x.shape[1], dtype=x.dtype, device=x.device)  # [min_rows, K]
-    padded[:m] = x
-    return F.linear(padded, weight, bias)[:m]
+    return F.linear(F.pad(x, (0, 0, 0, min_rows - m)), weight, bias)[:m]  # via [min_rows, K]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, config: Optional[MatmulConfig] = None) -> torch.Tensor:
