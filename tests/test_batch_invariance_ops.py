@@ -212,3 +212,28 @@ def test_sampler_rows_independent(target):
             out = Sampler(seed=n + at)(logits, seqs)  # other engine seeds: rows without a seed differ
             results.append((out.token_ids[at], None if out.logprobs is None else out.logprobs[at]))
     assert all(r == results[0] for r in results), results
+
+
+def test_ties_are_broken_by_token_id_in_any_batch():
+    """bf16 logits tie often: top-k logprobs and top-p keep equal logits in token-id order, whatever the batch."""
+    from pagedgen.engine import logits_processors as lp
+
+    g = gen(8)
+    vocab = 2048
+
+    def tied(n):
+        return (torch.randn(n, vocab, generator=g) * 2).to(torch.bfloat16).float()  # ~256 distinct values per row
+
+    row = tied(1)[0]
+    lps = row.log_softmax(dim=-1)
+    expected = sorted(range(vocab), key=lambda j: (-lps[j].item(), j))[:20]
+    assert logprob_dicts(lps[None], torch.tensor([expected[0]]), [20])[0].keys() == set(expected)
+    for n, positions in BATCHES:
+        for at in positions:
+            logits = tied(n)
+            logits[at] = row
+            d = logprob_dicts(logits.log_softmax(dim=-1), torch.full((n,), expected[3]), [20] * n)[at]
+            assert list(d) == [expected[3]] + expected[:3] + expected[4:] and d[expected[3]].rank == 4  # the chosen token first
+            masked = lp.apply_top_k_top_p(logits, torch.full((n,), 30), torch.full((n,), 0.5))[at]
+            alone = lp.apply_top_k_top_p(row[None], torch.tensor([30]), torch.tensor([0.5]))[0]
+            assert torch.equal(masked, alone), (n, at)
