@@ -137,7 +137,8 @@ def describe(profile: dict, say) -> None:
     for r in profile["components"]:
         say(f"  {r['component']:<56}{r['seconds']:>9.3f}{r['share']:>8.1%}")
     if profile["ops"]:
-        say("  top operators by self CPU time (torch.profiler, a second run; share of all ops' self time):")
+        say("  top operators by self time (torch.profiler, a second run: wall time of each op on one thread, so it "
+            "grows on a busy machine; share of all ops' self time):")
         for o in profile["ops"]:
             say(f"    {o['op']:<54}{o['self_cpu_seconds']:>9.3f}{o['share']:>8.1%}  ({o['calls']:,} calls)")
 
