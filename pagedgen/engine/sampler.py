@@ -187,14 +187,11 @@ class Sampler:
     def _uniforms(self, seqs: Seq[Sequence]) -> torch.Tensor:
         """One U[0, 1) float64 draw per row: from the sequence's own generator when its request has a
         seed, else from the engine's (one call for all of those rows, in batch order)."""
-        u = torch.empty(len(seqs), dtype=torch.float64)
+        own = [torch.rand(1, dtype=torch.float64, generator=s.generator).item() if s.generator is not None else 0.0 for s in seqs]
+        u = torch.tensor(own, dtype=torch.float64)  # [R]; one tensor from Python floats, not R element writes
         shared = [i for i, s in enumerate(seqs) if s.generator is None]
         if shared:
             u[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.generator)
-        if len(shared) < len(seqs):
-            for i, seq in enumerate(seqs):
-                if seq.generator is not None:
-                    u[i] = torch.rand(1, dtype=torch.float64, generator=seq.generator)[0]
         return u
 
 
