@@ -13,8 +13,9 @@ tensors), the forward pass split into its matmuls, lm_head and fused ops, sampli
 (stop checks, detokenizer) and building outputs; "other" is the rest of the call (the engine loop,
 the progress bar, per-step statistics). cProfile adds ~0.5 µs per Python call it sees, so the
 Python-side shares read somewhat high; the forward's ops are timed exactly. A second, optional pass
-with ``torch.profiler`` gives the top operators by self CPU time (wall time of each op on one
-thread).
+with ``torch.profiler`` gives the top operators by self time (wall time of each op on one thread).
+It runs the same call again, so with prefix caching on, the prompts' full blocks hit the cache and
+most prompt prefill is skipped in that pass: its operator shares lean towards decode.
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def describe(profile: dict, say) -> None:
         say(f"  {r['component']:<56}{r['seconds']:>9.3f}{r['share']:>8.1%}")
     if profile["ops"]:
         say("  top operators by self time (torch.profiler, a second run: wall time of each op on one thread, so it "
-            "grows on a busy machine; share of all ops' self time):")
+            "grows on a busy machine; the same prompts again, so prefix-cache hits skip most prompt prefill; share of all ops' self time):")
         for o in profile["ops"]:
             say(f"    {o['op']:<54}{o['self_cpu_seconds']:>9.3f}{o['share']:>8.1%}  ({o['calls']:,} calls)")
 
