@@ -6,7 +6,8 @@ Job and result format: benchmarks/_job.py. Each run is a fresh process (a fresh 
 prefix cache); an untimed warm-up on prompts that share no prefix with the timed ones comes first.
 
   pagedgen        LLM.generate over all prompts, one SamplingParams(temperature=0, max_tokens=m,
-                  ignore_eos=True) per request.
+                  ignore_eos=True) per request. With options.profile: instead of the timed run, a
+                  profiled one (benchmarks/_profile.py: CPU time per component, top operators).
   static          transformers model.generate on left-padded batches of options.batch_size, in prompt
                   order, max_new_tokens = the batch's largest max_tokens. Only each request's own first
                   max_tokens output tokens count as useful; the rest is wasted work, like padding.
@@ -46,6 +47,16 @@ def run_pagedgen(job: dict) -> dict:
     prompts, max_tokens = _job.token_ids(job), job["max_tokens"]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(_job.token_ids(job, "warmup_prompts"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    if opts.get("profile"):  # throughput.py --profile: a profiled run instead of the timed one (benchmarks/_profile.py)
+        import _profile
+
+        holder = {}
+        start = time.perf_counter()
+        profile = _profile.profile_call(lambda: holder.setdefault("outs", llm.generate(prompts, params, use_tqdm=False)))
+        outputs = [list(o.outputs[0].token_ids) for o in holder["outs"]]
+        _job.check_lengths("pagedgen", outputs, max_tokens)
+        return dict(output_token_ids=outputs, seconds=time.perf_counter() - start, computed_tokens=sum(max_tokens),
+                    info=dict(profile=profile))
     before = llm.get_stats()
     seconds, outs = timed(lambda: llm.generate(prompts, params, use_tqdm=False), job["device"])
     after = llm.get_stats()
@@ -54,7 +65,10 @@ def run_pagedgen(job: dict) -> dict:
     steps = after.num_steps - before.num_steps
     # kv_utilization_mean is a mean over steps: keep the timed run's share only
     util = (after.kv_utilization_mean * after.num_steps - before.kv_utilization_mean * before.num_steps) / max(steps, 1)
-    info = dict(ops="compiled pagedgen._C" if ops.extension_available(job["device"]) else "PyTorch reference ops (no pagedgen._C)",
+    mm = getattr(llm, "matmul_config", None)  # pagedgen.layers.linear.MatmulConfig, where the version has one
+    matmul = (f"matmuls with {str(mm.weight_dtype).removeprefix('torch.')} weights ({mm.reason}"
+              f"{', batch-invariant rows' if getattr(mm, 'batch_invariant', False) else ''})" if mm is not None else "matmuls by F.linear in the model dtype")
+    info = dict(matmul=matmul, ops="compiled pagedgen._C" if ops.extension_available(job["device"]) else "PyTorch reference ops (no pagedgen._C)",
                 kv_blocks=opts["num_kv_blocks"], kv_utilization_mean=util, steps=steps,
                 preemptions=after.num_preemptions - before.num_preemptions)
     return dict(output_token_ids=outputs, seconds=seconds, computed_tokens=sum(max_tokens), info=info | device_memory(job))

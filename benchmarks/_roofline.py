@@ -16,8 +16,11 @@ For a workload of requests i with prompt p_i tokens and m_i output tokens (exact
                     + 2·W_head·O / F(V,h; M_decode)
     roofline tok/s = O / roofline time;  share = measured output tok/s / roofline tok/s
 
-with c the shape's count per token row (layers × uses per layer) and F(N, K; M) the FLOP/s of
-``F.linear`` measured here at M rows in the run's dtype (median of several timed runs). M_decode is
+with c the shape's count per token row (layers × uses per layer) and F(N, K; M) the FLOP/s measured
+here at M rows for the run's dtype (median of several timed runs), the best of the matmul paths
+available for it (``matmul_paths``: ``F.linear`` in the dtype, and for bf16/fp16 also a multiply
+in fp32 with fp32 weights kept, which is ~8x faster on CPUs without AVX-512 BF16 or AMX). The path
+each shape's figure came from is reported with it. M_decode is
 the decode batch (min(max_num_seqs, requests)); M_prefill a prefill chunk (min(step token budget,
 P, 1,024): FLOP/s barely change past 1,024 rows). The last output token of a request is never fed back, so
 it costs no forward row. Prefix-cache hits are not subtracted (an upper bound on the work).
@@ -32,7 +35,7 @@ import time
 
 FORMULA = ("roofline: FLOPs = 2*W*(P + D) + 2*W_head*O, W = weights per token row, W_head = vocab*hidden, "
            "P = prompt tokens, D = sum(max_tokens - 1), O = output tokens; time = each GEMM shape's FLOPs / its "
-           "measured F.linear FLOP/s (M_prefill rows for P, M_decode rows for D and the lm_head); "
+           "measured FLOP/s on the best matmul path for the dtype (M_prefill rows for P, M_decode rows for D and the lm_head); "
            "roofline tok/s = O / time")
 PREFILL_CHUNK = 1024  # rows: the largest M measured for prefill
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
@@ -75,7 +78,7 @@ def workload_flops(shapes: list[dict], rows: dict) -> int:
 
 
 def roofline_tokens_per_s(shapes: list[dict], rows: dict, flops_per_s: dict, m_prefill: int, m_decode: int) -> float:
-    """Output tokens/s the measured FLOP/s allow. ``flops_per_s[(n, k, m)]``: F.linear FLOP/s at M = m."""
+    """Output tokens/s the measured FLOP/s allow. ``flops_per_s[(n, k, m)]``: matmul FLOP/s at M = m (the best path)."""
     seconds = 0.0
     for s in shapes:
         flops_row = 2 * s["n"] * s["k"] * s["count"]
@@ -112,26 +115,57 @@ def _median_flops(fn, flops: float, sync, runs: int, min_seconds: float, budget_
     return statistics.median(rates)
 
 
-def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
-            runs: int = 7, min_seconds: float = 0.02, budget_seconds: float = 3.0) -> dict:
-    """FLOP/s of F.linear at every shape and M the roofline needs, and of torch.mm as a reference.
+def matmul_paths(dtype: str) -> list[str]:
+    """The ways a [M, K] x [N, K]^T product in ``dtype`` can run here (``PATHS``). In bf16/fp16 on a
+    CPU without fast bf16 GEMMs (no AVX-512 BF16 / AMX: torch's own reduced-precision kernel is a dot
+    product per output element) an engine can keep fp32 copies of the weights and multiply in fp32;
+    the roofline takes, per shape, the best path, so that no engine beats it by picking another."""
+    return ["F.linear", "fp32 weights"] if dtype in ("bfloat16", "float16") else ["F.linear"]
 
-    Returns dict(linear={(n, k, m): FLOP/s}, mm=(size, FLOP/s)). torch.mm is square, 2048 per side,
-    or 1024 / 512 where a 2048 multiply would take over ``budget_seconds`` (slow bf16 paths).
-    """
-    import torch
+
+PATHS = {
+    "F.linear": "F.linear(x, W) in the run's dtype",
+    "fp32 weights": "F.linear(x.float(), W32).to(dtype) with an fp32 copy W32 of the weights kept (conversions timed)",
+}
+
+
+def _path_fn(path: str, x, w, w32):
     import torch.nn.functional as F
 
+    if path == "F.linear":
+        return lambda: F.linear(x, w)
+    return lambda: F.linear(x.float(), w32).to(x.dtype)
+
+
+def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
+            runs: int = 7, min_seconds: float = 0.02, budget_seconds: float = 3.0, paths: list[str] | None = None) -> dict:
+    """FLOP/s of every matmul path (``matmul_paths``) at every shape and M the roofline needs, the
+    best path of each, and torch.mm as a reference.
+
+    Returns dict(linear={(n, k, m): best FLOP/s}, best_path={(n, k, m): path name},
+    by_path={path: {(n, k, m): FLOP/s}}, mm=(size, FLOP/s)). torch.mm is square, 2048 per side, or
+    1024 / 512 where a 2048 multiply would take over ``budget_seconds`` (slow bf16 paths), in the
+    run's dtype.
+    """
+    import torch
+
     dt = getattr(torch, dtype)
+    paths = paths or matmul_paths(dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    linear = {}
+    by_path: dict[str, dict] = {p: {} for p in paths}
     for s in shapes:
         w = torch.randn(s["n"], s["k"], generator=gen).to(device=device, dtype=dt)  # [N, K]
+        w32 = w.float() if "fp32 weights" in paths else None  # [N, K] float32, made once as an engine would
         for m in sorted({m_decode} if s["lm_head"] else {m_prefill, m_decode}):
             x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
-            linear[(s["n"], s["k"], m)] = _median_flops(lambda: F.linear(x, w), 2 * m * s["n"] * s["k"], sync, runs,
-                                                        min_seconds, budget_seconds)
+            for path in paths:
+                by_path[path][(s["n"], s["k"], m)] = _median_flops(_path_fn(path, x, w, w32), 2 * m * s["n"] * s["k"], sync,
+                                                                   runs, min_seconds, budget_seconds)
+        del w32
+    keys = list(by_path[paths[0]])
+    best_path = {key: max(paths, key=lambda p: by_path[p][key]) for key in keys}
+    linear = {key: by_path[best_path[key]][key] for key in keys}
     probe = None
     for size in (512, 1024, 2048):
         if probe is not None and 2 * size**3 / probe > budget_seconds:
@@ -140,7 +174,7 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
         b = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
         probe = _median_flops(lambda: torch.mm(a, b), 2 * size**3, sync, runs, min_seconds, budget_seconds)
         mm = (size, probe)
-    return dict(linear=linear, mm=mm)
+    return dict(linear=linear, best_path=best_path, by_path=by_path, mm=mm)
 
 
 def machine(device: str = "cpu") -> dict:

@@ -15,6 +15,7 @@ identical requests and where the others first differ).
     python benchmarks/throughput.py --model random-135m --dtype bfloat16 --systems pagedgen,vllm --repeats 3
     python benchmarks/throughput.py --model random-135m --workload sharegpt --systems pagedgen,vllm --dry-run
     python benchmarks/throughput.py --model random-1b --device cuda --repeats 3 --out gpu_results/
+    python benchmarks/throughput.py --model random-135m --systems pagedgen --profile   # + where pagedgen's time goes
 
 Systems (--systems, any of them; default pagedgen,static,generate_batch):
   pagedgen        LLM.generate, one SamplingParams per request (benchmarks/_local_systems.py).
@@ -30,9 +31,10 @@ sarathi ShareGPT length table cut to 512): benchmarks/_workload.py. Models: a ch
 or random-135m / random-1b (random weights of SmolLM-135M's / TinyLlama-1.1B's shape, built and
 cached in benchmarks/.models/).
 
-Roofline (benchmarks/_roofline.py): before the systems run, the F.linear FLOP/s of every weight shape
+Roofline (benchmarks/_roofline.py): before the systems run, the matmul FLOP/s of every weight shape
 of the model (lm_head included) are measured at the decode batch and a prefill chunk in the run's
-dtype; each system's output tokens/s is printed as a share of what those FLOP/s allow:
+dtype, on every path available for it (F.linear; for bf16/fp16 also fp32 weights, the faster one on
+CPUs without AVX-512 BF16/AMX), and the best path of each shape counts; each system's output tokens/s is printed as a share of what those FLOP/s allow:
 FLOPs = 2*W*(P + D) + 2*W_head*O with W the layer weights per token row, W_head = vocab*hidden,
 P prompt tokens, D = sum(max_tokens - 1) decode rows and O output tokens (the lm_head runs only on
 the rows that sample).
@@ -40,6 +42,7 @@ the rows that sample).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -49,6 +52,7 @@ import tempfile
 import time
 
 import _launch
+import _profile
 import _report
 import _roofline
 import _workload
@@ -113,6 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 8 prompts, max_tokens 4-8, static batch 8, 3 runs per GEMM shape (overrides those flags)")
     ap.add_argument("--out", default=None, help="folder for throughput.json, throughput.txt and the runners' logs")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, one more pagedgen run under cProfile and torch.profiler (torch on one thread, "
+                         "CPU time): where its time goes, per component and per operator (benchmarks/_profile.py); "
+                         "not part of the table")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (no model built, loaded or run)")
     args = ap.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -221,7 +229,7 @@ def plan(args, su: Setup, say) -> None:
 
 
 def measure_roofline(args, su: Setup, say) -> dict:
-    """Measure the F.linear FLOP/s of the model's GEMM shapes; print them and the roofline tok/s."""
+    """Measure the matmul FLOP/s of the model's GEMM shapes on every path; print them and the roofline tok/s."""
     budget = args.max_num_batched_tokens or max(4096, args.max_num_seqs)
     wl, shapes = su.workload_rows, su.shapes
     m_prefill, m_decode = _roofline.gemm_rows(args.max_num_seqs, len(su.prompts), budget, wl["P"])
@@ -229,18 +237,25 @@ def measure_roofline(args, su: Setup, say) -> dict:
     kw = dict(runs=args.roofline_runs, min_seconds=0.005, budget_seconds=0.5) if args.quick else dict(runs=args.roofline_runs)
     flops = _roofline.measure(shapes, m_prefill, m_decode, su.info["dtype"], args.device, **kw)
     roof = _roofline.roofline_tokens_per_s(shapes, wl, flops["linear"], m_prefill, m_decode)
-    say(f"matmul FLOP/s here ({su.info['dtype']}, F.linear, median of {args.roofline_runs} runs, "
-        f"{time.perf_counter() - start:.1f} s to measure):")
+    paths = list(flops["by_path"])
+    say(f"matmul FLOP/s here ({su.info['dtype']}, median of {args.roofline_runs} runs, {time.perf_counter() - start:.1f} s to "
+        f"measure; paths: {'; '.join(f'{p} = {_roofline.PATHS[p]}' for p in paths)}; the roofline takes the best):")
     for s in shapes:
-        cells = ", ".join(f"M={m}: {flops['linear'][(s['n'], s['k'], m)] / 1e9:.3g}"
-                          for m in sorted({m_decode} if s["lm_head"] else {m_prefill, m_decode}))
-        say(f"  {'/'.join(s['names']):<24} [{s['n']}, {s['k']}]  GFLOP/s {cells}")
+        cells = []
+        for m in sorted({m_decode} if s["lm_head"] else {m_prefill, m_decode}):
+            key = (s["n"], s["k"], m)
+            rates = "/".join(f"{flops['by_path'][p][key] / 1e9:.3g}" for p in paths)
+            cells.append(f"M={m}: {rates}" + (f" (best {flops['best_path'][key]})" if len(paths) > 1 else ""))
+        say(f"  {'/'.join(s['names']):<24} [{s['n']}, {s['k']}]  GFLOP/s {'/'.join(paths)}: {', '.join(cells)}")
     size, mm = flops["mm"]
     say(f"  torch.mm {size}x{size} (reference): {mm / 1e9:.3g} GFLOP/s")
     say(f"roofline for this workload: {_report.rate(roof)} output tok/s (M_prefill {m_prefill}, M_decode {m_decode})")
     table = {f"{n}x{k}@{m}": v for (n, k, m), v in flops["linear"].items()}
-    return dict(tokens_per_s=roof, m_prefill=m_prefill, m_decode=m_decode, linear_flops_per_s=table,
-                mm_size=size, mm_flops_per_s=mm, formula=_roofline.FORMULA)
+    best = {f"{n}x{k}@{m}": p for (n, k, m), p in flops["best_path"].items()}
+    by_path = {p: {f"{n}x{k}@{m}": v for (n, k, m), v in t.items()} for p, t in flops["by_path"].items()}
+    say(f"roofline matmul path: {', '.join(f'{p} for {n} of {len(best)} (shape, rows) cases' for p, n in collections.Counter(best.values()).most_common())}")
+    return dict(tokens_per_s=roof, m_prefill=m_prefill, m_decode=m_decode, linear_flops_per_s=table, best_path=best,
+                flops_per_s_by_path=by_path, mm_size=size, mm_flops_per_s=mm, formula=_roofline.FORMULA)
 
 
 def run_all(args, su: Setup, job: dict, workdir: str, say) -> tuple[dict, dict]:
@@ -265,6 +280,17 @@ def run_all(args, su: Setup, job: dict, workdir: str, say) -> tuple[dict, dict]:
             say(f"run {rep + 1}/{args.repeats} {label}: {result['seconds']:.2f} s, {_report.rate(useful / result['seconds'])} tok/s, "
                 f"peak RSS {result['peak_rss_bytes'] / _report.GIB:.2f} GiB")
     return {label: r for label, r in runs.items() if r and label not in failed}, failed
+
+
+def run_profile(args, su: Setup, job: dict, workdir: str, say) -> dict | None:
+    """One profiled pagedgen run (not timed, not in the table): benchmarks/_profile.py's breakdown."""
+    system, options = su.rows["pagedgen"]
+    try:
+        result = _launch.run_job(system, dict(job, options=dict(options, profile=True)), workdir, "pagedgen-profile", args.vllm_venv, {})
+    except RuntimeError as e:
+        say(f"profile run of pagedgen: FAILED\n{e}")
+        return None
+    return result["info"]["profile"]
 
 
 def main(argv=None) -> None:
@@ -302,12 +328,13 @@ def main(argv=None) -> None:
         workdir = os.path.join(args.out, "logs") if args.out else tmp
         os.makedirs(workdir, exist_ok=True)
         runs, failed = run_all(args, su, job, workdir, say)
+        profile = run_profile(args, su, job, workdir, say) if args.profile and "pagedgen" in su.rows else None
     if not runs:
         raise SystemExit("throughput.py: every system failed (see above)")
     summary = _report.report(runs, useful, roofline["tokens_per_s"], args.repeats, say)
     if "pagedgen" in runs:
         p = runs["pagedgen"][-1]["info"]
-        say(f"pagedgen: {p['ops']}; KV cache {p['kv_blocks']} blocks of {BLOCK_SIZE}, utilisation mean "
+        say(f"pagedgen: {p['ops']}; {p.get('matmul', 'matmul path not reported')}; KV cache {p['kv_blocks']} blocks of {BLOCK_SIZE}, utilisation mean "
             f"{p['kv_utilization_mean']:.1%}, preemptions {p['preemptions']}, {p['steps']} steps per run")
         if args.workload == "tinystories" and args.model == "random-135m" and info["dtype"] == "bfloat16":
             share = summary["roofline_share"]["pagedgen"]
@@ -319,12 +346,14 @@ def main(argv=None) -> None:
             f"{v['torch_threads']} torch threads; env {' '.join(f'{k}={x}' for k, x in su.vllm_env.items())}")
     for label in failed:
         say(f"{label}: failed, not in the table (its log is quoted above)")
+    if profile is not None:
+        _profile.describe(profile, say)
 
     if args.out:
         public = {label: [{k: v for k, v in r.items() if k != "output_token_ids"} for r in rs] for label, rs in runs.items()}
         data = dict(command=sys.argv, args=vars(args), machine=_roofline.machine(args.device), roofline=roofline,
                     workload=su.workload_rows,
-                    summary=summary, runs=public, failed=failed)
+                    summary=summary, runs=public, failed=failed, profile=profile)
         with open(os.path.join(args.out, "throughput.json"), "w") as f:
             json.dump(data, f, indent=2)
         with open(os.path.join(args.out, "throughput.txt"), "w") as f:

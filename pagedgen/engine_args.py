@@ -57,6 +57,7 @@ class EngineArgs:
     device: Union[str, torch.device, None] = _arg(None, name="device")
     gpu_memory_utilization: float = _arg(0.9, name="gpu_memory_utilization")
     enforce_eager: bool = _arg(False, name="enforce_eager")
+    batch_invariant: Optional[bool] = _arg(None, name="batch_invariant")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, title: str = "engine (LLM arguments)") -> argparse.ArgumentParser:

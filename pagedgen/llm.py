@@ -26,6 +26,7 @@ from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Request, RequestProcessor
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.step_log import StepLog
+from pagedgen.layers.linear import choose_matmul, prepare_matmuls
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
@@ -92,6 +93,9 @@ class LLM:
             the KV cache may take; the KV cache gets what a profiling forward pass leaves (vLLM's
             rule). Ignored when ``num_kv_blocks`` or ``kv_cache_memory_bytes`` is given.
         enforce_eager: on a GPU, do not capture decode steps in CUDA graphs.
+        batch_invariant: a request's tokens and logprobs do not depend, bit for bit, on the other
+            requests of its steps (docs/determinism.md). None (the default): on for the CPU, off on
+            GPUs; True on a GPU raises ValueError (no such mode there yet).
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -121,6 +125,7 @@ class LLM:
         device: Union[str, torch.device, None] = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        batch_invariant: Optional[bool] = None,
     ) -> None:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"LLM model must be a folder path, got {type(model).__name__}")
@@ -143,6 +148,8 @@ class LLM:
         for name, flag in (("enforce_extension", enforce_extension), ("enable_prefix_caching", enable_prefix_caching), ("enforce_eager", enforce_eager)):
             if not isinstance(flag, bool):
                 raise TypeError(f"LLM {name} must be a bool, got {type(flag).__name__}")
+        if batch_invariant is not None and not isinstance(batch_invariant, bool):
+            raise TypeError(f"LLM batch_invariant must be a bool or None, got {type(batch_invariant).__name__}")
         if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
             raise TypeError(f"LLM gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
         if tokenizer is not None:
@@ -161,6 +168,9 @@ class LLM:
         model = os.fspath(model)
         hf_config = loader.load_hf_config(model)
         model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
+        if batch_invariant is None:
+            batch_invariant = device.type == "cpu"
+        self.matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading
         max_model_len_given = max_model_len is not None
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
@@ -176,6 +186,7 @@ class LLM:
         eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
         self.model = loader.load_model(model, hf_config, model_config, device)
+        prepare_matmuls(self.model, self.matmul_config)
 
         block_bytes = model_config.kv_bytes_per_token() * block_size
         sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)

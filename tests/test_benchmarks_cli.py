@@ -3,6 +3,7 @@ and the roofline and agreement arithmetic. No vLLM needed; a few seconds each.""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -116,9 +117,10 @@ def test_help_lists_device():
 
 
 def test_quick_run_pagedgen_row(tmp_path):
-    """A tiny real run: the pagedgen row with tokens/s, peak RSS and roofline share, and the JSON."""
+    """A tiny real run: the pagedgen row with tokens/s, peak RSS and roofline share, the profile
+    breakdown (--profile), and the JSON."""
     need(STORIES, TINYSTORIES)
-    proc = run("--quick", "--systems", "pagedgen", "--out", str(tmp_path))
+    proc = run("--quick", "--systems", "pagedgen", "--profile", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     row = next(l for l in proc.stdout.splitlines() if l.startswith("pagedgen ") and "GiB" in l)
     assert "%" in row  # the roofline share
@@ -129,6 +131,17 @@ def test_quick_run_pagedgen_row(tmp_path):
     assert data["roofline"]["tokens_per_s"] > 0 and data["failed"] == {}
     (result,) = data["runs"]["pagedgen"]
     assert result["computed_tokens"] == data["workload"]["O"] and result["peak_rss_bytes"] > 0
+    assert re.search(r"roofline matmul path: F.linear for (\d+) of \1 \(shape, rows\) cases", proc.stdout)  # fp32: one path
+    assert set(data["roofline"]["best_path"].values()) == {"F.linear"}
+    # the profile: components whose shares add up, the forward's parts inside it, top operators
+    assert "profile of pagedgen" in proc.stdout and "paged_attention" in proc.stdout
+    rows = {r["component"].strip(): r for r in data["profile"]["components"]}
+    top = [r for r in data["profile"]["components"] if not r["component"].startswith(" ")]
+    assert sum(r["seconds"] for r in top[:-1]) == pytest.approx(rows["total (CPU seconds, one thread)"]["seconds"])
+    parts = [r["seconds"] for r in data["profile"]["components"] if r["component"].startswith("  ")]
+    assert sum(parts) == pytest.approx(rows["forward"]["seconds"]) and min(parts[:-1]) >= 0
+    assert rows["forward"]["share"] > 0.1 and rows["layer matmuls (linear)"]["seconds"] > 0 and rows["lm_head"]["seconds"] > 0
+    assert any(o["op"] == "pagedgen::paged_attention" for o in data["profile"]["ops"])
 
 
 STORIES_CFG = dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
@@ -176,3 +189,17 @@ def test_fold_ids_keeps_lengths():
     workload = load("_workload")
     prompts, folded = workload.fold_ids([[1, 49152, 50256], [7]], 49152)
     assert prompts == [[1, 0, 1104], [7]] and folded == 2
+
+
+def test_roofline_takes_the_best_matmul_path():
+    """bf16 is measured on every path an engine can take (F.linear, fp32 weights) and each shape's
+    roofline figure is the fastest, named; fp32 has one path."""
+    roof = load("_roofline")
+    shapes = roof.gemm_shapes(STORIES_CFG)
+    assert roof.matmul_paths("bfloat16") == ["F.linear", "fp32 weights"] and roof.matmul_paths("float32") == ["F.linear"]
+    flops = roof.measure(shapes, 16, 4, "bfloat16", runs=1, min_seconds=0.001, budget_seconds=0.05)
+    assert set(flops["by_path"]) == {"F.linear", "fp32 weights"} and flops["mm"][1] > 0
+    assert len(flops["linear"]) == 2 * 4 + 1  # 4 layer shapes at M = 16 and 4, the lm_head at M = 4
+    for key, best in flops["linear"].items():
+        rates = {p: t[key] for p, t in flops["by_path"].items()}
+        assert best == max(rates.values()) and rates[flops["best_path"][key]] == best

@@ -10,7 +10,7 @@ import torch
 from transformers.generation import logits_process as hf
 
 from pagedgen.engine import logits_processors as lp
-from pagedgen.engine.sampler import Sampler
+from pagedgen.engine.sampler import Sampler, inverse_cdf_sample, make_generator
 from pagedgen.engine.sequence import Sequence
 from pagedgen.sampling_params import SamplingParams
 
@@ -213,18 +213,26 @@ def test_greedy_rows_take_the_argmax_of_processed_logits():
     assert Sampler(0)(logits, seqs).token_ids == [0, 5, 1]
 
 
-def test_zero_exponential_draw_never_picks_a_filtered_token(monkeypatch):
-    """q = 0 from the exponential draw must not turn a filtered token's 0 / 0 into a NaN winner."""
-    real = torch.Tensor.exponential_
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53])
+def test_extreme_uniform_draw_never_picks_a_filtered_token(monkeypatch, u):
+    """The smallest and largest U[0, 1) draws pick the first and last token that has probability
+    (never a filtered one before, between or after them, never an index past the vocabulary)."""
+    monkeypatch.setattr(torch, "rand", lambda *size, dtype=None, generator=None: torch.full(size, u, dtype=dtype))
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 0.0, inf, 1.0, inf, inf]]).expand(8, -1).clone()
+    seqs = [_seq([1], [], SamplingParams(), i) for i in range(4)] + [_seq([1], [], SamplingParams(seed=i), i, generator=make_generator(i)) for i in range(4)]
+    assert set(Sampler(0)(logits, seqs).token_ids) == ({1} if u == 0.0 else {3})
 
-    def zeros(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        return self.zero_()
 
-    monkeypatch.setattr(torch.Tensor, "exponential_", zeros)
-    logits = torch.tensor([[0.0, float("-inf"), float("-inf")]]).expand(8, -1).clone()
-    seqs = [_seq([1], [], SamplingParams(), i) for i in range(8)]
-    assert set(Sampler(0)(logits, seqs).token_ids) == {0}
+def test_inverse_cdf_sample_is_row_wise():
+    """A row's token depends only on its own probabilities and draw, not on the other rows."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(16, 1000, generator=gen).softmax(dim=-1)
+    u = torch.rand(16, dtype=torch.float64, generator=gen)
+    whole = inverse_cdf_sample(probs, u)
+    assert [int(inverse_cdf_sample(probs[i : i + 1], u[i : i + 1])) for i in range(16)] == whole.tolist()
+    cdf = probs.double().cumsum(-1)
+    assert all(cdf[i, t - 1] <= u[i] * cdf[i, -1] < cdf[i, t] if t else u[i] * cdf[i, -1] < cdf[i, 0] for i, t in enumerate(whole.tolist()))
 
 
 def test_allowed_token_ids_match_prefix_constrained_processor():

@@ -57,7 +57,7 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [n + 1], never changes
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)  # [n]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # logits [b, vocab] float32 per captured size
+        self.outputs: dict[int, torch.Tensor] = {}  # logits [b, vocab] (model dtype) per captured size
         self._pool = None
 
     def _forward(self, b: int) -> torch.Tensor:

@@ -91,7 +91,8 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Mask (to -inf) the tokens that top-k, then top-p, removes."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
+    # stable: equal logits (frequent in bf16) keep token-id order, so top-p drops the same ones in any batch
+    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)  # ascending
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # the k-th largest value

@@ -6,7 +6,10 @@ with the sampling settings, and a prompt token's logprob at position i is log_so
 position i - 1)[token i] (the model's prediction from the tokens before it).
 
 Ranks follow vLLM: the chosen token's rank is the number of tokens at least as likely as it (1 for
-the most likely); the top-k tokens get ranks 1..k in order.
+the most likely); the top-k tokens get ranks 1..k in order. Equal logprobs (frequent with bf16
+logits) are ordered by token id, lowest first: ``torch.topk`` leaves the order of ties to its
+algorithm, which may vary with the number of rows, and a row's logprobs must not depend on the
+other rows of its step (docs/determinism.md).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ def logprob_dicts(
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
     ranks = (logprobs >= chosen).sum(dim=-1)  # [R]
     k_max = max(num_logprobs, default=0)
-    top_lp, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)  # [R, k_max], descending
+    top_lp, top_ids = top_logprobs(logprobs, k_max) if k_max else (None, None)  # [R, k_max], descending
     out = []
     chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), token_ids.tolist()
     top_lp_l = top_lp.tolist() if k_max else None
@@ -35,3 +38,20 @@ def logprob_dicts(
             d[top_ids_l[r][j]] = Logprob(top_lp_l[r][j], j + 1)
         out.append(d)
     return out
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row: (values [R, k], token ids [R, k] int64), by value descending
+    and, among equal values, by token id ascending (whatever the other rows). ``logprobs``: [R, V]
+    float32, 1 <= k <= V."""
+    values = logprobs.topk(k, dim=-1).values  # [R, k]: the k largest values themselves are exact
+    rows, ids = (logprobs >= values[:, -1:]).nonzero(as_tuple=True)  # candidates, row-major: ids ascending
+    counts = torch.bincount(rows, minlength=logprobs.shape[0])  # [R], >= k unless a row holds NaN
+    if bool((counts < k).any()):
+        return logprobs.topk(k, dim=-1)
+    cand = logprobs[rows, ids]
+    order = cand.sort(descending=True, stable=True).indices  # by value; stable: ids ascending among ties
+    order = order[rows[order].sort(stable=True).indices]  # then by row, keeping that order within rows
+    starts = counts.cumsum(0) - counts  # [R]: each row's first candidate
+    take = order[(starts.unsqueeze(1) + torch.arange(k)).view(-1)].view(-1, k)  # [R, k]
+    return cand[take], ids[take]

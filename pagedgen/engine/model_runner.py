@@ -27,8 +27,8 @@ recompute after preemption) are not computed twice.
 from __future__ import annotations
 
 import warnings
-from array import array
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 from typing import Optional
 
 import torch
@@ -36,6 +36,7 @@ import torch
 from pagedgen import ops
 from pagedgen.config import CacheConfig
 from pagedgen.engine.block_manager import BlockManager
+from pagedgen.engine.block_tables import BlockTables, int_tensor
 from pagedgen.engine.cuda_graphs import CUDAGraphRunner
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler
@@ -44,28 +45,6 @@ from pagedgen.engine.sequence import Sequence
 from pagedgen.model.llama import LlamaForCausalLM
 from pagedgen.ops import AttentionMetadata
 from pagedgen.outputs import Logprob
-
-
-_TYPECODES = {torch.int64: "q", torch.int32: "i"}
-
-
-def _int_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU tensor of Python ints, through ``array`` (several times faster than ``torch.tensor``
-    on a list: the ints are converted in one C loop)."""
-    if not values:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
-
-
-def _padded_int32(rows: list[list[int]]) -> torch.Tensor:
-    """[len(rows), longest row] int32, each row padded with 0 (rows must not all be empty)."""
-    width = max(map(len, rows))
-    zeros = [0] * width
-    flat: list[int] = []
-    for row in rows:
-        flat += row
-        flat += zeros[len(row) :]
-    return _int_tensor(flat, torch.int32).view(len(rows), width)
 
 
 @dataclass
@@ -154,6 +133,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers if cache_config.num_cpu_blocks else 0)
         ]
         self.on_cpu = model.device.type == "cpu"
+        # persistent block tables, updated from each step's deltas: [rows, ceil(max_model_len / block_size)] int32
+        self.block_tables = BlockTables(-(-max_model_len // cache_config.block_size) if max_model_len else 16)
         self.graphs: Optional[CUDAGraphRunner] = None
         if cuda_graph_max_seqs and model.device.type == "cuda":
             graphs = CUDAGraphRunner(model, self.kv_caches, cuda_graph_max_seqs, -(-max_model_len // cache_config.block_size))
@@ -164,62 +145,65 @@ class ModelRunner:
                 warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {exc}", RuntimeWarning)
 
     def prepare(self, batch: ScheduledBatch, block_manager: BlockManager):
-        """Host-side lists -> the step's tensors (see the module docstring). Also returns the
-        sequences that sample a token this step, in ``logits_indices`` order, and the prompt
-        positions whose logits are wanted for prompt logprobs (after those in ``logits_indices``)."""
+        """The step's tensors (see the module docstring), built from the plan's plain data: its token
+        ids, first positions and block-table deltas (applied to the persistent ``BlockTables``);
+        positions and the slot mapping are computed by tensor ops, not per token in Python. Also
+        returns the sequences that sample a token this step, in ``logits_indices`` order, the beam
+        sequences, and the prompt positions whose logits are wanted for prompt logprobs (after
+        those in ``logits_indices``)."""
+        plan = batch.plan
         bs = self.cache_config.block_size
-        block_table = block_manager.block_table
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        query_start_loc: list[int] = [0]
+        starts, counts = plan.num_computed_tokens, plan.num_new_tokens
+        n = len(counts)
+        ends = [c + k for c, k in zip(starts, counts)]
+        query_start_loc = list(accumulate(counts, initial=0))  # n + 1 entries
+        input_ids = list(chain.from_iterable(plan.token_ids))
+        num_tokens = len(input_ids)
+        max_seq_len = max(ends)
+
+        self.block_tables.apply(plan.freed_seq_ids, plan.block_table_updates)
+        tables = self.block_tables.gather(plan.seq_ids, -(-max_seq_len // bs), block_manager.block_table)  # [n, width]
+        starts_t = int_tensor(starts, torch.int64)  # [n]
+        if num_tokens == n:  # pure decode: one token per sequence
+            seq_index, positions = None, starts_t  # [T]
+        else:
+            seq_index = torch.repeat_interleave(torch.arange(n), int_tensor(counts, torch.int64), output_size=num_tokens)  # [T]
+            offsets = int_tensor(query_start_loc[:-1], torch.int64)  # [n]
+            positions = torch.arange(num_tokens) + (starts_t - offsets)[seq_index]  # [T]
+        rows = torch.arange(n) if seq_index is None else seq_index
+        flat_block = rows * tables.shape[1] + torch.div(positions, bs, rounding_mode="floor")  # [T] into tables.view(-1)
+        slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
+
         logits_indices: list[int] = []
         sampling: list[Sequence] = []
         beam_rows: list[int] = []
         beams: list[Sequence] = []
         prompt_plan = PromptLogprobsPlan()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            end = start + n
-            token_ids = seq.token_ids
-            table = block_table(seq.seq_id)
-            tables.append(table)
-            seq_lens.append(end)
+        for seq, start, end, row_end in zip(batch.seqs, starts, ends, query_start_loc[1:]):
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                prompt_plan.add(seq, start, end, len(input_ids))
-            if n == 1:
-                input_ids.append(token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
-            query_start_loc.append(len(input_ids))
-            if end == len(token_ids):
+                prompt_plan.add(seq, start, end, row_end - (end - start))
+            if end == len(seq.token_ids):
                 if seq.beam_group is not None:
-                    beam_rows.append(len(input_ids) - 1)
+                    beam_rows.append(row_end - 1)
                     beams.append(seq)
                 else:
-                    logits_indices.append(len(input_ids) - 1)
+                    logits_indices.append(row_end - 1)
                     sampling.append(seq)
         for child, parent in batch.forked:  # parallel samples share their parent's last row
             logits_indices.append(logits_indices[sampling.index(parent)])
             sampling.append(child)
         attn = AttentionMetadata(
-            slot_mapping=self._to_device(_int_tensor(slots, torch.int64)),  # [T]
-            block_tables=self._to_device(_padded_int32(tables)),  # [n, max_blocks]
-            seq_lens=self._to_device(_int_tensor(seq_lens, torch.int32)),  # [n]
-            query_start_loc=self._to_device(_int_tensor(query_start_loc, torch.int32)),  # [n + 1]
-            max_seq_len=max(seq_lens),
+            slot_mapping=self._to_device(slots),  # [T]
+            block_tables=self._to_device(tables),  # [n, max_blocks]
+            seq_lens=self._to_device(int_tensor(ends, torch.int32)),  # [n]
+            query_start_loc=self._to_device(int_tensor(query_start_loc, torch.int32)),  # [n + 1]
+            max_seq_len=max_seq_len,
         )
         tensors = (
-            self._to_device(_int_tensor(input_ids, torch.int64)),
-            self._to_device(_int_tensor(positions, torch.int64)),
+            self._to_device(int_tensor(input_ids, torch.int64)),
+            self._to_device(positions),
             attn,
-            self._to_device(_int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64)),
+            self._to_device(int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64)),
         )
         return tensors, sampling, beams, prompt_plan
 
@@ -253,18 +237,18 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices].cpu()  # pure decode step
         else:
-            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + B + R, vocab]
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + B + R, vocab], model dtype
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
             sampled = self.sampler(logits[:num_sampling], sampling)
             out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
         if beams:
-            beam_logprobs = logits[num_sampling : num_sampling + num_beams].log_softmax(dim=-1)  # [B, vocab]
+            beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1)  # [B, vocab]
             out.beam_logprobs = list(zip(beams, beam_logprobs))
         if prompt_plan.rows:
             dicts = logprob_dicts(
-                logits[num_sampling + num_beams :].log_softmax(dim=-1),
+                logits[num_sampling + num_beams :].float().log_softmax(dim=-1),
                 torch.tensor(prompt_plan.target_ids, dtype=torch.int64),
                 prompt_plan.num_logprobs,
             )

@@ -6,10 +6,13 @@ Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
    min_tokens are generated);
 3. repetition, frequency and presence penalties;
 4. greedy rows take the argmax here;
-5. other rows: temperature, min-p, top-k, top-p (engine/logits_processors.py), then sampling with
-   the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` draws from ``probs``.
+5. other rows: temperature, min-p, top-k, top-p (engine/logits_processors.py), then sampling by the
+   inverse transform: one ``u ~ U[0, 1)`` per row, the token is the first whose cumulative
+   probability exceeds ``u`` (``inverse_cdf_sample``). One random number per sampled token, where the
+   exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` (vLLM's), needs one per vocabulary entry:
+   over a 50k vocabulary on a CPU those draws cost more than the forward pass of a small model.
 
-A sequence with its own generator (its request has a seed) draws its ``q`` from it, one vector
+A sequence with its own generator (its request has a seed) draws its ``u`` from it, one number
 per sampled token, and every step of the pipeline is row-wise: its tokens do not depend on what
 else shares the batch, on the batch order, or on preemption. Others share the engine's generator.
 
@@ -45,6 +48,11 @@ def make_generator(seed: Optional[int], index: int = 0) -> Optional[torch.Genera
     return torch.Generator().manual_seed(seed)
 
 
+def _processed(p) -> bool:
+    """True when step 2 or 3 changes this request's logits."""
+    return bool(p.has_penalties or p.logit_bias or p.min_tokens or p.allowed_token_ids)
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim: [N, vocab] -> [N] int64. ``max(dim).indices`` returns the same ids as
     ``argmax`` (the first maximal index on ties, NaN counting as the maximum) and is about twice as
@@ -72,14 +80,16 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
-        """logits: [num_seqs, vocab] float32 on the CPU, row i for seqs[i]."""
+        """logits: [num_seqs, vocab] on the CPU (float32 or the model's bf16/fp16), row i for seqs[i].
+        The fast path takes the argmax in the logits' own dtype; every other path works in float32."""
         params = [s.sampling_params for s in seqs]
         kinds = {id(p): p for p in params}.values()
+        if all(p.greedy and p.logprobs is None and not _processed(p) for p in kinds):  # the fast path: one argmax
+            return SamplerOutput(greedy_ids(logits).tolist())
         all_greedy = all(p.greedy for p in kinds)
         want_logprobs = any(p.logprobs is not None for p in kinds)
-        processed = any(p.has_penalties or p.logit_bias or p.min_tokens or p.allowed_token_ids for p in kinds)
-        if all_greedy and not want_logprobs and not processed:  # the fast path: one argmax
-            return SamplerOutput(greedy_ids(logits).tolist())
+        processed = any(_processed(p) for p in kinds)
+        logits = logits.float()  # [num_seqs, vocab] float32 (no copy when it is already)
 
         raw_logprobs = None
         if want_logprobs:
@@ -143,27 +153,60 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence], params, all_greedy: bool) -> torch.Tensor:
-        """Steps 4-5: [num_seqs] int64 token ids."""
+        """Steps 4-5: [num_seqs] int64 token ids. Greedy rows take the argmax and pay nothing for
+        the sampled ones: temperature, filters, softmax and the draw run on the sampled rows only."""
         if all_greedy:
             return greedy_ids(logits)
-        greedy = [p.greedy for p in params]
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
-        x = logits / temps.unsqueeze(1)
-        if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
-            x = lp.apply_min_p(x, torch.tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)], dtype=torch.float32))
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            x = lp.apply_top_k_top_p(x, top_k, top_p)
-        probs = x.softmax(dim=-1)  # [num_seqs, vocab]
-
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None and not greedy[i]:
-                q[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=seq.generator)
-        # q = 0 would turn a zero probability into 0/0 = NaN, which argmax picks
-        sampled = (probs / q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-        if any(greedy):
-            rows = torch.tensor(greedy)
-            sampled[rows] = greedy_ids(logits[rows])
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        x = logits[rows] if greedy_rows else logits  # [R, vocab], the sampled rows
+        sp = [params[i] for i in rows]
+        temps = torch.tensor([p.temperature for p in sp], dtype=torch.float32)
+        x = x / temps.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in sp):
+            x = lp.apply_min_p(x, torch.tensor([p.min_p for p in sp], dtype=torch.float32))
+        filtered = [r for r, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0]
+        if filtered:  # top-k / top-p sort the vocabulary: only the rows that ask for it
+            fp = [sp[r] for r in filtered]
+            top_k = torch.tensor([p.top_k for p in fp], dtype=torch.int64)
+            top_p = torch.tensor([p.top_p for p in fp], dtype=torch.float32)
+            if len(filtered) == len(sp):
+                x = lp.apply_top_k_top_p(x, top_k, top_p)
+            else:
+                index = torch.tensor(filtered)
+                x = x.index_copy(0, index, lp.apply_top_k_top_p(x[index], top_k, top_p))
+        probs = x.softmax(dim=-1)  # [R, vocab]
+        tokens = inverse_cdf_sample(probs, self._uniforms([seqs[i] for i in rows]))  # [R]
+        if not greedy_rows:
+            return tokens
+        sampled = torch.empty(len(params), dtype=torch.int64)
+        sampled[rows] = tokens
+        sampled[greedy_rows] = greedy_ids(logits[greedy_rows])
         return sampled
+
+    def _uniforms(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """One U[0, 1) float64 draw per row: from the sequence's own generator when its request has a
+        seed, else from the engine's (one call for all of those rows, in batch order)."""
+        own = [torch.rand(1, dtype=torch.float64, generator=s.generator).item() if s.generator is not None else 0.0 for s in seqs]
+        u = torch.tensor(own, dtype=torch.float64)  # [R]; one tensor from Python floats, not R element writes
+        shared = [i for i, s in enumerate(seqs) if s.generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.generator)
+        return u
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row of ``probs`` [R, vocab] (rows summing to ~1) from ``u`` [R] float64 in
+    [0, 1): the first token whose cumulative probability (float64, vocabulary order) exceeds
+    ``u * total``. Returns [R] int64.
+
+    Exact inverse-transform sampling, one uniform per draw (not one per vocabulary entry as the
+    exponential race ``argmax(p / q)`` needs), and row-wise, so a row's token depends only on its own
+    probabilities and draw. A token of probability 0 adds nothing to the cumulative sum and is never
+    chosen: the threshold is kept strictly below the total, and the first cumulative value above it
+    is one that grew.
+    """
+    cdf = probs.double().cumsum_(dim=-1)  # [R, vocab]
+    total = cdf[:, -1]  # [R]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [R], < total
+    return torch.searchsorted(cdf, x.unsqueeze(1), right=True).squeeze(1)  # [R] int64

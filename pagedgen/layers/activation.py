@@ -64,4 +64,7 @@ class ActAndMul(Module):
             out = torch.empty(gate_up.shape[0], d, dtype=gate_up.dtype, device=gate_up.device)  # [T, d]
             ops.silu_and_mul(out, gate_up)
             return out
-        return self.fn(gate_up[:, :d]) * gate_up[:, d:]
+        # the gate half made contiguous: F.gelu takes oneDNN's kernel on contiguous float32 input and
+        # ATen's on strided, whose bits differ, so a strided gate would make a row's bits depend on the
+        # batch (one row of a slice is contiguous); transformers' gate_proj output is contiguous too
+        return self.fn(gate_up[:, :d].contiguous()) * gate_up[:, d:]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.layers.linear import linear
+from pagedgen.layers.linear import MatmulConfig, linear
 from pagedgen.layers.module import Module
 
 
@@ -58,8 +58,11 @@ class PositionEmbedding(Module):
 
 
 class ParallelLMHead(Module):
-    """Logits of the rows to sample: [S, hidden] -> [S, vocab] float32 (the matmul in the model
-    dtype, as transformers, then converted).
+    """Logits of the rows to sample: [S, hidden] -> [S, vocab] in the model dtype (the matmul through
+    ``linear``, rounded to the model dtype as transformers' is). Not converted to float32 here: a
+    greedy step takes the argmax of these logits as they are (the same token: bf16/fp16 -> float32
+    is exact and keeps the order), and the sampler converts only when it processes or samples
+    (``Sampler``, logprobs, beams).
 
     Args:
         num_embeddings: vocabulary size; embedding_dim: features in.
@@ -68,6 +71,8 @@ class ParallelLMHead(Module):
             then the checkpoint need not (and usually does not) hold ``lm_head.weight``.
     """
 
+    matmul: Optional[MatmulConfig] = None  # set by pagedgen.layers.linear.prepare_matmuls
+
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, tie_to: Optional[VocabParallelEmbedding] = None) -> None:
         super().__init__()
         self.tied = tie_to is not None
@@ -75,4 +80,4 @@ class ParallelLMHead(Module):
         self.bias = nn.Parameter(torch.empty(num_embeddings), requires_grad=False) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight, self.bias).float()
+        return linear(hidden, self.weight, self.bias, self.matmul)  # [S, vocab], model dtype

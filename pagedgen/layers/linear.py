@@ -22,10 +22,31 @@ them). Checkpoint layouts other than ``[out_features, in_features]``:
   output features; reordered on load to ``[q heads | k heads | v heads]``.
 
 A weight loader given a ``meta`` tensor only checks the shape (``pagedgen.layers.loading``).
+
+How the matmuls run (``MatmulConfig``, chosen once per model by ``choose_matmul`` and applied after
+loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul choices"):
+
+- **Compute dtype.** bf16/fp16 weights on a CPU whose oneDNN has no bf16/fp16 kernels (no AVX-512
+  BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False) are kept as a float32
+  copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``: torch's own bf16 kernel
+  there runs at ~10 GFLOP/s per core whatever the batch, float32 MKL at 4-8x that from 64 rows up
+  (break-even at one row). The bf16 copy is dropped (4 bytes per parameter instead of 2; a tied
+  embedding keeps its own bf16 matrix). Activations and the KV cache stay in the model dtype.
+  Elsewhere (float32 models, oneDNN bf16 CPUs, GPUs) the weights stay in the model dtype. The
+  choice is by capability only, never by a timing probe: a timing could choose differently from
+  one run to the next, and the two paths give different bits.
+- **Batch invariance** (``min_rows``/``max_rows``). MKL's sgemm picks its kernel by the number of
+  rows M (a gemv at M = 1, other kernels at M = 2-3, and with 2 threads at 5-7 and 9-11), so the
+  same row gets other bits in a smaller batch. With ``min_rows`` the rows are padded with zeros up
+  to ``min_rows`` and with ``max_rows`` cut into blocks of at most that many (each block padded the
+  same way): every GEMM then runs at an M where the measured kernels give each row the same bits
+  whatever the other rows and the row's position (M in [16, 1024] on the machines measured; the
+  tests check it on the machine they run on, ``tests/test_batch_invariance_ops.py``).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -38,18 +59,130 @@ ShardId = Union[str, int, None]
 LAYOUTS = ("default", "conv1d", "interleaved_qkv")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class MatmulConfig:
+    """How ``linear`` runs the matmuls of one model (see the module docstring).
+
+    Attributes:
+        weight_dtype: the dtype the weights are kept in; when it differs from the activations'
+            dtype, ``linear`` converts the activations to it and the result back.
+        min_rows: GEMMs of fewer rows are padded with zero rows up to this many (0: never).
+        max_rows: GEMMs of more rows run in blocks of at most this many (0: never split).
+        reason: why this path was chosen, for logs and docs.
+    """
+
+    weight_dtype: torch.dtype
+    min_rows: int = 0
+    max_rows: int = 0
+    reason: str = ""
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.min_rows > 0
+
+
+#: the rows of every GEMM in batch-invariant mode: at least MIN_ROWS (zero rows added), blocks of
+#: at most MAX_ROWS. Measured on MKL sgemm (AVX2 AMD EPYC, 1 and 2 threads): M in {4, 8} and every
+#: M >= 12 give each row the same bits up to M = 4096 (benchmarks/matmul_choices.py --part bits).
+MIN_ROWS, MAX_ROWS = 16, 1024
+
+
+def native_reduced_precision(dtype: torch.dtype) -> bool:
+    """True when this CPU's torch has fast kernels for ``dtype`` matmuls (oneDNN bf16/fp16: AVX-512
+    BF16/FP16 or AMX); False for float32 (nothing to convert) is not asked."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> MatmulConfig:
+    """The matmul path of a model of ``dtype`` on ``device`` (the one place the choice is made).
+
+    Args:
+        dtype: the model dtype (float32, bfloat16 or float16).
+        device: where the model runs.
+        batch_invariant: pad/split the GEMM rows so that a row's bits do not depend on the other
+            rows (CPU only).
+
+    Raises:
+        ValueError: ``batch_invariant`` on a device other than the CPU (no such mode there yet).
+    """
+    device = torch.device(device)
+    rows = dict(min_rows=MIN_ROWS, max_rows=MAX_ROWS) if batch_invariant else {}
+    if device.type != "cpu":
+        if batch_invariant:
+            raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")
+        return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
+    if dtype in (torch.bfloat16, torch.float16) and not native_reduced_precision(dtype):
+        name = str(dtype).removeprefix("torch.")
+        return MatmulConfig(torch.float32, reason=f"no oneDNN {name} on this CPU: {name} matmuls computed in float32 (MKL)", **rows)
+    return MatmulConfig(dtype, reason="the model dtype's own GEMM", **rows)
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], min_rows: int) -> torch.Tensor:
+    """F.linear of [m, K] rows run as a GEMM of at least ``min_rows`` rows (zero rows added)."""
+    m = x.shape[0]
+    if m >= min_rows:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, min_rows - m)), weight, bias)[:m]  # via [min_rows, K]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, config: Optional[MatmulConfig] = None) -> torch.Tensor:
     """``y = x @ weight.T + bias``: the one function every matmul of a model goes through.
 
     Args:
         x: [T, in_features] activations (model dtype).
-        weight: [out_features, in_features], same dtype.
-        bias: [out_features] or None.
+        weight: [out_features, in_features], the model dtype or ``config.weight_dtype`` (then x is
+            converted to it and the result back to x's dtype, rounded once).
+        bias: [out_features] or None, the weight's dtype.
+        config: the model's MatmulConfig (None: a plain ``F.linear``, no row padding).
 
     Returns:
-        [T, out_features] in the model dtype.
+        [T, out_features] in x's dtype.
     """
-    return F.linear(x, weight, bias)
+    out_dtype = x.dtype
+    if weight.dtype != out_dtype:
+        x = x.to(weight.dtype)
+    if config is None or not config.batch_invariant or x.shape[0] == 0:
+        y = F.linear(x, weight, bias)
+    elif config.max_rows and x.shape[0] > config.max_rows:
+        y = torch.cat([_padded_linear(part, weight, bias, config.min_rows) for part in x.split(config.max_rows)])
+    else:
+        y = _padded_linear(x, weight, bias, config.min_rows)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _matmul_modules(model: nn.Module) -> Iterator[nn.Module]:
+    from pagedgen.layers.embedding import ParallelLMHead  # embedding imports this module
+
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            yield module
+
+
+def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
+    """Apply ``config`` to every linear layer and lm_head of a loaded ``model``: weights and biases
+    converted to ``config.weight_dtype`` one at a time (the old copy freed; an lm_head tied to its
+    embedding gets its own copy and the embedding keeps its matrix), and ``module.matmul = config``.
+    Returns the bytes the weights took in addition (0 when their dtype is kept)."""
+    extra = 0
+    for module in _matmul_modules(model):
+        module.matmul = config
+        for name in ("weight", "bias"):
+            p = getattr(module, name)
+            if p is None or p.dtype == config.weight_dtype:
+                continue
+            shared = getattr(module, "tied", False) and name == "weight"
+            extra += p.numel() * (torch.finfo(config.weight_dtype).bits // 8 - (0 if shared else p.element_size()))
+            new = nn.Parameter(p.detach().to(config.weight_dtype), requires_grad=False)
+            if shared:
+                module.tied = False  # its own matrix now; the embedding keeps the model-dtype one
+            setattr(module, name, new)
+    return extra
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -68,6 +201,8 @@ class LinearBase(Module):
         layout: how the checkpoint stores the weight (see the module docstring).
     """
 
+    matmul: Optional[MatmulConfig] = None  # set by prepare_matmuls
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, output_shards: Optional[dict] = None, layout: str = "default") -> None:
         super().__init__()
         if layout not in LAYOUTS:
@@ -82,7 +217,7 @@ class LinearBase(Module):
                 p.shard_ids = tuple(self.output_shards)  # the parts a checkpoint may give separately
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size] -> [T, output_size]
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.matmul)
 
     def _shard_slice(self, shard_id: ShardId) -> tuple[int, int]:
         """(offset, size) of a part along the output features; the whole for None."""

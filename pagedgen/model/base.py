@@ -86,7 +86,7 @@ class CausalLM(Module):
         kv_caches: list[KVCache],  # one per layer
         logits_indices: torch.Tensor,  # [S] int64, rows of the tokens whose next token is wanted
     ) -> torch.Tensor:
-        """Logits [S, vocab] float32 for the tokens at ``logits_indices``."""
+        """Logits [S, vocab] (model dtype; see ``ParallelLMHead``) for the tokens at ``logits_indices``."""
         hidden = getattr(self, self.base_model_prefix)(input_ids, positions, attn, kv_caches, logits_indices)  # [S, hidden]
-        return getattr(self, self.lm_head_name)(hidden)  # [S, vocab] float32
+        return getattr(self, self.lm_head_name)(hidden)  # [S, vocab] model dtype
 

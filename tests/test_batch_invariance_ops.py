@@ -1,0 +1,239 @@
+"""Batch invariance of the Python-side ops of a step (issue 13): each op's output rows do not depend on
+the other rows.
+
+The compiled kernels (norms, RoPE, silu_and_mul, the KV-cache write, paged attention with prefill
+chunks vs decode) are covered by tests/test_ops_batch_invariance.py. Here: every matmul path of
+``pagedgen.layers.linear`` (the one this machine takes, and each path forced), the lm_head, the
+embeddings, the PyTorch norms and activations of the other families, the log-softmax and logprob
+dictionaries, and the sampler. For each: the same row computed alone, in a batch of 7 and in a batch
+of 300 at several positions (and past ``MAX_ROWS`` for the matmuls), bitwise. Since MKL and oneDNN
+choose kernels by CPU, shape and thread count, these check the property on the machine they run on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedgen.engine.logprobs import logprob_dicts
+from pagedgen.engine.sampler import Sampler, make_generator
+from pagedgen.engine.sequence import Sequence
+from pagedgen.layers import linear as lin
+from pagedgen.layers.activation import ActAndMul
+from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedgen.layers.norm import LayerNorm, RMSNorm
+from pagedgen.sampling_params import SamplingParams
+
+BATCHES = [(1, [0]), (7, [0, 3, 6]), (300, [0, 151, 299])]  # batch size, positions of the row in it
+LONG = (lin.MAX_ROWS + 76, [0, lin.MAX_ROWS - 1, lin.MAX_ROWS, lin.MAX_ROWS + 75])  # past one row block
+# [N, K]: stories260K (qkv, o, gate_up, down, lm_head), the GQA head-size-64 test model, SmolLM-135M's qkv/down
+SHAPES = [(128, 64), (344, 64), (64, 172), (512, 64), (512, 256), (256, 512), (4096, 256), (960, 576)]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(bits(a), bits(b)), what
+
+
+def placements(row: torch.Tensor, make_others, run, batches=BATCHES) -> None:
+    """Place ``row`` at each position of each batch size (the other rows from make_others(n)) and
+    check that run(batch)[position] has the same bits every time."""
+    first = None
+    for n, positions in batches:
+        for at in positions:
+            batch = make_others(n)
+            batch[at] = row
+            out = run(batch)[at]
+            if first is None:
+                first = out
+            assert_same_bits(out, first, (n, at))
+
+
+def matmul_configs(dtype: torch.dtype) -> list[lin.MatmulConfig]:
+    """The batch-invariant config this machine chooses for ``dtype``, and for bf16/fp16 both paths."""
+    chosen = lin.choose_matmul(dtype, torch.device("cpu"), batch_invariant=True)
+    configs = [chosen]
+    if dtype != torch.float32:
+        other = torch.float32 if chosen.weight_dtype == dtype else dtype
+        configs.append(lin.MatmulConfig(other, lin.MIN_ROWS, lin.MAX_ROWS))
+    return configs
+
+
+# ---- matmuls ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_rows_independent(shape, dtype):
+    n_out, k = shape
+    g = gen(n_out * 7 + k)
+    w = torch.randn(n_out, k, generator=g).to(dtype)
+    bias = torch.randn(n_out, generator=g).to(dtype)
+    row = torch.randn(k, generator=g).to(dtype)
+    for config in matmul_configs(dtype):
+        w_c, b_c = w.to(config.weight_dtype), bias.to(config.weight_dtype)
+        # past MAX_ROWS on the small shapes (the row blocks), on the fp32 GEMM only (bf16's is invariant as it is)
+        batches = BATCHES + [LONG] if n_out * k <= 512 * 64 and config.weight_dtype == torch.float32 else BATCHES
+        for b in (None, b_c):
+            placements(row, lambda n: torch.randn(n, k, generator=g).to(dtype), lambda x: lin.linear(x, w_c, b, config), batches)
+
+
+def test_linear_keeps_the_activation_dtype_and_rounds_once():
+    g = gen(3)
+    x, w = torch.randn(5, 64, generator=g).to(torch.bfloat16), torch.randn(32, 64, generator=g)
+    config = lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS)
+    y = lin.linear(x, w, None, config)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 32)
+    assert torch.equal(y, F.linear(F.pad(x.float(), (0, 0, 0, lin.MIN_ROWS - 5)), w)[:5].to(torch.bfloat16))
+    assert lin.linear(x[:0], w, None, config).shape == (0, 32)
+
+
+def test_lm_head_rows_independent():
+    for dtype in (torch.float32, torch.bfloat16):
+        g = gen(11)
+        head = ParallelLMHead(4096, 256)
+        head.weight = torch.nn.Parameter(torch.randn(4096, 256, generator=g).to(dtype), requires_grad=False)
+        lin.prepare_matmuls(head, lin.choose_matmul(dtype, torch.device("cpu"), True))
+        row = torch.randn(256, generator=g).to(dtype)
+        placements(row, lambda n: torch.randn(n, 256, generator=g).to(dtype), head)
+
+
+def test_prepare_matmuls_keeps_a_tied_embedding_and_counts_the_bytes():
+    embed = VocabParallelEmbedding(512, 64)
+    embed.weight = torch.nn.Parameter(torch.randn(512, 64).to(torch.bfloat16), requires_grad=False)
+    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(512, 64, tie_to=embed), proj=lin.ReplicatedLinear(64, 32, bias=True)))
+    model["proj"].weight = torch.nn.Parameter(torch.randn(32, 64).to(torch.bfloat16), requires_grad=False)
+    model["proj"].bias = torch.nn.Parameter(torch.randn(32).to(torch.bfloat16), requires_grad=False)
+    before = model["embed"].weight.clone()
+    extra = lin.prepare_matmuls(model, lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS))
+    assert extra == 512 * 64 * 4 + (32 * 64 + 32) * 2  # the head's own fp32 matrix; the projection's 2 more bytes each
+    assert model["embed"].weight.dtype == torch.bfloat16 and torch.equal(model["embed"].weight, before)
+    assert model["head"].weight.dtype == torch.float32 and torch.equal(model["head"].weight, before.float())
+    assert model["head"].weight is not model["embed"].weight and model["head"].matmul.weight_dtype == torch.float32
+    assert model["proj"].weight.dtype == model["proj"].bias.dtype == torch.float32
+    assert lin.prepare_matmuls(model, lin.MatmulConfig(torch.float32)) == 0  # already in that dtype
+
+
+def test_choose_matmul():
+    cpu = torch.device("cpu")
+    assert lin.choose_matmul(torch.float32, cpu, True) == lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, lin.choose_matmul(torch.float32, cpu, True).reason)
+    assert not lin.choose_matmul(torch.float32, cpu, False).batch_invariant
+    bf16 = lin.choose_matmul(torch.bfloat16, cpu, True)
+    assert bf16.weight_dtype == (torch.bfloat16 if lin.native_reduced_precision(torch.bfloat16) else torch.float32)
+    with pytest.raises(ValueError, match="batch_invariant=True is available on the CPU only"):
+        lin.choose_matmul(torch.bfloat16, torch.device("cuda"), True)
+    assert lin.choose_matmul(torch.bfloat16, torch.device("cuda"), False).weight_dtype == torch.bfloat16
+
+
+# ---- embeddings, the other families' norms and activations ------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_embedding_norms_and_activations_rows_independent(dtype):
+    g = gen(5)
+    hidden = 96
+    embed = VocabParallelEmbedding(1000, hidden, scale=hidden**0.5)
+    embed.weight = torch.nn.Parameter(torch.randn(1000, hidden, generator=g).to(dtype), requires_grad=False)
+    placements(torch.tensor(417), lambda n: torch.randint(0, 1000, (n,), generator=g), embed)
+    for norm in (RMSNorm(hidden, 1e-6, gemma=True), LayerNorm(hidden, 1e-5)):
+        for name, p in norm.named_parameters():
+            setattr(norm, name, torch.nn.Parameter(torch.randn(p.shape, generator=g).to(dtype), requires_grad=False))
+        row = (torch.randn(hidden, generator=g) * 3).to(dtype)
+        placements(row, lambda n: (torch.randn(n, hidden, generator=g) * 3).to(dtype), norm)
+        res_row = torch.randn(hidden, generator=g).to(dtype)
+        placements(torch.stack([row, res_row]), lambda n: torch.randn(n, 2, hidden, generator=g).to(dtype),
+                   lambda xr: torch.stack(norm(xr[:, 0], xr[:, 1].clone()), dim=1))
+    for act in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"):
+        fn = ActAndMul(act)
+        row = (torch.randn(2 * hidden, generator=g) * 3).to(dtype)
+        placements(row, lambda n: (torch.randn(n, 2 * hidden, generator=g) * 3).to(dtype), fn)
+
+
+# ---- log-softmax, logprobs, sampling -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [512, 4096, 50257])
+def test_log_softmax_and_logprob_dicts_rows_independent(vocab):
+    g = gen(vocab)
+    row = torch.randn(vocab, generator=g) * 4
+    batches = BATCHES if vocab < 50000 else BATCHES[:2] + [(300, [151])]
+    placements(row, lambda n: torch.randn(n, vocab, generator=g) * 4, lambda x: x.log_softmax(dim=-1), batches)
+    dicts = []
+    for n, positions in batches:
+        for at in positions:
+            logits = torch.randn(n, vocab, generator=g) * 4
+            logits[at] = row
+            ids = torch.randint(0, vocab, (n,), generator=g)
+            ids[at] = 7
+            got = logprob_dicts(logits.log_softmax(dim=-1), ids, [5] * n)[at]
+            dicts.append([(k, v.logprob, v.rank) for k, v in got.items()])
+    assert all(d == dicts[0] for d in dicts)
+
+
+def _seq(i: int, params: SamplingParams, history: list[int]) -> Sequence:
+    return Sequence(seq_id=i, request_id=str(i), token_ids=list(history), num_prompt_tokens=3, sampling_params=params,
+                    eos_token_ids=frozenset({2}), max_model_len=512, generator=make_generator(params.seed))
+
+
+OTHER_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=0.5, seed=9, logprobs=2, presence_penalty=0.5),
+    SamplingParams(temperature=0.8, top_p=0.7, min_p=0.1, logit_bias={3: 2.0}),
+    SamplingParams(temperature=0.0, logprobs=0, min_tokens=4),
+]
+
+
+@pytest.mark.parametrize("target", [
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, seed=1234, logprobs=3, repetition_penalty=1.2, frequency_penalty=0.3),
+    SamplingParams(temperature=0.0, logprobs=4),
+    SamplingParams(temperature=1.0, seed=5),
+], ids=["seeded-processed", "greedy-logprobs", "seeded-plain"])
+def test_sampler_rows_independent(target):
+    vocab = 1024
+    g = gen(21)
+    row = torch.randn(vocab, generator=g) * 3
+    history = torch.randint(0, vocab, (20,), generator=g).tolist()
+    results = []
+    for n, positions in BATCHES[:2] + [(300, [0, 299])]:
+        for at in positions:
+            logits = torch.randn(n, vocab, generator=g) * 3
+            logits[at] = row
+            seqs = [_seq(i, OTHER_PARAMS[i % len(OTHER_PARAMS)], torch.randint(0, vocab, (5,), generator=g).tolist()) for i in range(n)]
+            seqs[at] = _seq(at, target, history)  # a fresh generator from the seed: the same draws
+            out = Sampler(seed=n + at)(logits, seqs)  # other engine seeds: rows without a seed differ
+            results.append((out.token_ids[at], None if out.logprobs is None else out.logprobs[at]))
+    assert all(r == results[0] for r in results), results
+
+
+def test_ties_are_broken_by_token_id_in_any_batch():
+    """bf16 logits tie often: top-k logprobs and top-p keep equal logits in token-id order, whatever the batch."""
+    from pagedgen.engine import logits_processors as lp
+
+    g = gen(8)
+    vocab = 2048
+
+    def tied(n):
+        return (torch.randn(n, vocab, generator=g) * 2).to(torch.bfloat16).float()  # ~256 distinct values per row
+
+    row = tied(1)[0]
+    lps = row.log_softmax(dim=-1)
+    expected = sorted(range(vocab), key=lambda j: (-lps[j].item(), j))[:20]
+    assert logprob_dicts(lps[None], torch.tensor([expected[0]]), [20])[0].keys() == set(expected)
+    for n, positions in BATCHES:
+        for at in positions:
+            logits = tied(n)
+            logits[at] = row
+            d = logprob_dicts(logits.log_softmax(dim=-1), torch.full((n,), expected[3]), [20] * n)[at]
+            assert list(d) == [expected[3]] + expected[:3] + expected[4:] and d[expected[3]].rank == 4  # the chosen token first
+            masked = lp.apply_top_k_top_p(logits, torch.full((n,), 30), torch.full((n,), 0.5))[at]
+            alone = lp.apply_top_k_top_p(row[None], torch.tensor([30]), torch.tensor([0.5]))[0]
+            assert torch.equal(masked, alone), (n, at)
