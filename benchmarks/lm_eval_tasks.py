@@ -74,13 +74,12 @@ def _example(name: str):
 
 
 def model_folder(args, tmp: str) -> tuple[str, str]:
-    """(checkpoint folder, dtype): the given one, or random-135m saved into ``tmp``."""
+    """(checkpoint folder, dtype): the given one, or random-135m (built once, cached in benchmarks/.models/)."""
     if args.model == "random-135m":
-        import throughput  # benchmarks/throughput.py, beside this script
+        from _workload import ensure_random_model  # the throughput harness's cached random checkpoints
 
-        folder = os.path.join(tmp, "random-135m")
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-        throughput.build_random_model("random-135m", os.path.join(SHARED, "models", "gpt2-tokenizer"), dtype, folder)
+        folder, _ = ensure_random_model("random-135m", dtype)
         return folder, dtype
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(f"no config.json in {args.model}: give a checkpoint folder or random-135m")

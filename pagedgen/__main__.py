@@ -1,4 +1,4 @@
-"""``python -m pagedgen``: see pagedgen/cli.py."""
+"""``python -m pagedgen``: the command line (pagedgen/cli/, docs/cli.md)."""
 import sys
 
 from pagedgen.cli import main

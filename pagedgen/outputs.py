@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagedgen import _repr
+
 
 @dataclass
 class Logprob:
@@ -56,6 +58,24 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def _fields(self) -> _repr.Fields:
+        fields = [("index", self.index), ("text", _repr.text(self.text)), ("token_ids", _repr.ids(self.token_ids))]
+        if self.cumulative_logprob is not None:
+            fields.append(("cumulative_logprob", _repr.number(self.cumulative_logprob)))
+        if self.logprobs is not None:
+            fields.append(("logprobs", _repr.logprobs(self.logprobs)))
+        fields.append(("finish_reason", repr(self.finish_reason)))
+        if self.stop_reason is not None:
+            fields.append(("stop_reason", repr(self.stop_reason)))
+        return fields
+
+    def __repr__(self) -> str:
+        """Short: long texts and token lists are cut, logprobs summarised (fields stay complete)."""
+        return _repr.render("CompletionOutput", self._fields())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        _repr.pretty(p, "CompletionOutput", self._fields(), cycle)
+
 
 @dataclass
 class RequestOutput:
@@ -83,3 +103,22 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     index: Optional[int] = None
+
+    def _fields(self) -> _repr.Fields:
+        fields: _repr.Fields = [("request_id", repr(self.request_id))]
+        if self.index is not None:
+            fields.append(("index", self.index))
+        fields += [("prompt", _repr.text(self.prompt)), ("prompt_token_ids", _repr.ids(self.prompt_token_ids))]
+        if self.prompt_logprobs is not None:
+            fields.append(("prompt_logprobs", _repr.logprobs(self.prompt_logprobs)))
+        fields += [("outputs", list(self.outputs)), ("finished", self.finished)]
+        if self.num_cached_tokens:
+            fields.append(("num_cached_tokens", self.num_cached_tokens))
+        return fields
+
+    def __repr__(self) -> str:
+        """Short: long prompts, texts and token lists are cut (the fields themselves stay complete)."""
+        return _repr.render("RequestOutput", self._fields())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        _repr.pretty(p, "RequestOutput", self._fields(), cycle)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+REFRESH_S = 0.5  # seconds between redraws of the tok/s figure while no request finishes
+
 
 class Progress:
     """A tqdm bar of ``total`` requests (None: unknown), or nothing when ``enabled`` is False.
@@ -19,16 +21,21 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
-        self._start = time.perf_counter()
+        self._start = self._shown = time.perf_counter()
         self._tokens0 = num_generated_tokens
 
     def update(self, num_finished: int, num_generated_tokens: int) -> None:
         if self.bar is None:
             return
-        if num_finished:
-            rate = (num_generated_tokens - self._tokens0) / max(time.perf_counter() - self._start, 1e-9)
+        now = time.perf_counter()
+        if num_finished or now - self._shown >= REFRESH_S:  # tok/s moves while no request finishes too
+            rate = (num_generated_tokens - self._tokens0) / max(now - self._start, 1e-9)
             self.bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
-            self.bar.update(num_finished)
+            if num_finished:
+                self.bar.update(num_finished)  # redraws (postfix included) at most every tqdm mininterval
+            else:
+                self.bar.refresh()
+            self._shown = now
 
     def close(self) -> None:
         if self.bar is not None:

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from pagedgen import _repr
+
 _GREEDY_EPS = 1e-5  # temperature below this means greedy, as in vLLM
 
 
@@ -185,3 +187,27 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def _fields(self) -> _repr.Fields:
+        """temperature and max_tokens, then every field that differs from its default."""
+        fields = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("temperature", "max_tokens") and (value == f.default or (f.default is None and value == [])):
+                continue
+            if f.name == "stop_token_ids":
+                text = _repr.ids(value)
+            elif f.name == "logit_bias" and len(value) > 8:
+                text = "{" + ", ".join(f"{k}: {v}" for k, v in list(value.items())[:8]) + f", …}} ({len(value)} entries)"
+            else:
+                text = repr(value)
+            fields.append((f.name, text))
+        return fields
+
+    def __repr__(self) -> str:
+        """``SamplingParams(temperature=0.8, top_p=0.95, max_tokens=128)``: temperature, max_tokens
+        and the fields set to something other than their default."""
+        return _repr.render("SamplingParams", self._fields())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        _repr.pretty(p, "SamplingParams", self._fields(), cycle)

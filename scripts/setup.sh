@@ -39,7 +39,10 @@ if [ -z "${CUDA_HOME:-}" ]; then
 fi
 export MAX_JOBS=${MAX_JOBS:-2}
 
-src_hash=$(find setup.py pyproject.toml csrc -type f | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)
+# The CPU kernels are built with -march=native: a checkout moved to another CPU kind (the same
+# machine name can come back as a Xeon with AMX or an EPYC with AVX2 only) rebuilds them.
+cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)
+src_hash=$( (find setup.py pyproject.toml csrc -type f | LC_ALL=C sort | xargs cat; echo "$cpu_flags"; echo "${CUDA_HOME:-}") | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedgen/_C*.so >/dev/null 2>&1; then
   echo "[setup] building the extension pagedgen._C (CUDA_HOME=${CUDA_HOME:-none}; a few minutes)"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .

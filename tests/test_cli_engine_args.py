@@ -120,3 +120,16 @@ def test_parse_bytes_and_docstring_fields():
         x: not an arg.
     """
     assert arg_utils.docstring_fields(doc, "Args") == {"a": "first line continued.", "b": "shared text.", "c": "shared text."}
+
+
+def test_docs_name_every_flag():
+    """docs/cli.md names every flag of the pagedgen parser."""
+    import os
+
+    from pagedgen.cli import build_parser
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "cli.md")) as f:
+        docs = f.read()
+    flags = [s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+    missing = [s for s in flags if s not in docs]
+    assert not missing, f"docs/cli.md does not mention {missing}"

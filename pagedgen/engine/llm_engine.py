@@ -28,6 +28,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from pagedgen import _repr
 from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.block_manager import BlockManager
@@ -37,6 +38,7 @@ from pagedgen.engine.sampler import make_generator
 from pagedgen.engine.scheduler import Scheduler
 from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence, SequenceStatus
+from pagedgen.engine.step_log import StepLog
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
@@ -73,6 +75,12 @@ class EngineStats:
     sharing_savings_mean: float  # mean over steps of 1 - physical blocks / blocks unshared tables need
     peak_sharing_savings: float
     num_copy_on_write: int  # blocks copied because a shared block was written
+
+    def __repr__(self) -> str:
+        return _repr.render("EngineStats", _repr.engine_stats(self))
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        _repr.pretty(p, "EngineStats", _repr.engine_stats(self), cycle)
 
 
 class LLMEngine:
@@ -112,6 +120,7 @@ class LLMEngine:
         self._peak_blocks = 0
         self._savings_sum = 0.0
         self._peak_savings = 0.0
+        self.step_log: Optional[StepLog] = None  # set by LLM.start_recording(): one record per step
 
     # ----- the request API -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None) -> None:
@@ -273,6 +282,8 @@ class LLMEngine:
                     seq.add_logprobs(entry, tok)
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
         self.num_generated_tokens += len(out.token_ids)
+        if self.step_log is not None:
+            self.step_log.record(self.num_generated_tokens, len(finished))
         self.scheduler.finish_many(finished)
         requests = self._requests
         for seq in finished:

@@ -1,0 +1,150 @@
+"""Streaming reader of a JSON array file (``[{...}, {...}, ...]``): one element at a time, flat memory.
+
+The scanner finds each top-level element's byte extent (strings and nesting tracked, so commas and
+brackets inside strings do not count) and hands just those bytes to ``json.loads``. An element that
+is not valid JSON is one bad row (its line and the decoder's reason); a syntax error *between*
+elements (a missing comma, text after the closing bracket) leaves no way to find the next element,
+so it ends the read with a ``CLIError``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import BinaryIO, Iterator
+
+from pagedgen.cli.errors import CLIError
+
+_WS = re.compile(rb"[ \t\r\n]*")
+_STRUCT = re.compile(rb'["\[\]{}]')  # inside a container: the next char that changes the nesting
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # after an opening quote, through the closing one
+_SCALAR_END = re.compile(rb"[,\]\s]")
+MAX_ELEMENT_BYTES = 256 << 20
+
+
+class _Incomplete(Exception):
+    """The buffer ends inside the element: read more."""
+
+
+def _element_end(buf: bytes, i: int) -> int:
+    """Index just past the element starting at ``buf[i]`` (not whitespace). Raises _Incomplete."""
+    c = buf[i:i + 1]
+    if c == b'"':
+        m = _STRING_REST.match(buf, i + 1)
+        if not m:
+            raise _Incomplete
+        return m.end()
+    if c in (b"{", b"["):
+        depth, j = 0, i
+        while True:
+            m = _STRUCT.search(buf, j)
+            if not m:
+                raise _Incomplete
+            ch = m.group()
+            if ch == b'"':
+                s = _STRING_REST.match(buf, m.end())
+                if not s:
+                    raise _Incomplete
+                j = s.end()
+                continue
+            depth += 1 if ch in (b"{", b"[") else -1
+            j = m.end()
+            if depth == 0:
+                return j
+    m = _SCALAR_END.search(buf, i)
+    if not m:
+        raise _Incomplete
+    return m.start()
+
+
+def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bool = True) -> Iterator[tuple[int, int, bytes, object, str | None]]:
+    """Yield ``(line, end, span, value, error)`` per element of the array in binary file ``f``.
+
+    ``line``: 1-based line where the element starts; ``end``: byte offset just past it; ``span``:
+    the bytes since the previous element's end through this one's (their concatenation is the
+    file); ``value``: the parsed element, or None with ``error`` saying why it is not valid JSON
+    (both None without ``parse``: counting elements only).
+
+    Raises:
+        CLIError: the file is not a JSON array, or its structure breaks between elements.
+    """
+    buf = b""
+    base = 0  # file offset of buf[0]
+    line = 1  # line number at buf[0]
+    pos = 0  # next unread position in buf
+    consumed = 0  # buf index up to which bytes were handed out in spans
+    eof = False
+
+    def more(min_new: int) -> bool:
+        nonlocal buf, base, line, pos, consumed, eof
+        if eof:
+            return False
+        data = f.read(max(chunk_size, min_new))
+        if not data:
+            eof = True
+            return False
+        # drop what was already handed out
+        line += buf.count(b"\n", 0, consumed)
+        buf, base, pos, consumed = buf[consumed:] + data, base + consumed, pos - consumed, 0
+        return True
+
+    def skip_ws() -> None:
+        nonlocal pos
+        while True:
+            pos = _WS.match(buf, pos).end()
+            if pos < len(buf) or not more(0):
+                return
+
+    def where(i: int) -> int:
+        return line + buf.count(b"\n", 0, i)
+
+    skip_ws()
+    if buf[pos:pos + 1] != b"[":
+        found = buf[pos:pos + 20].decode("utf-8", "replace") or "an empty file"
+        raise CLIError(f"{name}:{where(pos)}: not a JSON array (it starts with {found!r}); use --input-format for other formats")
+    pos += 1
+    first = True
+    while True:
+        skip_ws()
+        c = buf[pos:pos + 1]
+        if c == b"]":
+            pos += 1
+            skip_ws()
+            if pos < len(buf):
+                raise CLIError(f"{name}:{where(pos)}: text after the end of the JSON array")
+            return
+        if not c:
+            raise CLIError(f"{name}:{where(pos)}: the JSON array is not closed with ']'")
+        if not first:
+            if c != b",":
+                raise CLIError(f"{name}:{where(pos)}: expected ',' or ']' after an array element, found {c.decode('utf-8', 'replace')!r}")
+            pos += 1
+            skip_ws()
+            if buf[pos:pos + 1] in (b"]", b""):
+                raise CLIError(f"{name}:{where(pos)}: expected an array element after ','")
+        start = pos
+        while True:
+            try:
+                end = _element_end(buf, start)
+                break
+            except _Incomplete:
+                if len(buf) - start > MAX_ELEMENT_BYTES:
+                    raise CLIError(f"{name}:{where(start)}: an array element over {MAX_ELEMENT_BYTES >> 20} MiB (an unclosed string or bracket?)") from None
+                pos = start
+                grew = more(len(buf))
+                start = pos  # more() drops the bytes already handed out: indices shift
+                if not grew:
+                    if buf[start:start + 1] in (b'"', b"{", b"["):
+                        raise CLIError(f"{name}:{where(start)}: the file ends inside an array element") from None
+                    end = len(buf)  # a scalar running to the end of the file
+                    break
+        value = error = None
+        if parse:
+            try:
+                value = json.loads(buf[start:end])
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                error = f"not valid JSON ({getattr(exc, 'msg', None) or exc.reason})"
+        elem_line = where(start)
+        span = buf[consumed:end]
+        consumed = pos = end
+        yield elem_line, base + end, span, value, error
+        first = False

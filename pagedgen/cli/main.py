@@ -1,0 +1,305 @@
+"""``pagedgen`` / ``python -m pagedgen``: check everything, load the model, resume or start the output,
+run, summarise. Every error the user can cause ends as one ``pagedgen: error:`` line and exit code 2
+(``--debug`` shows the traceback instead); an interruption prints how to resume."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Iterator, Optional
+
+from pagedgen.cli import progress as progress_mod
+from pagedgen.cli import readers, resume, sidecar
+from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
+from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
+from pagedgen.cli.prompts import PromptSpec, RequestBuilder
+from pagedgen.cli.runner import Outcome, RunSettings, StopSignals, run_rows
+from pagedgen.cli.writer import Appender, RowWriter, output_is_input
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the command line (``argv`` without the program name; default ``sys.argv[1:]``); returns
+    the exit code: 0 done, 2 a user error (one ``pagedgen: error:`` line), 128 + signal number
+    after SIGINT/SIGTERM, 1 an internal error."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except CLIError as exc:
+        if args.debug:
+            raise
+        _say(f"error: {one_line(exc)}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        _say("interrupted before any row was generated")
+        return 128 + signal.SIGINT
+    except Exception as exc:  # last resort: still one line, never a traceback without --debug
+        if args.debug:
+            raise
+        _say(f"error: internal error: {type(exc).__name__}: {one_line(exc)} (run again with --debug to see where)")
+        return EXIT_INTERNAL
+
+
+def _say(text: str) -> None:
+    print(f"pagedgen: {text}", file=sys.stderr, flush=True)
+
+
+class _UserErrors:
+    """Turns the exception classes a user can cause (``types``, default ``user_error_types()``) into
+    a CLIError whose message starts with ``what``."""
+
+    def __init__(self, what: str = "", types: Optional[tuple] = None) -> None:
+        self.what, self.types = what, types
+
+    def __enter__(self) -> "_UserErrors":
+        return self
+
+    def __exit__(self, tp, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, CLIError) and isinstance(exc, self.types or user_error_types()):
+            raise CLIError(f"{self.what}{one_line(exc)}") from exc
+        return False
+
+
+def _run(args) -> int:
+    from pagedgen.engine_args import EngineArgs
+    from pagedgen.sampling_args import sampling_params_from_args
+
+    with _UserErrors(""):
+        params = sampling_params_from_args(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    fmt = _check_input(args)
+    out_sidecar, out_errors = sidecar.paths_for(args.output)
+    _check_output(args, (args.output, out_sidecar, out_errors))
+    spec = _prompt_spec(args, fmt)
+    with _UserErrors(""):
+        from pagedgen.model import loader
+
+        folders = [args.model] + ([args.tokenizer] if args.tokenizer else [])
+        loader.check_model_folder(args.model)
+        model_fp = sidecar.model_fingerprint(folders)
+    fingerprint = _params_fingerprint(args, fmt, params, spec)
+    state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
+
+    try:
+        with _UserErrors(""):
+            llm = engine_args.create_llm()
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise CLIError(f"out of memory while loading the model and allocating the KV cache ({one_line(exc)}): lower "
+                       "--kv-cache-memory-bytes, --num-kv-blocks, --swap-space-bytes or --gpu-memory-utilization, "
+                       "or pass a smaller --max-model-len") from exc
+    if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
+        raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
+
+    car, done, scans = state
+    if args.overwrite or car is None:
+        for path in (args.output, out_errors):
+            if os.path.exists(path):
+                os.remove(path)
+        car = sidecar.Sidecar(out_sidecar, {"version": sidecar.SIDECAR_VERSION, "created": int(time.time()),
+                                            "input": {"path": os.path.abspath(args.input) if args.input != "-" else "-",
+                                                      "format": fmt, "bytes": 0, "rows": 0},
+                                            "model": model_fp, "params": fingerprint})
+        if fmt == "parquet":
+            car.data["input"]["file_sha256"] = sidecar.hash_prefix(args.input)[0]
+        scans = []
+    for scan in scans:
+        if scan.torn_bytes:
+            resume.truncate_to(scan)
+            _say(f"repaired {scan.path}: cut {scan.torn_bytes} bytes of an unfinished last line (that row is generated again)")
+    with _UserErrors(f"cannot write --output {args.output!r}: "):
+        car.save()  # first the sidecar, then the output: an output never exists without one
+        if not os.path.exists(args.output):
+            open(args.output, "ab").close()
+            sidecar.fsync_dir(args.output)
+    return _generate(args, llm, fmt, spec, params, car, done, out_errors, scans[0].rows if scans else 0)
+
+
+def _check_input(args) -> str:
+    """The input format; CLIError for a missing or unreadable input or bad flag combinations."""
+    if args.input != "-":
+        with _UserErrors("cannot read --input: "):
+            if os.path.isdir(args.input):
+                raise IsADirectoryError(21, "Is a directory", args.input)
+            open(args.input, "rb").close()
+    fmt = args.input_format
+    if fmt == "auto":
+        with _UserErrors("cannot read --input: "):
+            fmt = readers.detect_format(args.input, sys.stdin.buffer if args.input == "-" else None)
+    if args.messages_field and fmt in ("text", "csv", "tsv", "openai"):
+        raise CLIError(f"--messages-field needs JSON rows (jsonl, json or parquet input), not {fmt}"
+                       + (" (OpenAI batch requests carry their own messages)" if fmt == "openai" else ""))
+    return fmt
+
+
+def _check_output(args, paths: tuple[str, ...]) -> None:
+    """CLIError if an output path is the input, or cannot be written (checked before any work)."""
+    for path in paths:
+        why = output_is_input(path, args.input)
+        if why:
+            raise CLIError(f"--output {args.output!r}: {path!r} {why}; choose another output")
+    out = args.output
+    folder = os.path.dirname(os.path.abspath(out))
+    problem = None
+    if os.path.isdir(out):
+        problem = "Is a directory"
+    elif not os.path.isdir(folder):
+        problem = "No such file or directory (the folder does not exist)"
+    elif not os.access(folder, os.W_OK) or os.path.exists(out) and not os.access(out, os.W_OK):
+        problem = "Permission denied"
+    if problem:
+        raise CLIError(f"cannot write --output {out!r}: {problem}")
+
+
+def _prompt_spec(args, fmt: str) -> PromptSpec:
+    template = None
+    if args.chat_template is not None:
+        if os.path.isfile(args.chat_template):
+            with _UserErrors("cannot read --chat-template: "):
+                with open(args.chat_template, encoding="utf-8") as f:
+                    template = f.read()
+        elif "{{" in args.chat_template or "{%" in args.chat_template:
+            template = args.chat_template
+        else:
+            raise CLIError(f"--chat-template {args.chat_template!r}: no such file (nor a Jinja template)")
+        if not template.strip():
+            raise CLIError(f"--chat-template {args.chat_template!r} is empty")
+    mode = "openai" if fmt == "openai" else "messages" if args.messages_field else "prompt"
+    return PromptSpec(mode=mode, prompt_field=args.prompt_field, messages_field=args.messages_field,
+                      index_field=args.index_field, output_field=args.output_field, chat_template=template,
+                      truncate_prompt_tokens=None if ENGINE_TRUNCATES else args.truncate_prompt_tokens)
+
+
+def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
+    """Everything that shapes an output row, as JSON (compared with the sidecar's on resume)."""
+    values = dataclasses.asdict(params)
+    values.update(
+        dtype=str(args.dtype), engine_seed=args.engine_seed, max_model_len=args.max_model_len, input_format=fmt,
+        prompt_field=spec.prompt_field, messages_field=spec.messages_field, index_field=spec.index_field,
+        output_field=spec.output_field, truncate_prompt_tokens=spec.truncate_prompt_tokens, unordered=args.unordered,
+        chat_template_sha256=hashlib.sha256(spec.chat_template.encode()).hexdigest() if spec.chat_template else None,
+        served_model_name=args.served_model_name,
+    )
+    return json.loads(json.dumps(values))  # as it reads back from the sidecar (dict keys become str)
+
+
+def _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint):
+    """(sidecar or None, done rows, scans of the output and errors file) of an earlier run."""
+    done = resume.DoneSet()
+    if args.overwrite or not os.path.exists(args.output):
+        return None, done, []
+    car = sidecar.Sidecar.load(out_sidecar)
+    if car is None:
+        if os.path.getsize(args.output) == 0:
+            return None, done, []
+        raise CLIError(f"--output {args.output!r} exists and has no sidecar {out_sidecar!r}, so it was not written by a "
+                       f"resumable pagedgen run: pass --overwrite to replace it, or choose another output")
+    car.check(model_fp, fingerprint, args.output)
+    if args.input != "-":
+        with _UserErrors("cannot read --input: "):
+            car.check_input_file(args.input, fmt, args.output)
+    kind = "openai" if fmt == "openai" else "rows"
+    scans = [resume.scan(args.output, kind, done, args.index_field), resume.scan(out_errors, kind, done, args.index_field)]
+    if done.max_index >= car.input_rows:
+        raise CLIError(f"{args.output!r} holds row {done.max_index}, past the {car.input_rows} input rows its sidecar "
+                       f"vouches for (the sidecar is stale or was replaced): pass --overwrite to start again")
+    return car, done, scans
+
+
+def _remaining(rows: Iterator, done: resume.DoneSet, tracker: sidecar.InputTracker, stats, expect: Optional[dict]) -> Iterator:
+    """The rows not done yet, feeding every row's bytes to ``tracker``. ``expect`` (stdin only):
+    the sidecar's input prefix, checked as the rows stream in; rows not done before its end are
+    held back until it is verified."""
+    held = [] if expect and expect.get("rows") else None
+    for row in rows:
+        tracker.feed(row.span, row.index + 1)
+        if held is not None and tracker.rows >= expect["rows"]:
+            if tracker.state() != {k: expect.get(k) for k in ("bytes", "rows", "sha256")}:
+                raise CLIError("the input on stdin is not the one the output was started from (its first "
+                               f"{expect['rows']} rows differ); pass --overwrite to start again")
+            yield from held
+            held = None
+        if row.index in done:
+            stats.already_done += 1
+            continue
+        if held is not None:
+            held.append(row)
+        else:
+            yield row
+    if held is not None:
+        raise CLIError(f"the input on stdin has fewer rows ({tracker.rows}) than the output was started from "
+                       f"({expect['rows']}); pass --overwrite to start again")
+
+
+def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_output: int) -> int:
+    max_in_flight = args.max_in_flight or 2 * llm.scheduler_config.max_num_seqs
+    tracker = sidecar.InputTracker()
+    stats = progress_mod.RunStats()
+    outcome = Outcome()
+
+    def verified() -> dict:
+        # after a bad row (the last one read) the prefix stops before it, so that fixing it keeps the prefix
+        return tracker.state_before_last() if outcome.bad_row is not None else tracker.state()
+
+    def before_write(top_index: int) -> None:
+        if top_index >= car.input_rows:
+            car.update_input(verified())
+
+    writer = RowWriter(Appender(args.output), Appender(out_errors), ordered=not args.unordered, max_buffered=args.reorder_buffer,
+                       flush_rows=args.flush_rows, flush_seconds=args.flush_seconds, before_write=before_write)
+    builder = RequestBuilder(llm.tokenizer, spec, params, llm.scheduler_config.max_model_len)
+    counter = None
+    if args.input != "-" and not args.no_tqdm:
+        counter = progress_mod.RowCounter(args.input, fmt)
+        counter.start()
+    with _UserErrors("cannot read --input: "):
+        rows = readers.read_rows(args.input, fmt, prompt_field=spec.prompt_field,
+                                 required_column=(spec.messages_field or spec.prompt_field) if fmt in ("csv", "tsv", "parquet") else None)
+        remaining = _remaining(rows, done, tracker, stats, car.data["input"] if args.input == "-" else None)
+    bar = progress_mod.Progress(not args.no_tqdm, stats, counter)
+    settings = RunSettings(on_error=args.on_error, max_in_flight=max_in_flight, drain_seconds=args.drain_seconds,
+                           created=car.data["created"], model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)))
+    write_error = f"cannot write --output {args.output!r}: "
+    try:
+        with StopSignals() as signals, _UserErrors("cannot read --input: ", (OSError,)):
+            run_rows(llm, remaining, builder, writer, spec, settings, stats, bar, signals, outcome)
+        with _UserErrors(write_error):
+            writer.close()
+            car.update_input(verified())
+    except BaseException:
+        bar.close()
+        with _UserErrors(write_error):  # keep what finished (in order) before reporting
+            writer.abandon()
+            writer.close()
+        raise
+    bar.close()
+    _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None)
+    total_done = done.count + stats.generated + stats.bad
+    kept = f"{rows_in_output + writer.rows_written:,} rows are in {args.output!r}"
+    if outcome.bad_row is not None:
+        row, reason = outcome.bad_row
+        where = "<stdin>" if args.input == "-" else args.input
+        unit = "row" if fmt == "parquet" else "line"
+        raise CLIError(f"{where}: {unit} {row.line}: {reason} (stopped there: {kept}; "
+                       f"fix the row and rerun the same command to resume, or pass --on-error skip)")
+    if outcome.read_error is not None:
+        exc = outcome.read_error
+        message = one_line(exc) if isinstance(exc, CLIError) else f"cannot read --input: {one_line(exc)}"
+        raise CLIError(f"{message} (stopped there: {kept}; rerun the same command to resume once the input is fixed)") from exc
+    if outcome.signal is not None:
+        name = signal.Signals(outcome.signal).name
+        _say(f"interrupted by {name}: {total_done:,} rows done ({stats.generated + stats.bad:,} in this run), "
+             f"{outcome.aborted_rows:,} unfinished rows dropped; run the same command again to resume")
+        return 128 + outcome.signal
+    return 0
+
+
+def _say_summary(stats, llm, output, errors) -> None:
+    engine_stats = llm.get_stats() if hasattr(llm, "get_stats") else None
+    print(progress_mod.summary(stats, engine_stats, output, errors), file=sys.stderr, flush=True)

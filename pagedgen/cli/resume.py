@@ -1,0 +1,117 @@
+"""What an earlier run already wrote: the set of finished row indices, and the repair of a torn tail.
+
+Each output (and errors-file) line starts with the row's index (``{"index": 12, ...`` or, in the
+OpenAI batch format, ``{"id": "batch_req_12", ...``), so the scan reads indices without parsing
+whole rows; lines in the last ``FULL_CHECK_BYTES`` of a file (where a power loss can leave a
+partly written line) are also parsed as JSON. A line is finished only when it ends in a newline:
+the writer writes whole lines, so anything after the last good line is a torn write and is cut
+off (``truncate_to``). A bad line *followed by good ones* is not something pagedgen writes: the run
+is refused rather than guessing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from pagedgen.cli.errors import CLIError
+
+FULL_CHECK_BYTES = 64 << 20
+
+
+def index_pattern(kind: str, index_field: str = "index") -> "re.Pattern[bytes]":
+    """The start of a line written for row N, N captured: ``{"index": N,`` (``kind`` "rows", with
+    ``--index-field``'s name) or ``{"id": "batch_req_N",`` ("openai")."""
+    if kind == "openai":
+        return re.compile(rb'^\{"id": "batch_req_(\d+)"[,}]')
+    return re.compile(rb"^\{" + re.escape(json.dumps(index_field, ensure_ascii=False).encode()) + rb": (\d+)[,}]")
+
+
+class DoneSet:
+    """A set of row indices as a bitmap (1 bit per row: 125 KB per million rows)."""
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self.count = 0
+        self.max_index = -1
+
+    def add(self, index: int) -> bool:
+        """Mark ``index`` done; False if it already was."""
+        byte, bit = divmod(index, 8)
+        if byte >= len(self._bits):
+            self._bits.extend(bytes(max(byte + 1 - len(self._bits), len(self._bits))))
+        if self._bits[byte] >> bit & 1:
+            return False
+        self._bits[byte] |= 1 << bit
+        self.count += 1
+        self.max_index = max(self.max_index, index)
+        return True
+
+    def __contains__(self, index: int) -> bool:
+        byte, bit = divmod(index, 8)
+        return byte < len(self._bits) and bool(self._bits[byte] >> bit & 1)
+
+
+@dataclass
+class Scan:
+    """The result of scanning one file: ``good_bytes`` ends the last good line; ``torn_bytes``
+    follow it (to cut off); ``rows`` good lines were read."""
+
+    path: str
+    good_bytes: int = 0
+    torn_bytes: int = 0
+    rows: int = 0
+
+
+def scan(path: str, kind: str, done: DoneSet, index_field: str = "index") -> Scan:
+    """Add the indices of the rows in ``path`` (if it exists) to ``done``.
+
+    Args:
+        kind: "rows" (the JSONL output and errors file) or "openai" (OpenAI batch output).
+        index_field: the output's index field (``--index-field``).
+
+    Raises:
+        CLIError: a damaged line followed by good ones, or an index written twice.
+    """
+    result = Scan(path)
+    if not os.path.exists(path):
+        return result
+    pattern = index_pattern(kind, index_field)
+    size = os.path.getsize(path)
+    first_bad = None  # (line number, offset) of the first line that is not a finished row
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
+            match = pattern.match(line) if line.endswith(b"\n") else None
+            if match and start >= size - FULL_CHECK_BYTES:
+                try:
+                    json.loads(line)
+                except ValueError:
+                    match = None
+            if not match:
+                first_bad = first_bad or (lineno, start)
+                continue
+            if first_bad is not None:
+                raise CLIError(
+                    f"{path}:{first_bad[0]}: not a row pagedgen writes, with finished rows after it (the file was "
+                    f"edited or damaged): remove that line, or pass --overwrite to start again"
+                )
+            index = int(match.group(1))
+            if not done.add(index):
+                raise CLIError(f"{path}:{lineno}: row {index} is written twice (the file was edited?): remove one, or pass --overwrite")
+            result.rows += 1
+    result.good_bytes = first_bad[1] if first_bad else size
+    result.torn_bytes = size - result.good_bytes
+    return result
+
+
+def truncate_to(result: Scan) -> None:
+    """Cut ``result.path`` back to its last good line (a torn write), durably."""
+    if not result.torn_bytes:
+        return
+    with open(result.path, "r+b") as f:
+        f.truncate(result.good_bytes)
+        f.flush()
+        os.fsync(f.fileno())

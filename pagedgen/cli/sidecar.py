@@ -1,0 +1,197 @@
+"""The sidecar file ``OUTPUT.pagedgen.json``: what an output file was made from, so that a rerun resumes
+only when the input, the model and the parameters are those of the run that started it.
+
+- **Input**: the SHA-256 of the input's first ``bytes`` bytes, which hold every row an output line
+  can come from (rows ``0 .. rows-1``). The runner hashes the bytes as it reads them (row spans,
+  see ``readers``) and rewrites the sidecar *before* any row past its ``rows`` is written, so the
+  check always covers every finished row. A rerun re-hashes that prefix (about 1 s per GB) and
+  compares: an input replaced, truncated or edited anywhere before the last row read is refused;
+  rows after it may change (a fixed bad row, appended rows). Parquet has no row byte ranges: its
+  whole file is hashed instead. From stdin the prefix is checked as the rows stream in.
+- **Model**: size and SHA-256 of config.json, the tokenizer files and the safetensors index; for
+  weight files over 64 MiB the size and a hash of 16 evenly spaced 1 MiB samples (a fine-tune or
+  another checkpoint changes them; a copy or a fresh download of the same files does not, and
+  reading 16 MiB stays fast for any model). Paths are not compared (a moved folder still resumes).
+- **Parameters**: everything that shapes an output row (sampling flags, dtype, engine seed,
+  max_model_len, the input-reading and output flags); performance knobs (max_num_seqs, KV cache
+  size, block size, prefix caching, device...) may change between runs.
+
+The file is replaced atomically (write, fsync, rename, fsync the folder).
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+from typing import Optional
+
+from pagedgen.cli.errors import CLIError
+
+SIDECAR_VERSION = 1
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+               "vocab.*", "merges.txt", "*.model", "chat_template.*", "*.safetensors", "*.safetensors.index.json")
+SAMPLED_OVER = 64 << 20
+SAMPLES, SAMPLE_BYTES = 16, 1 << 20
+READ_CHUNK = 4 << 20
+
+
+def paths_for(output: str) -> tuple[str, str]:
+    """(sidecar, errors file) of ``output``: ``out.jsonl`` -> ``out.pagedgen.json``, ``out.errors.jsonl``."""
+    base = output[: -len(".jsonl")] if output.endswith(".jsonl") else output
+    return base + ".pagedgen.json", base + ".errors.jsonl"
+
+
+def hash_prefix(path: str, nbytes: Optional[int] = None) -> tuple[str, int]:
+    """(SHA-256 hex digest, bytes hashed) of the first ``nbytes`` bytes of ``path`` (all if None)."""
+    h, done = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while nbytes is None or done < nbytes:
+            chunk = f.read(READ_CHUNK if nbytes is None else min(READ_CHUNK, nbytes - done))
+            if not chunk:
+                break
+            h.update(chunk)
+            done += len(chunk)
+    return h.hexdigest(), done
+
+
+def _sampled_hash(path: str, size: int) -> str:
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for k in range(SAMPLES):
+            f.seek((size - SAMPLE_BYTES) * k // (SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def model_fingerprint(folders: list[str]) -> dict:
+    """``{file: {"size", "sha256" | "sampled_sha256"}}`` of the model's files in ``folders`` (the
+    model folder, then a separate tokenizer folder if any)."""
+    out = {}
+    for k, folder in enumerate(folders):
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path) or not any(fnmatch.fnmatch(name, p) for p in MODEL_FILES):
+                continue
+            size = os.path.getsize(path)
+            entry = {"size": size}
+            if size > SAMPLED_OVER:
+                entry["sampled_sha256"] = _sampled_hash(path, size)
+            else:
+                entry["sha256"] = hash_prefix(path)[0]
+            out[f"tokenizer/{name}" if k else name] = entry
+    return out
+
+
+class InputTracker:
+    """The running SHA-256 of the input's bytes, fed one row span at a time, in row order.
+
+    ``state()`` covers every row read so far; ``state_before_last()`` stops before the last one
+    (a run that stops at a bad row records that, so fixing the row keeps the prefix valid).
+    """
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self.bytes = 0
+        self.rows = 0
+        self._before = (0, 0, self._hash.copy())
+
+    def feed(self, span: bytes, rows_after: int) -> None:
+        self._before = (self.bytes, self.rows, self._hash.copy())
+        self._hash.update(span)
+        self.bytes += len(span)
+        self.rows = rows_after
+
+    def state(self) -> dict:
+        return {"bytes": self.bytes, "rows": self.rows, "sha256": self._hash.hexdigest()}
+
+    def state_before_last(self) -> dict:
+        nbytes, rows, h = self._before
+        return {"bytes": nbytes, "rows": rows, "sha256": h.hexdigest()}
+
+
+class Sidecar:
+    """The sidecar's contents (a dict) and its atomic save.
+
+    Keys: ``version``, ``input`` ({"path", "format", "bytes", "rows", "sha256"} or, for Parquet,
+    {"path", "format", "file_sha256", "rows"}), ``model`` (``model_fingerprint``), ``params``,
+    ``created`` (Unix time of the first run, used for the OpenAI format's ``created``).
+    """
+
+    def __init__(self, path: str, data: dict) -> None:
+        self.path = path
+        self.data = data
+
+    @classmethod
+    def load(cls, path: str) -> Optional["Sidecar"]:
+        """The sidecar at ``path``, None if there is none. Raises CLIError if it is unreadable."""
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"cannot read the sidecar {path!r} ({exc}); pass --overwrite to start the output again") from None
+        if not isinstance(data, dict) or data.get("version") != SIDECAR_VERSION:
+            raise CLIError(f"{path!r} is not a pagedgen sidecar of version {SIDECAR_VERSION}; pass --overwrite to start again")
+        return cls(path, data)
+
+    def save(self) -> None:
+        """Write the sidecar atomically and durably."""
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.data, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_dir(self.path)
+
+    @property
+    def input_rows(self) -> int:
+        return self.data["input"].get("rows", 0)
+
+    def update_input(self, state: dict) -> None:
+        """Record a longer verified input prefix (never a shorter one) and save."""
+        if state["rows"] > self.input_rows:
+            self.data["input"].update(state)
+            self.save()
+
+    def check(self, model: dict, params: dict, output: str) -> None:
+        """Raise CLIError naming what differs from the run that started ``output``."""
+        again = f"rerun with the same input, model and flags to resume {output!r}, or pass --overwrite to start it again"
+        if self.data.get("params") != params:
+            old = self.data.get("params") or {}
+            diffs = [f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)]
+            raise CLIError(f"the parameters differ from the run that started {output!r} ({'; '.join(diffs)}); {again}")
+        if self.data.get("model") != model:
+            old = self.data.get("model") or {}
+            diffs = [name for name in sorted(set(old) | set(model)) if old.get(name) != model.get(name)]
+            raise CLIError(f"the model differs from the run that started {output!r} (changed: {', '.join(diffs)}); {again}")
+
+    def check_input_file(self, path: str, fmt: str, output: str) -> None:
+        """Raise CLIError unless the input file still holds the rows the output came from."""
+        recorded = self.data["input"]
+        if recorded.get("rows", 0) == 0:
+            return
+        what = f"the input {path!r} changed since {output!r} was started"
+        hint = f"use the original input to resume, or pass --overwrite to start {output!r} again"
+        if fmt == "parquet":
+            if hash_prefix(path)[0] != recorded.get("file_sha256"):
+                raise CLIError(f"{what} (its SHA-256 differs); {hint}")
+            return
+        digest, got = hash_prefix(path, recorded["bytes"])
+        if got < recorded["bytes"] or digest != recorded["sha256"]:
+            raise CLIError(
+                f"{what}: its first {recorded['bytes']:,} bytes (rows 0-{recorded['rows'] - 1}, which rows already in "
+                f"the output came from) {'are missing' if got < recorded['bytes'] else 'differ'}; {hint}"
+            )
+
+
+def fsync_dir(path: str) -> None:
+    """fsync the folder holding ``path`` (makes a create or rename durable)."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
