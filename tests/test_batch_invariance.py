@@ -13,6 +13,9 @@ and top-k, with ranks), and the prompt logprobs, with ``==`` on the floats.
 Also: the "needle" (one request alone vs among 200 companions with other sampling parameters and
 lengths), repeated ``generate`` calls on one LLM (the second finds its prefixes cached), and beam
 search alone vs among other prompts and with fewer sequences per step.
+
+One torch thread (tiny models: two threads mostly wait for each other on a shared machine); the
+per-op tests (tests/test_batch_invariance_ops.py) run with the default thread count.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ CONFIGS = {
 }
 PREEMPTING = ("recompute", "swap")
 DTYPES = ["float32", "bfloat16"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:

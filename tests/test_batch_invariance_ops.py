@@ -237,3 +237,29 @@ def test_ties_are_broken_by_token_id_in_any_batch():
             masked = lp.apply_top_k_top_p(logits, torch.full((n,), 30), torch.full((n,), 0.5))[at]
             alone = lp.apply_top_k_top_p(row[None], torch.tensor([30]), torch.tensor([0.5]))[0]
             assert torch.equal(masked, alone), (n, at)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("neox_style, rotary_dim", [(True, 64), (True, 32), (False, 64), (False, 16)])
+def test_rotary_embedding_layer_rows_independent(neox_style, rotary_dim, dtype):
+    """The layer as models call it (partial rotary, GPT-J pairs in PyTorch), on q/k views of a fused qkv."""
+    from pagedgen.layers.rotary_embedding import RotaryEmbedding
+
+    g = gen(rotary_dim)
+    heads, kv_heads, d = 4, 2, 64
+    rope = RotaryEmbedding(d, rotary_dim, 512, 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim), 1.0, neox_style)
+    width = (heads + 2 * kv_heads) * d
+    row = torch.cat([torch.randn(width, generator=g), torch.tensor([300.0])])  # qkv features, then the position
+
+    def run(batch):
+        qkv, positions = batch[:, :-1].to(dtype).contiguous(), batch[:, -1].long()
+        n = qkv.shape[0]
+        q = qkv[:, : heads * d].view(n, heads, d)
+        k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+        rope(positions, q, k)
+        return qkv
+
+    def others(n):
+        return torch.cat([torch.randn(n, width, generator=g), torch.randint(0, 512, (n, 1), generator=g).float()], dim=1)
+
+    placements(row, others, run)

@@ -83,7 +83,8 @@ class MatmulConfig:
 
 #: the rows of every GEMM in batch-invariant mode: at least MIN_ROWS (zero rows added), blocks of
 #: at most MAX_ROWS. Measured on MKL sgemm (AVX2 AMD EPYC, 1 and 2 threads): M in {4, 8} and every
-#: M >= 12 give each row the same bits up to M = 4096 (benchmarks/matmul_choices.py --part bits).
+#: M >= 12 give each row the same bits, checked up to M = 1024 (benchmarks/matmul_choices.py --part bits);
+#: larger M run as blocks of MAX_ROWS, so no GEMM leaves the checked range.
 MIN_ROWS, MAX_ROWS = 16, 1024
 
 
