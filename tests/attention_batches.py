@@ -4,6 +4,8 @@ A batch is a list of sequences, each given as ``(seq_len, q_len)``: the sequence
 tokens in the cache after the step, the last ``q_len`` of which are this step's query rows (a decode
 row: q_len 1; a prefill chunk after a cached prefix: seq_len > q_len > 1; a whole prompt: equal).
 """
+import contextlib
+
 import torch
 
 UNUSED_BLOCK = 1 << 30  # block-table entry that must never be read (the CPU kernel rejects it)
@@ -63,3 +65,15 @@ def attention_args(batch, out, scale, window=0):
     """The positional arguments of paged_attention for ``batch`` (see varlen_batch)."""
     return (out, batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"], batch["seq_lens"],
             batch["query_start_loc"], scale, window)
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Runs the reference ops on one thread: their many tiny ATen calls only pay for a thread team
+    (and wait for a second core on a busy machine). The kernels keep the default thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

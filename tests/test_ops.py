@@ -4,11 +4,11 @@ kernels. They copy, so they must match exactly, in every dtype. paged_attention 
 test_ops_attention.py, the layer ops in test_layer_ops.py, batch invariance in
 test_ops_batch_invariance.py.
 """
-import contextlib
 
 import pytest
 import torch
 
+from attention_batches import single_thread
 from pagedgen import ops
 from pagedgen.ops import reference
 
@@ -18,18 +18,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@contextlib.contextmanager
-def single_thread():
-    """Runs the reference ops on one thread: their many tiny ATen calls only pay for a thread team
-    (and wait for a second core on a busy machine). The kernels keep the default thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,12 +12,11 @@ Poisoning makes the comparisons strict: every cache slot the call must not read 
 length, before its window) is NaN, and block-table entries it must not read (padding, blocks wholly
 before a window: returned to the pool) name a block outside the cache, which the kernel rejects.
 """
-import contextlib
 
 import pytest
 import torch
 
-from attention_batches import UNUSED_BLOCK, attention_args, varlen_batch
+from attention_batches import UNUSED_BLOCK, attention_args, single_thread, varlen_batch
 from pagedgen import ops
 from pagedgen.ops import reference
 
@@ -31,18 +30,6 @@ TOL = {
     torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
     torch.float16: dict(atol=1e-3, rtol=2e-3),
 }
-
-
-@contextlib.contextmanager
-def single_thread():
-    """Runs the reference on one thread: its many small ATen calls only pay for a thread team (and
-    wait for a second core on a busy machine). The kernels keep the default thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run_kernel(batch, scale, window=0):
