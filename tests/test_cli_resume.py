@@ -1,5 +1,6 @@
 """The CLI's durable, ordered writer; the resume scan (done rows, torn lines); the sidecar's
 fingerprints and its input-prefix check. No model needed."""
+import hashlib
 import json
 import os
 
@@ -128,11 +129,14 @@ def test_input_prefix_check(tmp_path):
     for i, line in enumerate(src.read_bytes().splitlines(keepends=True)[:2]):
         tracker.feed(line, i + 1)
     car = sidecar.Sidecar(str(tmp_path / "s.json"), {"version": 1, "input": {"format": "jsonl", "bytes": 0, "rows": 0}})
-    car.update_input(tracker.state_before_last())
+    car.update_input(tracker.state_before(1))  # the prefix before row 1 (a bad row, say)
     assert car.input_rows == 1
     car.update_input(tracker.state())
     assert car.input_rows == 2
-    car.update_input(tracker.state_before_last())  # never shorter
+    assert tracker.state_before(0) == {"bytes": 0, "rows": 0, "sha256": hashlib.sha256().hexdigest()}
+    with pytest.raises(KeyError):
+        tracker.state_before(5)
+    car.update_input(tracker.state_before(1))  # never shorter
     assert car.input_rows == 2
     car.check_input_file(str(src), "jsonl", "out.jsonl")
     src.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "CHANGED after the prefix"}\n{"more": 1}\n')

@@ -244,8 +244,8 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     outcome = Outcome()
 
     def verified() -> dict:
-        # after a bad row (the last one read) the prefix stops before it, so that fixing it keeps the prefix
-        return tracker.state_before_last() if outcome.bad_row is not None else tracker.state()
+        # after a bad row the prefix stops before it (rows read ahead after it too), so that fixing it keeps the prefix
+        return tracker.state_before(outcome.bad_row[0].index) if outcome.bad_row is not None else tracker.state()
 
     def before_write(top_index: int) -> None:
         if top_index >= car.input_rows:

@@ -3,18 +3,20 @@
 A row's prompt is its ``--prompt-field`` (a string, or a list of token ids), or its
 ``--messages-field`` (a conversation ``[{"role", "content"}, ...]`` rendered with the chat template,
 as ``LLM.chat`` does), or, in the OpenAI batch format, the request body's ``prompt`` / ``messages``
-with the body's sampling fields over the command line's. Text goes to the engine as text (tokenized
-there with special tokens, as ``LLM.generate`` does) unless it is to be cut to its last
-``--truncate-prompt-tokens`` tokens (vLLM's ``SamplingParams.truncate_prompt_tokens``; pagedgen's
-SamplingParams has no such field, so the command line tokenizes and cuts before adding the
-request). A rendered chat is tokenized here without special tokens (the template writes BOS).
+with the body's sampling fields over the command line's. Text is tokenized with special tokens, as
+``LLM.generate`` does, and, like ``LLM.generate``, many rows in one tokenizer call
+(``RequestBuilder.build_many``: one call per row costs several times as much, 170 vs 32 µs a row of
+stories260K's tokenizer on 2 cores); text is cut to its last ``--truncate-prompt-tokens`` tokens
+when asked (vLLM's ``SamplingParams.truncate_prompt_tokens``; pagedgen's SamplingParams has no such
+field, so the command line cuts before adding the request). A rendered chat is tokenized here
+without special tokens (the template writes BOS).
 A prompt longer than ``max_model_len`` is a bad row with a reason that suggests the flag.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from pagedgen.cli import openai_batch
 from pagedgen.cli.errors import BadRow
@@ -45,8 +47,8 @@ class PromptSpec:
 
 @dataclass
 class Request:
-    """One row made ready for ``add_request``: ``prompt`` is ``{"prompt": text}`` (the engine
-    tokenizes it, as ``LLM.generate`` does) or ``{"prompt_token_ids": [...]}``."""
+    """One row made ready for ``add_request``: ``prompt`` is ``{"prompt": text}`` (from ``build``,
+    to be tokenized) or ``{"prompt_token_ids": [...]}`` (``build_many`` tokenizes the texts)."""
 
     prompt: dict
     params: SamplingParams
@@ -96,6 +98,28 @@ class RequestBuilder:
         if spec.prompt_field not in fields:
             raise BadRow(f"no field {spec.prompt_field!r} (fields: {', '.join(map(str, fields))}); use --prompt-field")
         return Request(self._prompt(fields[spec.prompt_field], spec.prompt_field, truncate), self.params)
+
+    def build_many(self, rows: list[Row]) -> list[tuple[Row, Union[Request, str]]]:
+        """``build`` for each row, in order: (row, its Request) or (row, why it cannot run). The
+        text prompts are tokenized together in one tokenizer call, with special tokens (exactly
+        the ids the engine would make of the text, as ``LLM.generate`` batches them), an empty one
+        starting from BOS."""
+        built: list[tuple[Row, Union[Request, str]]] = []
+        for row in rows:
+            try:
+                built.append((row, self.build(row)))
+            except BadRow as exc:
+                built.append((row, exc.reason))
+        texts = [i for i, (_, r) in enumerate(built) if isinstance(r, Request) and "prompt" in r.prompt]
+        if texts:
+            encoded = self.tokenizer([built[i][1].prompt["prompt"] for i in texts], add_special_tokens=True)["input_ids"]
+            for i, ids in zip(texts, encoded):
+                row, request = built[i]
+                try:
+                    request.prompt = {"prompt_token_ids": self._nonempty(list(ids))}
+                except BadRow as exc:
+                    built[i] = (row, exc.reason)
+        return built
 
     def _with(self, overrides: dict) -> SamplingParams:
         if not overrides:

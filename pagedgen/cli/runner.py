@@ -2,15 +2,19 @@
 abort_request), one input row per request.
 
 Rows are admitted in input order while fewer than ``max_in_flight`` run and the writer's reorder
-buffer has room; each row is validated on its own (``add_request`` raises for a bad one and leaves
-the engine as it was), so a bad row is caught where it is and the rest go on (``--on-error skip``)
-or the run stops after the rows before it finish (``stop``). SIGINT/SIGTERM stop the admission;
+buffer has room; they are read and made into requests up to ``READ_AHEAD`` (at most
+``max_in_flight``) at a time (their texts
+tokenized in one call, ``RequestBuilder.build_many``), then added one by one. Each row is validated
+on its own (``add_request`` raises for a bad one and leaves the engine as it was), so a bad row is
+caught where it is and the rest go on (``--on-error skip``) or the run stops after the rows before
+it finish (``stop``; rows read ahead after it are not added). SIGINT/SIGTERM stop the admission;
 the rows running get ``drain_seconds`` to finish (a second signal stops at once), then the rest
 are aborted and what is finished is written. An input that cannot be read on (a JSON array's broken
 syntax, an I/O error) stops the admission too; the rows already read finish and are written.
 """
 from __future__ import annotations
 
+import collections
 import signal
 import threading
 import time
@@ -18,11 +22,13 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from pagedgen.cli import records
-from pagedgen.cli.errors import BadRow, CLIError, one_line
+from pagedgen.cli.errors import CLIError, one_line
 from pagedgen.cli.progress import Progress, RunStats
 from pagedgen.cli.prompts import PromptSpec, Request, RequestBuilder
 from pagedgen.cli.readers import Row
 from pagedgen.cli.writer import RowWriter
+
+READ_AHEAD = 64  # rows read and tokenized together before they are added one by one
 
 
 class StopSignals:
@@ -75,19 +81,31 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
     ``writer``; ``outcome`` records a bad row (``--on-error stop``), a read error or a signal as soon as it happens."""
     engine = llm.llm_engine
     in_flight: dict[int, tuple[Row, Request]] = {}
+    pending: collections.deque = collections.deque()  # (row, Request or why it cannot run), read ahead
+    read_ahead = min(READ_AHEAD, settings.max_in_flight)
     exhausted = False
     deadline = None
     while True:
-        while (not exhausted and outcome.bad_row is None and not signals.received
+        while (outcome.bad_row is None and not signals.received
                and len(in_flight) < settings.max_in_flight and writer.can_admit()):
-            try:
-                row = next(rows, None)
-            except (CLIError, OSError) as exc:  # e.g. a JSON array's broken syntax: the rows before it still finish
-                outcome.read_error, row = exc, None
-            if row is None:
-                exhausted = True
-                break
-            reason = _admit(engine, builder, row, in_flight)
+            if not pending:
+                if exhausted:
+                    break
+                batch = []
+                while len(batch) < read_ahead:
+                    try:
+                        row = next(rows, None)
+                    except (CLIError, OSError) as exc:  # e.g. a JSON array's broken syntax: the rows before it still finish
+                        outcome.read_error, row = exc, None
+                    if row is None:
+                        exhausted = True
+                        break
+                    batch.append(row)
+                pending.extend(builder.build_many(batch))
+                if not pending:
+                    break
+            row, built = pending.popleft()
+            reason = built if isinstance(built, str) else _admit(engine, row, built, in_flight)
             if reason is None:
                 writer.admit(row.index)
             elif settings.on_error == "skip":
@@ -116,13 +134,10 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
         progress.update()
 
 
-def _admit(engine, builder: RequestBuilder, row: Row, in_flight: dict) -> Optional[str]:
-    """Add ``row`` to the engine; None when added, else why the row cannot run."""
+def _admit(engine, row: Row, request: Request, in_flight: dict) -> Optional[str]:
+    """Add ``row``'s request to the engine; None when added, else why the row cannot run."""
     try:
-        request = builder.build(row)
         engine.add_request(str(row.index), request.prompt, request.params)
-    except BadRow as exc:
-        return exc.reason
     except (ValueError, TypeError) as exc:  # the engine's validation of the request
         reason = one_line(exc)
         if "max_model_len" in reason and "prompt" in reason:

@@ -20,6 +20,7 @@ The file is replaced atomically (write, fsync, rename, fsync the folder).
 """
 from __future__ import annotations
 
+import collections
 import fnmatch
 import hashlib
 import json
@@ -86,18 +87,21 @@ def model_fingerprint(folders: list[str]) -> dict:
 class InputTracker:
     """The running SHA-256 of the input's bytes, fed one row span at a time, in row order.
 
-    ``state()`` covers every row read so far; ``state_before_last()`` stops before the last one
-    (a run that stops at a bad row records that, so fixing the row keeps the prefix valid).
+    ``state()`` covers every row read so far; ``state_before(index)`` stops before row ``index``,
+    one of the last ``KEEP`` rows read (a run that stops at a bad row records that, so fixing the
+    row keeps the prefix valid; the runner reads a few rows ahead of the one it adds).
     """
+
+    KEEP = 1024  # rows whose prefix state is kept: more than the runner reads ahead (runner.READ_AHEAD)
 
     def __init__(self) -> None:
         self._hash = hashlib.sha256()
         self.bytes = 0
         self.rows = 0
-        self._before = (0, 0, self._hash.copy())
+        self._before: collections.deque = collections.deque(maxlen=self.KEEP)  # (row index, bytes, rows, hash)
 
     def feed(self, span: bytes, rows_after: int) -> None:
-        self._before = (self.bytes, self.rows, self._hash.copy())
+        self._before.append((rows_after - 1, self.bytes, self.rows, self._hash.copy()))
         self._hash.update(span)
         self.bytes += len(span)
         self.rows = rows_after
@@ -105,9 +109,12 @@ class InputTracker:
     def state(self) -> dict:
         return {"bytes": self.bytes, "rows": self.rows, "sha256": self._hash.hexdigest()}
 
-    def state_before_last(self) -> dict:
-        nbytes, rows, h = self._before
-        return {"bytes": nbytes, "rows": rows, "sha256": h.hexdigest()}
+    def state_before(self, index: int) -> dict:
+        """The state before row ``index`` was fed. Raises KeyError if it is not among the last KEEP rows."""
+        for row, nbytes, rows, h in reversed(self._before):
+            if row == index:
+                return {"bytes": nbytes, "rows": rows, "sha256": h.hexdigest()}
+        raise KeyError(f"row {index} is not among the last {self.KEEP} rows read")
 
 
 class Sidecar:
