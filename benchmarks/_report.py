@@ -62,23 +62,28 @@ def system_of(label: str) -> str:
     return label.split(",")[0]
 
 
-def report(runs: dict, useful_tokens: int, roofline_tok_s: float | None, repeats: int, say) -> dict:
-    """Print the tables; return the summary (tok/s, peak RSS, roofline shares, ratios, agreement)."""
-    say(f"\n{'system':<26}{'output tok/s':>13}{'seconds':>9}{'computed tok':>14}{'peak RSS':>11}{'roofline':>10}")
-    summary = dict(tokens_per_s={}, peak_rss_gib={}, roofline_share={}, ratios={}, agreement={})
+def report(runs: dict, useful_tokens: int, roofline_tok_s: float | None, repeats: int, say,
+           profile_roofline_tok_s: float | None = None) -> dict:
+    """Print the tables; return the summary (tok/s, peak RSS, roofline shares of the full-batch and
+    of the batch-profile roofline, ratios, agreement)."""
+    say(f"\n{'system':<26}{'output tok/s':>13}{'seconds':>9}{'computed tok':>14}{'peak RSS':>11}{'roofline':>10}{'profile':>9}")
+    summary = dict(tokens_per_s={}, peak_rss_gib={}, roofline_share={}, profile_roofline_share={}, ratios={}, agreement={})
     best = best_static(runs)
     for label, results in runs.items():
         tps = tok_per_s(results, useful_tokens)
         rss = max(r["peak_rss_bytes"] for r in results) / GIB
         share = tps / roofline_tok_s if roofline_tok_s else None
+        pshare = tps / profile_roofline_tok_s if profile_roofline_tok_s else None
         summary["tokens_per_s"][label], summary["peak_rss_gib"][label], summary["roofline_share"][label] = tps, rss, share
+        summary["profile_roofline_share"][label] = pshare
         shown = label + (" (best)" if label == best and sum(k.startswith("static") for k in runs) > 1 else "")
         say(f"{shown:<26}{rate(tps):>13}{median_seconds(results):>9.2f}{results[0]['computed_tokens']:>14,}"
-            f"{rss:>8.2f} GiB{(f'{share:.1%}' if share is not None else '-'):>10}")
+            f"{rss:>8.2f} GiB{(f'{share:.1%}' if share is not None else '-'):>10}{(f'{pshare:.1%}' if pshare is not None else '-'):>9}")
     say(f"output tok/s: {useful_tokens:,} useful output tokens (each request's own max_tokens) / median wall seconds of "
         f"{repeats} run(s); static batching computes every request of a batch to the batch's largest max_tokens "
         f"(computed tok). peak RSS: the runner process and its children, model load included (max over runs). "
-        f"roofline: output tok/s as a share of what the measured matmul FLOP/s allow.")
+        f"roofline: output tok/s as a share of what the measured matmul FLOP/s allow with every decode row in a full "
+        f"batch; profile: the same at the batches the workload allows (ideal continuous batching).")
 
     # one row per system for ratios and agreement: static at its best batch size
     per_system = {system_of(label): label for label in runs if not label.startswith("static") or label == best}

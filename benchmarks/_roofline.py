@@ -24,9 +24,21 @@ each shape's figure came from is reported with it. M_decode is
 the decode batch (min(max_num_seqs, requests)); M_prefill a prefill chunk (min(step token budget,
 P, 1,024): FLOP/s barely change past 1,024 rows). The last output token of a request is never fed back, so
 it costs no forward row. Prefix-cache hits are not subtracted (an upper bound on the work).
+
+That figure charges every decode row at the full batch M_decode, but a workload whose requests
+have different max_tokens cannot keep the batch full: as requests finish, fewer rows exist (with 48
+requests of 16-256 tokens the last steps run a handful of rows, where a CPU GEMM is bound by reading
+the weights, not by FLOPs). The second figure, the batch-profile roofline, runs the same matmuls at
+the batches the workload itself allows: ideal continuous batching (``decode_batch_profile``: every
+free slot refilled at once, prefill free of steps) gives the number of decode steps at each batch
+M, and each step costs each shape's product at M rows, measured at powers of two up to M_decode
+(``decode_grid``) and interpolated between them. Both are printed; the full-batch one is an upper
+bound no engine reaches on such a workload, the batch-profile one is what a perfect engine with
+these matmuls would do.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import statistics
@@ -36,7 +48,8 @@ import time
 FORMULA = ("roofline: FLOPs = 2*W*(P + D) + 2*W_head*O, W = weights per token row, W_head = vocab*hidden, "
            "P = prompt tokens, D = sum(max_tokens - 1), O = output tokens; time = each GEMM shape's FLOPs / its "
            "measured FLOP/s on the best matmul path for the dtype (M_prefill rows for P, M_decode rows for D and the lm_head); "
-           "roofline tok/s = O / time")
+           "roofline tok/s = O / time; batch-profile roofline: decode steps at the batches of ideal continuous "
+           "batching of the workload (requests leave as their max_tokens run out), each GEMM at its step's rows")
 PREFILL_CHUNK = 1024  # rows: the largest M measured for prefill
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
@@ -90,6 +103,69 @@ def roofline_tokens_per_s(shapes: list[dict], rows: dict, flops_per_s: dict, m_p
     return rows["O"] / seconds
 
 
+def decode_batch_profile(max_tokens: list[int], max_num_seqs: int) -> dict[int, int]:
+    """{M: number of decode steps run at batch M} of ideal continuous batching of the workload
+    (Orca / paper 4.2: iteration-level scheduling): requests join in order as soon as one of
+    ``max_num_seqs`` slots is free, their prefill costing no step, and each leaves after its
+    m_i - 1 decode rows. Σ M · steps = D. The batch shrinks as requests of different max_tokens
+    finish: rows that do not exist cannot be batched by any engine."""
+    remaining = [m - 1 for m in max_tokens if m > 1]
+    profile: dict[int, int] = {}
+    running: list[int] = []  # heap of the step at which each running request leaves
+    step, nxt = 0, 0
+    while nxt < len(remaining) or running:
+        while nxt < len(remaining) and len(running) < max_num_seqs:
+            heapq.heappush(running, step + remaining[nxt])
+            nxt += 1
+        leave = running[0]
+        profile[len(running)] = profile.get(len(running), 0) + leave - step
+        step = leave
+        while running and running[0] == step:
+            heapq.heappop(running)
+    return profile
+
+
+def decode_grid(m_decode: int) -> list[int]:
+    """Batch sizes at which decode FLOP/s are measured for the batch-profile roofline: powers of two
+    below ``m_decode``, and ``m_decode``; other sizes interpolate (``call_seconds``)."""
+    return sorted({m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if m < m_decode} | {m_decode})
+
+
+def call_seconds(flops_per_s: dict, n: int, k: int, m: int, grid: list[int]) -> float:
+    """Seconds of one [m, k] x [n, k]^T product: measured at the grid sizes, linear in m between
+    them (a GEMM's time grows piecewise-linearly with its rows), flat-rate beyond the grid."""
+    def at(g: int) -> float:
+        return 2 * n * k * g / flops_per_s[(n, k, g)]
+
+    if m in grid:
+        return at(m)
+    lo = max((g for g in grid if g < m), default=None)
+    hi = min((g for g in grid if g > m), default=None)
+    if lo is None or hi is None:
+        g = hi if lo is None else lo
+        return at(g) * m / g
+    return at(lo) + (at(hi) - at(lo)) * (m - lo) / (hi - lo)
+
+
+def roofline_profile_tokens_per_s(shapes: list[dict], rows: dict, flops_per_s: dict, m_prefill: int,
+                                  profile: dict[int, int], grid: list[int]) -> float:
+    """Output tokens/s the measured FLOP/s allow when decode runs at the workload's own batch
+    profile (``decode_batch_profile``) instead of a full batch: prefill rows at ``m_prefill`` as in
+    ``roofline_tokens_per_s``; each decode step at batch M costs each shape's product at M rows
+    (``call_seconds``), its lm_head too; the first token of each request (sampled at the end of
+    its prefill: O - D rows) costs lm_head rows at the largest grid size."""
+    seconds = 0.0
+    first_tokens = rows["O"] - rows["D"]
+    for s in shapes:
+        n, k, c = s["n"], s["k"], s["count"]
+        decode = sum(steps * call_seconds(flops_per_s, n, k, m, grid) for m, steps in profile.items())
+        if s["lm_head"]:
+            seconds += decode + first_tokens * call_seconds(flops_per_s, n, k, grid[-1], grid) / grid[-1]
+        else:
+            seconds += c * (2 * n * k * rows["P"] / flops_per_s[(n, k, m_prefill)] + decode)
+    return rows["O"] / seconds
+
+
 def gemm_rows(max_num_seqs: int, num_requests: int, step_budget: int, prompt_tokens: int) -> tuple[int, int]:
     """(M_prefill, M_decode): a prefill chunk's rows and the decode batch's rows."""
     return max(1, min(step_budget, PREFILL_CHUNK, prompt_tokens)), max(1, min(max_num_seqs, num_requests))
@@ -138,9 +214,11 @@ def _path_fn(path: str, x, w, w32):
 
 
 def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
-            runs: int = 7, min_seconds: float = 0.02, budget_seconds: float = 3.0, paths: list[str] | None = None) -> dict:
+            runs: int = 7, min_seconds: float = 0.02, budget_seconds: float = 3.0, paths: list[str] | None = None,
+            m_grid: list[int] | None = None) -> dict:
     """FLOP/s of every matmul path (``matmul_paths``) at every shape and M the roofline needs, the
-    best path of each, and torch.mm as a reference.
+    best path of each, and torch.mm as a reference. ``m_grid``: more decode batch sizes to measure
+    (``decode_grid``, for the batch-profile roofline), besides ``m_decode``.
 
     Returns dict(linear={(n, k, m): best FLOP/s}, best_path={(n, k, m): path name},
     by_path={path: {(n, k, m): FLOP/s}}, mm=(size, FLOP/s)). torch.mm is square, 2048 per side, or
@@ -157,7 +235,8 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
     for s in shapes:
         w = torch.randn(s["n"], s["k"], generator=gen).to(device=device, dtype=dt)  # [N, K]
         w32 = w.float() if "fp32 weights" in paths else None  # [N, K] float32, made once as an engine would
-        for m in sorted({m_decode} if s["lm_head"] else {m_prefill, m_decode}):
+        decode_ms = {m_decode} | set(m_grid or ())
+        for m in sorted(decode_ms if s["lm_head"] else decode_ms | {m_prefill}):
             x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
             for path in paths:
                 by_path[path][(s["n"], s["k"], m)] = _median_flops(_path_fn(path, x, w, w32), 2 * m * s["n"] * s["k"], sync,
