@@ -203,3 +203,31 @@ def test_roofline_takes_the_best_matmul_path():
     for key, best in flops["linear"].items():
         rates = {p: t[key] for p, t in flops["by_path"].items()}
         assert best == max(rates.values()) and rates[flops["best_path"][key]] == best
+
+
+def test_batch_profile_roofline():
+    """Ideal continuous batching of a workload: decode steps per batch size, Σ M·steps = D; GEMM
+    times interpolate between the measured sizes; with every step at the full batch the batch-profile
+    roofline equals the full-batch one."""
+    roof = load("_roofline")
+    # max_tokens 3, 5, 2 -> 2, 4, 1 decode rows; all three fit: steps at batch 3, 2, 1, 1
+    assert roof.decode_batch_profile([3, 5, 2], max_num_seqs=8) == {3: 1, 2: 1, 1: 2}
+    # two slots: requests 0 and 1 start, 2 joins when 0 leaves after 2 steps
+    profile = roof.decode_batch_profile([3, 5, 2], max_num_seqs=2)
+    assert profile == {2: 3, 1: 1} and sum(m * s for m, s in profile.items()) == 2 + 4 + 1
+    assert roof.decode_batch_profile([1, 1], 4) == {}
+    assert roof.decode_grid(48) == [1, 2, 4, 8, 16, 32, 48] and roof.decode_grid(1) == [1]
+    flops = {(4, 4, 2): 64.0, (4, 4, 4): 256.0}  # 1 s per call at M = 2, 0.5 s at M = 4
+    assert roof.call_seconds(flops, 4, 4, 3, [2, 4]) == pytest.approx(0.75)
+    assert roof.call_seconds(flops, 4, 4, 8, [2, 4]) == pytest.approx(1.0)  # past the grid: the last rate
+    assert roof.call_seconds(flops, 4, 4, 1, [2, 4]) == pytest.approx(0.5)
+    shapes = roof.gemm_shapes(STORIES_CFG)
+    rows = roof.workload_rows([3, 5], [4, 4])
+    flat = {(s["n"], s["k"], m): 1e9 * m for s in shapes for m in (1, 2, 8)}
+    full = roof.roofline_tokens_per_s(shapes, rows, flat, 8, 2)
+    prof = roof.roofline_profile_tokens_per_s(shapes, rows, flat, 8, roof.decode_batch_profile([4, 4], 256), [1, 2])
+    assert prof == pytest.approx(full, rel=1e-12)
+    # the same workload with unequal lengths: its tail runs at batch 1, slower per row
+    rows2 = roof.workload_rows([3, 5], [2, 6])
+    tail = roof.roofline_profile_tokens_per_s(shapes, rows2, flat, 8, roof.decode_batch_profile([2, 6], 256), [1, 2])
+    assert tail < roof.roofline_tokens_per_s(shapes, rows2, flat, 8, 2)
