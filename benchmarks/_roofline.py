@@ -275,7 +275,7 @@ def machine(device: str = "cpu") -> dict:
                 torch_threads=torch.get_num_threads(), capability=torch.backends.cpu.get_cpu_capability(),
                 onednn_bf16=bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()))
     if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none available"
     return info
 
 
