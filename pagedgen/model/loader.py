@@ -156,7 +156,7 @@ def load_tokenizer(path: str):
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES) and not glob.glob(os.path.join(path, "*.tiktoken")):
         raise FileNotFoundError(
             f"no tokenizer files in {path!r} (expected one of {', '.join(TOKENIZER_FILES)}); "
-            "pass tokenizer= a folder that has them"
+            "pass tokenizer= (on the command line, --tokenizer) a folder that has them"
         )
     try:
         return AutoTokenizer.from_pretrained(path)
