@@ -96,7 +96,8 @@ void run_items(int64_t num_items, int num_threads, int64_t scratch_floats, int64
     float* my_scratch = thread_scratch(scratch_floats);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < num_items; ++item) {
-      if (!body(item, my_scratch)) bad_item.store(item);
+      // next_is_mine: item + 1 is in the same chunk, so this thread runs it next
+      if (!body(item, my_scratch, item + 1 < num_items && (item + 1) % chunk != 0)) bad_item.store(item);
     }
   }
   TORCH_CHECK(bad_item.load() < 0, "paged_attention: a block table names a block outside the cache (",
@@ -129,7 +130,7 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
       const int64_t per_item = nb >= 8 * threads_for(nb) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
       const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
       const int64_t scratch = small_scratch_floats(max_rows, per_item * p.group, per_item * kHeadSize, kHeadSize);
-      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks, [&](int64_t item, float* s) {
+      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks, [&](int64_t item, float* s, bool) {
         const int64_t kv_begin = item % chunks * per_item;
         return attend_small_rows<scalar_t, kHeadSize>(p, blocks[item / chunks], kv_begin,
                                                       std::min(kv_begin + per_item, p.num_kv_heads), s);
@@ -170,9 +171,12 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
   const int64_t scratch_decode = general_scratch_floats(1, decode_heads, p.group, p.head_size);
   const int64_t num_items = static_cast<int64_t>(items.size());
   run_items(num_items, threads_for(num_items), std::max(scratch, scratch_decode), p.num_blocks,
-            [&](int64_t item, float* s) {
+            [&](int64_t item, float* s, bool next_is_mine) {
               const Item& it = items[item];
-              return attend_rows<scalar_t, kHeadSize>(p, blocks[it.block], it.kv_begin, it.kv_end, s);
+              const Item* then = next_is_mine ? &items[item + 1] : nullptr;
+              const bool same_heads = then != nullptr && then->kv_begin == it.kv_begin && then->kv_end == it.kv_end;
+              return attend_rows<scalar_t, kHeadSize>(p, blocks[it.block], it.kv_begin, it.kv_end, s,
+                                                      same_heads ? &blocks[then->block] : nullptr);
             });
 }
 
