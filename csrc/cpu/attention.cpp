@@ -23,6 +23,11 @@
 //     with their position), and a static split would leave one core idle. Chunks are runs of
 //     consecutive items, so neighbouring items of a sequence re-read the same blocks from cache. The
 //     team has at most one thread per kMinWorkPerThread multiply-adds: small calls run inline.
+//   * Decode rows read each K/V row once, from blocks scattered over the cache where the hardware
+//     prefetchers do not follow: a decode item reads its block table two tiles ahead and prefetches
+//     that tile's rows a few lines per step of its inner loops (TilePrefetch, attention_common.h),
+//     and its last tiles prefetch the first ones of the next item its thread runs (run_items says
+//     which). Prefill blocks re-read each tile for many rows; the walker's next-block prefetch does.
 //   * Online softmax (Milakov & Gimelshein 2018, as in FlashAttention): per-thread scratch is
 //     O(rows * heads * (head_size + tile)) floats whatever the context length, a buffer per thread
 //     kept across calls. No allocation, no ATen call per item.
@@ -82,7 +87,8 @@ float* thread_scratch(int64_t n) {
   return scratch.data();
 }
 
-// Runs body(item, scratch) for items [0, num_items) on the OpenMP team: at most one thread per
+// Runs body(item, scratch, next_is_mine) for items [0, num_items) on the OpenMP team (next_is_mine:
+// this thread runs item + 1 right after, the same chunk): at most one thread per
 // kMinWorkPerThread multiply-adds (a small call is done before a team of threads would have woken up,
 // and on a loaded machine waiting for a second core costs far more), dynamic chunks of consecutive
 // items. Each thread's scratch is a buffer kept across calls. Throws if any item reported a block

@@ -40,7 +40,9 @@ constexpr int kTransposedPairs = 16;
 // Attention of the rows of `b` for the query heads of KV heads [kv_begin, kv_end) (each with its
 // group of query heads). Returns false (having written zeros) if the block table names a block
 // outside the cache. Several KV heads per item (decode rows of a large batch) read each token's
-// rows of those heads together: a block is then one contiguous run of memory.
+// rows of those heads together: a block is then one contiguous run of memory. `then`: the row block
+// of the item this thread runs next with the same KV heads (nullptr if none or not known), whose
+// first tiles a decode row prefetches while it ends.
 template <typename scalar_t, int kHeadSize>
 bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch,
                  const RowBlock* then = nullptr) {
