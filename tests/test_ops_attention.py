@@ -97,6 +97,21 @@ def test_sliding_window(window, head_size, block_size, dtype):
     check(specs, 4, 2, head_size, block_size, dtype, window=window, seed=window)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size, block_size", [(64, 16), (80, 5)])
+@pytest.mark.parametrize("window", [0, 40])
+def test_many_decode_rows(window, head_size, block_size, dtype):
+    """Enough decode rows that an item holds all KV heads of its row and, while it ends, prefetches the
+    first tiles of the next row (attention_general.h): lengths around the 32-token tiles, poisoned
+    slots and block tables, a window whose first block is returned to the pool."""
+    lens = [1, 2, 31, 32, 33, 63, 64, 65, 96, 97, 150, 7] * 3
+    specs = [(n, 1) for n in lens]
+    two = check(specs, 8, 4, head_size, block_size, dtype, window=window, seed=window + head_size)
+    with single_thread():  # one thread runs chunks of several consecutive rows: the next-row prefetch
+        one = check(specs, 8, 4, head_size, block_size, dtype, window=window, seed=window + head_size)
+    assert torch.equal(one, two)
+
+
 def test_sliding_window_matches_transformers_mask():
     """The window's boundary is transformers' own: sliding_window_overlay(w) keeps kv_idx > q_idx - w."""
     from transformers.masking_utils import sliding_window_overlay

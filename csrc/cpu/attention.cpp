@@ -23,6 +23,11 @@
 //     with their position), and a static split would leave one core idle. Chunks are runs of
 //     consecutive items, so neighbouring items of a sequence re-read the same blocks from cache. The
 //     team has at most one thread per kMinWorkPerThread multiply-adds: small calls run inline.
+//   * Decode rows read each K/V row once, from blocks scattered over the cache where the hardware
+//     prefetchers do not follow: a decode item reads its block table two tiles ahead and prefetches
+//     that tile's rows a few lines per step of its inner loops (TilePrefetch, attention_common.h),
+//     and its last tiles prefetch the first ones of the next item its thread runs (run_items says
+//     which). Prefill blocks re-read each tile for many rows; the walker's next-block prefetch does.
 //   * Online softmax (Milakov & Gimelshein 2018, as in FlashAttention): per-thread scratch is
 //     O(rows * heads * (head_size + tile)) floats whatever the context length, a buffer per thread
 //     kept across calls. No allocation, no ATen call per item.
@@ -82,7 +87,8 @@ float* thread_scratch(int64_t n) {
   return scratch.data();
 }
 
-// Runs body(item, scratch) for items [0, num_items) on the OpenMP team: at most one thread per
+// Runs body(item, scratch, next_is_mine) for items [0, num_items) on the OpenMP team (next_is_mine:
+// this thread runs item + 1 right after, the same chunk): at most one thread per
 // kMinWorkPerThread multiply-adds (a small call is done before a team of threads would have woken up,
 // and on a loaded machine waiting for a second core costs far more), dynamic chunks of consecutive
 // items. Each thread's scratch is a buffer kept across calls. Throws if any item reported a block
@@ -96,7 +102,8 @@ void run_items(int64_t num_items, int num_threads, int64_t scratch_floats, int64
     float* my_scratch = thread_scratch(scratch_floats);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < num_items; ++item) {
-      if (!body(item, my_scratch)) bad_item.store(item);
+      // next_is_mine: item + 1 is in the same chunk, so this thread runs it next
+      if (!body(item, my_scratch, item + 1 < num_items && (item + 1) % chunk != 0)) bad_item.store(item);
     }
   }
   TORCH_CHECK(bad_item.load() < 0, "paged_attention: a block table names a block outside the cache (",
@@ -129,7 +136,7 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
       const int64_t per_item = nb >= 8 * threads_for(nb) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
       const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
       const int64_t scratch = small_scratch_floats(max_rows, per_item * p.group, per_item * kHeadSize, kHeadSize);
-      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks, [&](int64_t item, float* s) {
+      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks, [&](int64_t item, float* s, bool) {
         const int64_t kv_begin = item % chunks * per_item;
         return attend_small_rows<scalar_t, kHeadSize>(p, blocks[item / chunks], kv_begin,
                                                       std::min(kv_begin + per_item, p.num_kv_heads), s);
@@ -170,9 +177,12 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
   const int64_t scratch_decode = general_scratch_floats(1, decode_heads, p.group, p.head_size);
   const int64_t num_items = static_cast<int64_t>(items.size());
   run_items(num_items, threads_for(num_items), std::max(scratch, scratch_decode), p.num_blocks,
-            [&](int64_t item, float* s) {
+            [&](int64_t item, float* s, bool next_is_mine) {
               const Item& it = items[item];
-              return attend_rows<scalar_t, kHeadSize>(p, blocks[it.block], it.kv_begin, it.kv_end, s);
+              const Item* then = next_is_mine ? &items[item + 1] : nullptr;
+              const bool same_heads = then != nullptr && then->kv_begin == it.kv_begin && then->kv_end == it.kv_end;
+              return attend_rows<scalar_t, kHeadSize>(p, blocks[it.block], it.kv_begin, it.kv_end, s,
+                                                      same_heads ? &blocks[then->block] : nullptr);
             });
 }
 

@@ -90,6 +90,69 @@ struct BlockWalker {
   }
 };
 
+// The prefetch of the K and V rows of a later tile of a decode item, spread over the work on the
+// current one. Decode reads each K/V row once, and its rows lie in blocks scattered over the cache,
+// where no hardware prefetcher follows: asking for a whole tile at once (64 KiB of K and V for head
+// size 64 and 4 fp32 KV heads) would fill the line-fill buffers and stall the loads the current tile
+// needs; asking for each row only just before its use exposes the DRAM latency of every block.
+// So step(), called from the inner loops (NoHook's place in attention_math.h), asks for the next
+// `per` lines of K and of V, token after token in address order (with all KV heads in one item a
+// block is one sequential run, which the DRAM pages and the L2 streamer like best); `per` comes
+// from the number of steps the tile before took, so the requests end with the tile; finish() asks
+// for whatever is left.
+struct TilePrefetch {
+  const char* key;       // key_cache as bytes
+  const char* value;     // value_cache as bytes
+  int64_t stride;        // bytes between consecutive slots
+  int64_t first, bytes;  // the item's part of a slot's row: byte offset and size
+  const int64_t* slots = nullptr;
+  int n = 0, t = 0;                // the tile's slots[0:n]; t: the token being requested
+  int64_t line = 0, line_end = 0;  // byte offsets (from the cache bases) of token t's lines still to ask for
+  int per = 2;
+  int64_t steps = 0;  // step() calls since start()
+
+  // Prefetch the rows of slots[0:count] from now until finish().
+  void start(const int64_t* s, int count) {
+    const int64_t lines = count * (bytes / 64 + 2);  // at most, whatever the alignment
+    if (steps > 0) per = static_cast<int>(std::max<int64_t>(1, (lines + steps - 1) / steps));
+    slots = s, n = count, t = 0, steps = 0;
+    begin_token();
+  }
+  void begin_token() {
+    if (t < n) {
+      const int64_t a = slots[t] * stride + first;
+      line = a & ~int64_t{63};
+      line_end = a + bytes;
+    }
+  }
+  bool one() {
+    if (t >= n) return false;
+    __builtin_prefetch(key + line, 0, 3);
+    __builtin_prefetch(value + line, 0, 3);
+    line += 64;
+    if (line >= line_end) {
+      ++t;
+      begin_token();
+    }
+    return true;
+  }
+  void step() {
+    ++steps;
+    for (int i = 0; i < per && one(); ++i) {
+    }
+  }
+  void finish() {
+    while (one()) {
+    }
+  }
+};
+
+// The hook of attention_math.h's loops that drives a TilePrefetch.
+struct PrefetchHook {
+  TilePrefetch* prefetch;
+  void operator()() const { prefetch->step(); }
+};
+
 template <typename scalar_t>
 BlockWalker walker_of(const Params<scalar_t>& p, const RowBlock& b, int64_t start) {
   return BlockWalker(p.block_tables + b.seq * p.bt_s0, p.bt_s1, p.block_size, p.num_blocks, start, b.pos + b.rows);

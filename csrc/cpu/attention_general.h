@@ -29,6 +29,10 @@ inline int64_t general_scratch_floats(int64_t R, int64_t kv_heads, int64_t group
   return 2 * heads * head_size + R * group * kTile + 2 * heads + 3 * kTile * head_size + 2 * kLanes * kTile + 16;
 }
 
+// Tiles ahead of the current one whose K/V rows a decode item prefetches (one tile of fp32 head
+// size 64 with 4 KV heads is 64 KiB of K and V: two tiles ahead stay well inside L2).
+constexpr int kDecodeAhead = 2;
+
 // (row, query head) pairs of an item from which its tiles' scores come from a transposed tile
 // (score_transposed_rows: no horizontal sums, for the cost of one transpose per tile).
 constexpr int kTransposedPairs = 16;
@@ -36,9 +40,12 @@ constexpr int kTransposedPairs = 16;
 // Attention of the rows of `b` for the query heads of KV heads [kv_begin, kv_end) (each with its
 // group of query heads). Returns false (having written zeros) if the block table names a block
 // outside the cache. Several KV heads per item (decode rows of a large batch) read each token's
-// rows of those heads together: a block is then one contiguous run of memory.
+// rows of those heads together: a block is then one contiguous run of memory. `then`: the row block
+// of the item this thread runs next with the same KV heads (nullptr if none or not known), whose
+// first tiles a decode row prefetches while it ends.
 template <typename scalar_t, int kHeadSize>
-bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch) {
+bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch,
+                 const RowBlock* then = nullptr) {
   const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(p.head_size);
   const int G = static_cast<int>(p.group), R = b.rows, K = static_cast<int>(kv_end - kv_begin);
   const int RG = R * G;  // (row, query head) pairs of one KV head
@@ -71,16 +78,60 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   const int64_t lo = window_start(b.pos, p.sliding_window);  // the first row's window starts first
   const int64_t end = b.pos + R;                              // one past the last row's position
   BlockWalker walk = walker_of(p, b, lo);
+  // A decode row reads each K/V row once: its tiles' slots are read from the block table
+  // kDecodeAhead tiles ahead, and that tile's rows are prefetched a few lines at a time from the
+  // inner loops of the current one (TilePrefetch); a prefill block re-reads each tile for all its
+  // rows, and the walker's prefetch of the next block's rows is enough.
+  const bool decode = R == 1;
+  int64_t ring[kDecodeAhead + 1][kTile];  // decode: slots of the item's tile i in ring[i % (kDecodeAhead + 1)]
+  const int64_t first_t0 = lo / kTile * kTile;
+  int64_t read_t0 = first_t0;  // decode: the next tile whose slots to read from the block table
+  const auto ring_of = [&](int64_t t) { return ring[(t - first_t0) / kTile % (kDecodeAhead + 1)]; };
+  TilePrefetch ahead{reinterpret_cast<const char*>(p.key_cache), reinterpret_cast<const char*>(p.value_cache),
+                     row_stride * static_cast<int64_t>(sizeof(scalar_t)),
+                     kv_begin * D * static_cast<int64_t>(sizeof(scalar_t)), bytes};
+  const PrefetchHook hook{&ahead};
   bool ok = true;
-  for (int64_t t0 = lo / kTile * kTile; t0 < end; t0 += kTile) {
+  for (int64_t t0 = first_t0; t0 < end && ok; t0 += kTile) {
     // The tile's tokens that some row attends to: [ua, ub), contiguous from tile to tile.
     const int ua = static_cast<int>(std::max(lo, t0) - t0), ub = static_cast<int>(std::min(end, t0 + kTile) - t0);
-    ok = walk.next(ub - ua, slots + ua, prefetch);
-    if (!ok) break;
+    const int64_t* cur = slots;  // cur[ua:ub]: the tile's slots
+    if (!decode) {
+      ok = walk.next(ub - ua, slots + ua, prefetch);
+      if (!ok) break;
+    } else {
+      for (; ok && read_t0 < end && read_t0 <= t0 + kDecodeAhead * kTile; read_t0 += kTile) {
+        const int a = static_cast<int>(std::max(lo, read_t0) - read_t0);
+        ok = walk.next(static_cast<int>(std::min(end, read_t0 + kTile) - read_t0) - a, ring_of(read_t0) + a,
+                       [](int64_t) {});
+      }
+      if (!ok) break;
+      cur = ring_of(t0);
+      const int64_t target = t0 + kDecodeAhead * kTile;  // the tile to prefetch
+      if (target < end) {
+        ahead.start(ring_of(target), static_cast<int>(std::min(end, target + kTile) - target));
+      } else if (then != nullptr && then->rows == 1) {
+        // past the row's last tile: tile m of the decode row this thread runs next, which prefetches
+        // its own tiles from kDecodeAhead on (a block outside the cache is left for that item to report)
+        const int64_t m = (target - (end + kTile - 1) / kTile * kTile) / kTile;
+        const int64_t lo2 = window_start(then->pos, p.sliding_window), t2 = lo2 / kTile * kTile + m * kTile;
+        const int64_t a = std::max(lo2, t2), z = std::min(then->pos + 1, t2 + kTile);
+        BlockWalker then_walk = walker_of(p, *then, a);
+        int64_t* free_slots = ring_of(target);  // holds no tile of this row
+        if (a < z && then_walk.next(static_cast<int>(z - a), free_slots, [](int64_t) {})) {
+          ahead.start(free_slots, static_cast<int>(z - a));
+        }
+      }
+    }
+    // fp32 decode reads K/V in the score and accumulate loops; bf16/fp16 in the conversion loop
+    const bool hook_math = decode && std::is_same_v<scalar_t, float>;
     for (int k = 0; k < K; ++k) {
       const int64_t col = (kv_begin + k) * D;  // this KV head's first element in a token's row
       for (int j = ua; j < ub; ++j) {
-        const int64_t row = slots[j] * row_stride + col;
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          if (decode) hook();
+        }
+        const int64_t row = cur[j] * row_stride + col;
         if constexpr (std::is_same_v<scalar_t, float>) {
           if (R == 1) {  // a decode row of fp32: read in place
             krows[j] = p.key_cache + row;
@@ -128,15 +179,17 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
                std::min(b.pos + i1 + 1, t0 + kTile) - t0 == jb) {
           ++i1;
         }
-        if (ja < jb) {
-          const int h0 = i0 * G, h1 = i1 * G;  // the (row, head) pairs of the run
+        // scores, softmax and V accumulation of the run's (row, head) pairs [h0, h1), with `hk` called
+        // from the token loops
+        const auto run = [&](auto hk) {
+          const int h0 = i0 * G, h1 = i1 * G;
           if (scored) {
           } else if constexpr (kHeadSize > 0 && kHeadSize <= 16) {
             score_transposed<kHeadSize>(qk + h0 * D, h1 - h0, kt, ja, jb, sc + h0 * kTile);  // sc[h, j] = q[h] . k[j]
           } else if constexpr (kHeadSize > 0) {
-            score_rows<kHeadSize>(qk + h0 * D, h1 - h0, krows, ja, jb, sc + h0 * kTile);
+            score_rows<kHeadSize>(qk + h0 * D, h1 - h0, krows, ja, jb, sc + h0 * kTile, hk);
           } else {
-            score_rows_runtime(qk + h0 * D, h1 - h0, D, krows, ja, jb, sc + h0 * kTile);
+            score_rows_runtime(qk + h0 * D, h1 - h0, D, krows, ja, jb, sc + h0 * kTile, hk);
           }
           for (int h = h0; h < h1; ++h) {
             const float alpha = softmax_tile(sc + h * kTile, ja, jb, mk[h], lk[h]);  // scores -> weights
@@ -147,21 +200,29 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
             if constexpr (accumulate_chains<kHeadSize>() == 1) {
               for (; h + 2 <= h1; h += 2) {
                 accumulate_pair<kHeadSize>(ak + h * D, ak + (h + 1) * D, sc + h * kTile, sc + (h + 1) * kTile, vrows,
-                                           ja, jb);
+                                           ja, jb, hk);
               }
             }
           }
           for (; h < h1; ++h) {
             if constexpr (kHeadSize > 0) {
-              accumulate_tile<kHeadSize>(ak + h * D, sc + h * kTile, vrows, ja, jb);
+              accumulate_tile<kHeadSize>(ak + h * D, sc + h * kTile, vrows, ja, jb, hk);
             } else {
-              accumulate_tile_runtime(ak + h * D, D, sc + h * kTile, vrows, ja, jb);
+              accumulate_tile_runtime(ak + h * D, D, sc + h * kTile, vrows, ja, jb, hk);
             }
+          }
+        };
+        if (ja < jb) {
+          if (hook_math) {
+            run(hook);
+          } else {
+            run(NoHook{});
           }
         }
         i0 = i1;
       }
     }
+    ahead.finish();
   }
   for (int k = 0; k < K; ++k) {
     for (int i = 0; i < R; ++i) {

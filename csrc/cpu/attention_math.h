@@ -45,6 +45,13 @@ inline void to_float(const scalar_t* src, float* dst, int n) {
   if (i < n) store_partial<kLanes>(dst + i, load_partial<kLanes>(src + i, n - i), n - i);
 }
 
+// The default `hook` of the loops below, called once per step of their token loops: nothing. (The
+// decode path passes one that issues a few prefetches of the next tile per step, TilePrefetch in
+// attention_common.h; a hook never touches the arithmetic.)
+struct NoHook {
+  void operator()() const {}
+};
+
 // Registers [first, end) of a tile that hold the slots [ja, jb).
 inline int first_register(int ja) { return ja / kLanes; }
 inline int end_register(int jb) { return (jb + kLanes - 1) / kLanes; }
@@ -172,8 +179,8 @@ inline void hsum_many(const Vec<W>* a, int n, float* out) {
 // sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb). Register blocks of two heads
 // by four tokens (each K slice loaded once for both heads; eight independent chains), each pair still
 // dot_row's sequence of operations; then hsum_many.
-template <int kD>
-inline void score_rows(const float* q, int G, const float* const* k, int ja, int jb, float* sc) {
+template <int kD, typename Hook = NoHook>
+inline void score_rows(const float* q, int G, const float* const* k, int ja, int jb, float* sc, Hook hook = {}) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   int h = 0;
   for (; h + 2 <= G; h += 2) {
@@ -183,6 +190,7 @@ inline void score_rows(const float* q, int G, const float* const* k, int ja, int
     float* s1 = s0 + kTile;
     int j = ja;
     for (; j + 4 <= jb; j += 4) {
+      hook();
       Vec<W> d[8];  // d[t]: head h, token j + t; d[4 + t]: head h + 1
       {
         const Vec<W> a = load<W>(q0), b = load<W>(q1);
@@ -217,6 +225,7 @@ inline void score_rows(const float* q, int G, const float* const* k, int ja, int
     float* sh = sc + h * kTile;
     int j = ja;
     for (; j + 4 <= jb; j += 4) {
+      hook();
       Vec<W> d[4];
       for (int t = 0; t < 4; ++t) d[t] = load<W>(qh) * load<W>(k[j + t]);
       for (int v = 1; v < NV; ++v) {
@@ -352,12 +361,13 @@ constexpr int accumulate_chains() {
 }
 
 // acc[0:kD] += sum_j w[j] * v[j] over the slots [ja, jb) of a tile.
-template <int kD>
-inline void accumulate_tile(float* acc, const float* w, const float* const* v, int ja, int jb) {
+template <int kD, typename Hook = NoHook>
+inline void accumulate_tile(float* acc, const float* w, const float* const* v, int ja, int jb, Hook hook = {}) {
   constexpr int W = head_lanes<kD>(), NV = kD / W, U = accumulate_chains<kD>();
   Vec<W> a[U][NV] = {};
   int j = ja;
   for (; j + U <= jb; j += U) {
+    hook();
     for (int u = 0; u < U; ++u) {
       const Vec<W> wj = splat<W>(w[j + u]);
       for (int i = 0; i < NV; ++i) a[u][i] = fmadd<W>(wj, load<W>(v[j + u] + i * W), a[u][i]);
@@ -377,14 +387,15 @@ inline void accumulate_tile(float* acc, const float* w, const float* const* v, i
 // accumulate_tile for two heads with the same slots (U = 1 only: one chain per element), each V
 // slice loaded once for both: acc0 += sum_j w0[j] * v[j], acc1 += sum_j w1[j] * v[j], in chunks of
 // four vectors (eight accumulator registers), every element still one chain over the tokens.
-template <int kD>
+template <int kD, typename Hook = NoHook>
 inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const float* w1, const float* const* v, int ja,
-                            int jb) {
+                            int jb, Hook hook = {}) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   static_assert(accumulate_chains<kD>() == 1 && NV % 4 == 0, "accumulate_pair: heads of whole 4-register chunks");
   for (int c = 0; c < NV; c += 4) {
     Vec<W> a0[4] = {}, a1[4] = {};
     for (int j = ja; j < jb; ++j) {
+      hook();
       const Vec<W> x0 = splat<W>(w0[j]), x1 = splat<W>(w1[j]);
       for (int i = 0; i < 4; ++i) {
         Vec<W> x = load<W>(v[j] + (c + i) * W);
@@ -404,10 +415,13 @@ inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const flo
 
 // sc[h, j] for the slots [ja, jb): a chain of fused multiply-adds over the head's kLanes-wide slices
 // (the last one zero-padded), then the hsum tree.
-inline void score_rows_runtime(const float* q, int G, int D, const float* const* k, int ja, int jb, float* sc) {
+template <typename Hook = NoHook>
+inline void score_rows_runtime(const float* q, int G, int D, const float* const* k, int ja, int jb, float* sc,
+                               Hook hook = {}) {
   for (int h = 0; h < G; ++h) {
     const float* qh = q + h * D;
     for (int j = ja; j < jb; ++j) {
+      hook();
       Vec<kLanes> dot = {};
       int d = 0;
       for (; d + kLanes <= D; d += kLanes) dot = fmadd<kLanes>(load<kLanes>(qh + d), load<kLanes>(k[j] + d), dot);
@@ -418,8 +432,11 @@ inline void score_rows_runtime(const float* q, int G, int D, const float* const*
 }
 
 // acc[0:D] += sum_j w[j] * v[j] over the slots [ja, jb): one chain per element, token after token.
-inline void accumulate_tile_runtime(float* acc, int D, const float* w, const float* const* v, int ja, int jb) {
+template <typename Hook = NoHook>
+inline void accumulate_tile_runtime(float* acc, int D, const float* w, const float* const* v, int ja, int jb,
+                                    Hook hook = {}) {
   for (int j = ja; j < jb; ++j) {
+    hook();
     const Vec<kLanes> wj = splat<kLanes>(w[j]);
     int d = 0;
     for (; d + kLanes <= D; d += kLanes) store<kLanes>(acc + d, fmadd<kLanes>(wj, load<kLanes>(v[j] + d), load<kLanes>(acc + d)));
