@@ -70,6 +70,7 @@ class Scheduler:
         self._sent_tables: dict[int, list[int]] = {}
         self._sent_released: dict[int, int] = {}  # released entries (sliding window) of those tables
         self._freed: list[int] = []
+        self.scheduled: list[Sequence] = []  # the Sequences of the last output's seq_ids, in order
         self._planned: list[Sequence] = []  # during schedule(): the sequences planned so far
         self._grown: list[Sequence] = []  # during schedule(): those whose table may have changed
         self._num_decode = 0  # during schedule(): decode tokens planned so far
@@ -83,7 +84,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Allocates blocks for every planned token."""
+        """Plan the next step. Allocates blocks for every planned token; ``scheduled`` then holds
+        the Sequences of the output's ``seq_ids``, in order."""
         out = SchedulerOutput()
         if self._freed:
             out.freed_seq_ids, self._freed = self._freed, []
@@ -125,7 +127,7 @@ class Scheduler:
 
         out.blocks_to_copy = bm.take_copies()
         self._fill_plan(out, self._planned)
-        self._planned, self._grown = [], []
+        self.scheduled, self._planned, self._grown = self._planned, [], []
         stats = self.stats
         stats.num_steps += 1
         stats.num_decode_tokens += self._num_decode
@@ -253,11 +255,11 @@ class Scheduler:
         """Retire finished (or dropped) sequences: out of every queue, blocks freed."""
         if not seqs:
             return
-        done = set(id(s) for s in seqs)
-        self.running = [s for s in self.running if id(s) not in done]
+        done = set(seqs)  # Sequences hash and compare by identity
+        self.running = [s for s in self.running if s not in done]
         if any(s.status is not SequenceStatus.RUNNING for s in seqs):
-            self.waiting = deque(s for s in self.waiting if id(s) not in done)
-            self.swapped = deque(s for s in self.swapped if id(s) not in done)
+            self.waiting = deque(s for s in self.waiting if s not in done)
+            self.swapped = deque(s for s in self.swapped if s not in done)
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             self.seqs.pop(seq.seq_id, None)
@@ -279,7 +281,7 @@ class Scheduler:
         """Drop every sequence and free their blocks (after an error). Also frees the blocks of
         any sequence the queues lost track of (an interrupt between two of their updates)."""
         dropped = list({id(s): s for s in [*self.running, *self.swapped, *self.waiting, *self.seqs.values()]}.values())
-        self.running, self.swapped, self.waiting, self.seqs = [], deque(), deque(), {}
+        self.running, self.swapped, self.waiting, self.seqs, self.scheduled = [], deque(), deque(), {}, []
         for seq in dropped:
             seq.status = SequenceStatus.FINISHED
             self._release(seq)
