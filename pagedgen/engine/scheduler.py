@@ -209,9 +209,8 @@ class Scheduler:
         """Plan ``running[i:]`` while each sequence's next tokens fit the last block it holds (the
         common decode step: no block taken, its table unchanged) and the token budget lasts; return
         the index of the first sequence not planned (``len(running)`` when all are) and the budget
-        left. Skips
-        sequences with nothing to compute (a beam waiting for its group). Leaves every sequence
-        from the returned index on as it was, so the caller can allocate (or preempt) for it."""
+        left. Skips sequences with nothing to compute (a beam waiting for its group). Leaves every
+        sequence from the returned index on as it was, so the caller can allocate (or preempt) for it."""
         running, planned, counts = self.running, self._planned, out.num_new_tokens
         sent, grown = self._sent_tables, self._grown
         append_in_place = self.block_manager.append_in_place
