@@ -100,3 +100,15 @@ def test_block_tables_unit():
     t.apply([], {11: (1, [5])})
     assert 11 not in t
     assert t.gather([11], 2, fallback=lambda seq_id: [4, 5]).tolist() == [[4, 5]]
+
+
+def test_block_tables_batched_writes():
+    """One apply frees a row and gives it to a new sequence, grows the columns and the rows with
+    cells pending: every row equals its table, zero-padded (the cells are written at once)."""
+    t = BlockTables(max_blocks=2, rows=2)
+    t.apply([], {1: (0, [5, 6]), 2: (0, [7])})
+    t.apply([1], {3: (0, [8]), 2: (1, [9, 10, 11]), 4: (0, [12, 13])})  # 3 takes 1's row; 2 grows the columns; 4 a row
+    assert 1 not in t and t.row_list(3) == [8] and t.row_list(2) == [7, 9, 10, 11] and t.row_list(4) == [12, 13]
+    assert t.gather([3, 2, 4], 4, fallback=None).tolist() == [[8, 0, 0, 0], [7, 9, 10, 11], [12, 13, 0, 0]]
+    t.apply([], {2: (1, [14])})  # a shorter table: the cells past it are zeroed
+    assert t.gather([2], 4, fallback=None).tolist() == [[7, 14, 0, 0]]

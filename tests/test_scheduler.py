@@ -103,3 +103,41 @@ def test_everything_finishes_and_pool_refills():
     assert all(s.status is SequenceStatus.FINISHED and s.finish_reason == "length" for s in seqs)
     assert [s.num_output_tokens for s in seqs] == [5 + i for i in range(12)]
     assert bm.num_free_blocks == 10
+
+
+def test_step_accounting_matches_the_plan_under_budget_cuts_and_preemption():
+    """Random workloads: the plan's tokens fit the budget, ``scheduled`` holds the planned Sequences,
+    running sequences keep their admission order, and the decode/prefill counters equal what the
+    plans say, token for token (a decode: one token after the prompt, the sequence's last)."""
+    import random
+
+    rng = random.Random(0)
+    preemptions = 0
+    for trial in range(20):
+        budget = rng.choice([1, 3, 7, 64])
+        # every sequence fits the pool alone (<= 19 tokens in >= 20 slots)
+        sched, bm = _make(num_blocks=rng.choice([20, 24, 60]), block_size=rng.choice([1, 2, 4]), max_num_seqs=rng.choice([2, 5, 8]), budget=budget)
+        for i in range(12):
+            sched.add(_seq(i, rng.randrange(1, 9), max_tokens=rng.randrange(1, 12)))
+        decode = prefill = 0
+        for _ in range(2000):
+            if not sched.has_unfinished():
+                break
+            order = {s.seq_id: k for k, s in enumerate(sched.running)}
+            out = sched.schedule()
+            assert [s.seq_id for s in sched.scheduled] == out.seq_ids
+            assert out.num_batched_tokens <= budget
+            kept = [order[i] for i in out.seq_ids if i in order]
+            assert kept == sorted(kept), "running sequences planned out of admission order"
+            for seq, c, n in zip(sched.scheduled, out.num_computed_tokens, out.num_new_tokens):
+                assert n > 0 and bm.num_tokens(seq.seq_id) == c + n
+                if n == 1 and seq.num_prompt_tokens <= c == seq.num_tokens - 1:
+                    decode += 1
+                else:
+                    prefill += n
+            _advance(sched, out)
+        assert not sched.has_unfinished(), f"trial {trial} did not finish"
+        assert (sched.stats.num_decode_tokens, sched.stats.num_prefill_tokens) == (decode, prefill)
+        assert bm.num_free_blocks == bm.num_blocks and bm.check() == []
+        preemptions += sched.stats.num_preemptions
+    assert preemptions > 0  # the pools are small enough to preempt

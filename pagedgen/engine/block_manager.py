@@ -308,17 +308,18 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if not table:
             return False
-        old = self._num_tokens.get(seq_id, 0)
+        old = self._num_tokens[seq_id]
         bs = self.block_size
         last = table[-1]
-        if old % bs == 0 or not old <= num_tokens <= len(table) * bs or self._ref_counts[last] != 1:
+        fill = num_tokens - (len(table) - 1) * bs  # slots of the last block that will hold tokens
+        if not old % bs or not old <= num_tokens or fill > bs or self._ref_counts[last] != 1:
             return False
         if self.sliding_window and self._window_start_block(old) > self._released.get(seq_id, 0):
             return False  # blocks to release: the table changes
         self._used_slots += num_tokens - old
-        self._filled[last] = num_tokens - (len(table) - 1) * bs
+        self._filled[last] = fill
         self._num_tokens[seq_id] = num_tokens
-        if self.enable_prefix_caching and token_ids is not None and num_tokens % bs == 0:
+        if fill == bs and self.enable_prefix_caching and token_ids is not None:
             self._name_full_blocks(seq_id, num_tokens, token_ids)
         return True
 

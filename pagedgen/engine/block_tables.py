@@ -9,7 +9,9 @@ A sequence gets a row when its table first reaches the runner (``block_table_upd
 whole then) and gives it back when the scheduler frees it (``freed_seq_ids``). A decode step
 mostly changes nothing here: a sequence takes a new block every ``block_size`` tokens, so the
 per-step cost is one ``index_select`` of the scheduled rows (vLLM v1's ``BlockTable`` in
-``vllm/v1/worker/block_table.py`` keeps its tables the same way).
+``vllm/v1/worker/block_table.py`` keeps its tables the same way). The cells a step changes (new
+blocks, copy-on-write, freed rows zeroed) are collected first and written with one ``index_put_``,
+not one tensor assignment per sequence.
 
 The runner sees every step's output in order, so the mirror always equals the block manager's
 tables (``tests/test_model_runner.py`` checks it through preemption, swapping and copy-on-write).
@@ -51,6 +53,7 @@ class BlockTables:
         self._row: dict[int, int] = {}  # seq_id -> row
         self._len: list[int] = [0] * self.table.shape[0]  # blocks held in each row
         self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))  # a stack: row 0 first
+        self._pending: dict[int, int] = {}  # cells not yet written: flat index into table -> block id
 
     def __len__(self) -> int:
         return len(self._row)
@@ -60,6 +63,7 @@ class BlockTables:
 
     def row_list(self, seq_id: int) -> list[int]:
         """The sequence's table as a list (for tests and debugging)."""
+        self._flush()
         row = self._row[seq_id]
         return self.table[row, : self._len[row]].tolist()
 
@@ -74,18 +78,23 @@ class BlockTables:
         for seq_id, (start, blocks) in updates.items():
             if start == 0 or seq_id in self._row:  # else the prefix is unknown here: gather's fallback fills it
                 self._set(seq_id, start, blocks)
+        self._flush()
 
     def gather(self, seq_ids: list[int], width: int, fallback: Callable[[int], list[int]]) -> torch.Tensor:
         """[len(seq_ids), width] int32: the tables of ``seq_ids`` in that order, cut or padded to
         ``width`` columns. ``fallback(seq_id)`` gives the table of a sequence without a row."""
         rows = self._row
-        for seq_id in seq_ids:
-            if seq_id not in rows:
-                self._set(seq_id, 0, fallback(seq_id))
+        try:
+            index = [rows[s] for s in seq_ids]
+        except KeyError:  # only after a rolled-back step, if at all
+            for seq_id in seq_ids:
+                if seq_id not in rows:
+                    self._set(seq_id, 0, fallback(seq_id))
+            self._flush()
+            index = [rows[s] for s in seq_ids]
         if width > self.table.shape[1]:
             self._grow(self.table.shape[0], width)
-        index = int_tensor([rows[s] for s in seq_ids], torch.int64)  # [n]
-        return self.table[:, :width].index_select(0, index)  # [n, width], a new contiguous tensor
+        return self.table[:, :width].index_select(0, int_tensor(index, torch.int64))  # [n, width], a new contiguous tensor
 
     # ----- internals -----------------------------------------------------------------------------
     def _set(self, seq_id: int, start: int, blocks: list[int]) -> None:
@@ -98,18 +107,28 @@ class BlockTables:
         end = start + len(blocks)
         if end > self.table.shape[1]:
             self._grow(self.table.shape[0], max(end, 2 * self.table.shape[1]))
-        if blocks:
-            self.table[row, start:end] = int_tensor(blocks, torch.int32)
+        base = row * self.table.shape[1] + start
+        self._pending.update(zip(range(base, base + len(blocks)), blocks))
         self._clear(row, end)
         self._len[row] = end
 
     def _clear(self, row: int, end: int) -> None:
         """Zero the row past ``end`` (what a shorter table left there)."""
-        if self._len[row] > end:
-            self.table[row, end : self._len[row]] = 0
-        self._len[row] = min(self._len[row], end)
+        old = self._len[row]
+        if old > end:
+            base = row * self.table.shape[1]
+            self._pending.update(dict.fromkeys(range(base + end, base + old), 0))
+            self._len[row] = end
+
+    def _flush(self) -> None:
+        """Write the pending cells into the table, in one ``index_put_``."""
+        if self._pending:
+            cells, self._pending = self._pending, {}
+            index = int_tensor(list(cells), torch.int64)  # [C] flat indices into the table
+            self.table.view(-1).index_put_((index,), int_tensor(list(cells.values()), torch.int32))
 
     def _grow(self, rows: int, cols: int) -> None:
+        self._flush()  # pending cells are flat indices for the old width
         old = self.table
         self.table = torch.zeros(rows, cols, dtype=torch.int32)
         self.table[: old.shape[0], : old.shape[1]] = old

@@ -257,14 +257,14 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.seq_ids:
             raise RuntimeError("scheduler planned an empty step with work pending (a request cannot fit the KV cache)")
-        bm, live = self.block_manager, self.scheduler.seqs
+        bm = self.block_manager
         self._last_util = bm.utilization()
         self._util_sum += self._last_util
         self._peak_blocks = max(self._peak_blocks, bm.num_used_blocks)
         savings = bm.sharing_savings()
         self._savings_sum += savings
         self._peak_savings = max(self._peak_savings, savings)
-        batch = ScheduledBatch(plan, [live[i] for i in plan.seq_ids])
+        batch = ScheduledBatch(plan, self.scheduler.scheduled)  # the Sequences of plan.seq_ids
         self._fork_parallel_samples(batch)
         out = self.model_runner.execute(batch, bm)
         for seq, n in zip(batch.seqs, plan.num_new_tokens):

@@ -160,16 +160,20 @@ class ModelRunner:
         bs = self.cache_config.block_size
         starts, counts = plan.num_computed_tokens, plan.num_new_tokens
         n = len(counts)
-        ends = [c + k for c, k in zip(starts, counts)]
-        query_start_loc = list(accumulate(counts, initial=0))  # n + 1 entries
         input_ids = list(chain.from_iterable(plan.token_ids))
         num_tokens = len(input_ids)
+        if num_tokens == n:  # pure decode: one token per sequence
+            ends = [c + 1 for c in starts]
+            query_start_loc = list(range(n + 1))
+        else:
+            ends = [c + k for c, k in zip(starts, counts)]
+            query_start_loc = list(accumulate(counts, initial=0))  # n + 1 entries
         max_seq_len = max(ends)
 
         self.block_tables.apply(plan.freed_seq_ids, plan.block_table_updates)
         tables = self.block_tables.gather(plan.seq_ids, -(-max_seq_len // bs), block_manager.block_table)  # [n, width]
         starts_t = int_tensor(starts, torch.int64)  # [n]
-        if num_tokens == n:  # pure decode: one token per sequence
+        if num_tokens == n:
             seq_index, positions = None, starts_t  # [T]
         else:
             seq_index = torch.repeat_interleave(torch.arange(n), int_tensor(counts, torch.int64), output_size=num_tokens)  # [T]
@@ -179,24 +183,7 @@ class ModelRunner:
         flat_block = rows * tables.shape[1] + torch.div(positions, bs, rounding_mode="floor")  # [T] into tables.view(-1)
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
-        logits_indices: list[int] = []
-        sampling: list[Sequence] = []
-        beam_rows: list[int] = []
-        beams: list[Sequence] = []
-        prompt_plan = PromptLogprobsPlan()
-        for seq, start, end, row_end in zip(batch.seqs, starts, ends, query_start_loc[1:]):
-            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                prompt_plan.add(seq, start, end, row_end - (end - start))
-            if end == len(seq.token_ids):
-                if seq.beam_group is not None:
-                    beam_rows.append(row_end - 1)
-                    beams.append(seq)
-                else:
-                    logits_indices.append(row_end - 1)
-                    sampling.append(seq)
-        for child, parent in batch.forked:  # parallel samples share their parent's last row
-            logits_indices.append(logits_indices[sampling.index(parent)])
-            sampling.append(child)
+        logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
         attn = AttentionMetadata(
             slot_mapping=self._to_device(slots),  # [T]
             block_tables=self._to_device(tables),  # [n, max_blocks]
@@ -211,6 +198,38 @@ class ModelRunner:
             self._to_device(int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64)),
         )
         return tensors, sampling, beams, prompt_plan
+
+    @staticmethod
+    def _logits_rows(batch: ScheduledBatch, starts: list[int], ends: list[int], query_start_loc: list[int]):
+        """The step's rows whose logits are wanted: (flat row of each sampling sequence's last token,
+        those sequences, the beams, the beams' rows, the prompt-logprobs plan). A sequence samples
+        when its computed tokens reach its end; a forked parallel sample repeats its parent's row."""
+        seqs = batch.seqs
+        prompt_plan = PromptLogprobsPlan()
+        if not any(seq.beam_group is not None or seq.prompt_logprobs is not None for seq in seqs):
+            samples = [end == len(seq.token_ids) for seq, end in zip(seqs, ends)]
+            if all(samples):  # the common step: every sequence samples from its last row
+                logits_indices, sampling = [r - 1 for r in query_start_loc[1:]], list(seqs)
+            else:  # some compute a prefill chunk that does not reach their end
+                logits_indices = [r - 1 for r, s in zip(query_start_loc[1:], samples) if s]
+                sampling = [seq for seq, s in zip(seqs, samples) if s]
+            beams, beam_rows = [], []
+        else:
+            logits_indices, sampling, beams, beam_rows = [], [], [], []
+            for seq, start, end, row_end in zip(seqs, starts, ends, query_start_loc[1:]):
+                if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                    prompt_plan.add(seq, start, end, row_end - (end - start))
+                if end == len(seq.token_ids):
+                    if seq.beam_group is not None:
+                        beam_rows.append(row_end - 1)
+                        beams.append(seq)
+                    else:
+                        logits_indices.append(row_end - 1)
+                        sampling.append(seq)
+        for child, parent in batch.forked:  # parallel samples share their parent's last row
+            logits_indices.append(logits_indices[sampling.index(parent)])
+            sampling.append(child)
+        return logits_indices, sampling, beams, beam_rows, prompt_plan
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host-built input on the model's device (skipped on the CPU, where it is already)."""

@@ -70,8 +70,10 @@ class Scheduler:
         self._sent_tables: dict[int, list[int]] = {}
         self._sent_released: dict[int, int] = {}  # released entries (sliding window) of those tables
         self._freed: list[int] = []
+        self.scheduled: list[Sequence] = []  # the Sequences of the last output's seq_ids, in order
         self._planned: list[Sequence] = []  # during schedule(): the sequences planned so far
         self._grown: list[Sequence] = []  # during schedule(): those whose table may have changed
+        self._num_decode = 0  # during schedule(): decode tokens planned so far
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -82,31 +84,26 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Allocates blocks for every planned token."""
+        """Plan the next step. Allocates blocks for every planned token; ``scheduled`` then holds
+        the Sequences of the output's ``seq_ids``, in order."""
         out = SchedulerOutput()
         if self._freed:
             out.freed_seq_ids, self._freed = self._freed, []
         self._planned = []  # the sequences of this step so far, in batch order
         self._grown = []  # those of them whose block table may differ from the one last sent
+        self._num_decode = 0  # of their tokens, those computed one at a time after the prompt
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
 
         # 1. Running sequences, oldest first: a decode token each, or the next prefill chunk.
         running = self.running
-        append_in_place = bm.append_in_place
         i = 0
-        while i < len(running) and budget > 0:
+        while budget > 0:
+            i, budget = self._plan_in_place(i, budget, out)  # the run of sequences whose tokens fit their last block
+            if i == len(running) or budget <= 0:
+                break
             seq = running[i]
-            token_ids = seq.token_ids
-            n = min(len(token_ids) - seq.num_computed_tokens, budget)
-            if n == 0:  # nothing to compute (a beam waiting for its group)
-                i += 1
-                continue
-            if append_in_place(seq.seq_id, seq.num_computed_tokens + n, token_ids):  # fits the last block
-                self._add(seq, n, out, same_table=True)
-                budget -= n
-                i += 1
-                continue
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)  # > 0: the run stopped here
             while not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = running.pop()  # the newest
                 self._preempt(victim, out)
@@ -130,8 +127,11 @@ class Scheduler:
 
         out.blocks_to_copy = bm.take_copies()
         self._fill_plan(out, self._planned)
-        self._planned, self._grown = [], []
-        self.stats.num_steps += 1
+        self.scheduled, self._planned, self._grown = self._planned, [], []
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_decode_tokens += self._num_decode
+        stats.num_prefill_tokens += sum(out.num_new_tokens) - self._num_decode
         return out
 
     def _fill_plan(self, out: SchedulerOutput, planned: list[Sequence]) -> None:
@@ -205,32 +205,60 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _plan_in_place(self, i: int, budget: int, out: SchedulerOutput) -> tuple[int, int]:
+        """Plan ``running[i:]`` while each sequence's next tokens fit the last block it holds (the
+        common decode step: no block taken, its table unchanged) and the token budget lasts; return
+        the index of the first sequence not planned (``len(running)`` when all are) and the budget
+        left. Skips sequences with nothing to compute (a beam waiting for its group). Leaves every
+        sequence from the returned index on as it was, so the caller can allocate (or preempt) for it."""
+        running, planned, counts = self.running, self._planned, out.num_new_tokens
+        sent, grown = self._sent_tables, self._grown
+        append_in_place = self.block_manager.append_in_place
+        num_decode = 0
+        end = len(running)
+        while i < end and budget > 0:
+            seq = running[i]
+            token_ids, c = seq.token_ids, seq.num_computed_tokens
+            n = len(token_ids) - c
+            if n == 1:  # a decode token, or the last prompt token (prefill)
+                if not append_in_place(seq.seq_id, c + 1, token_ids):
+                    break
+                if c >= seq.num_prompt_tokens:
+                    num_decode += 1
+            elif n:
+                n = min(n, budget)
+                if not append_in_place(seq.seq_id, c + n, token_ids):
+                    break
+            else:  # nothing to compute
+                i += 1
+                continue
+            planned.append(seq)
+            counts.append(n)
+            if seq.seq_id not in sent:  # new to a worker's mirror (a fork's first step)
+                grown.append(seq)
+            budget -= n
+            i += 1
+        self._num_decode += num_decode
+        return i, budget
+
     def _plan(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Allocate the slots of ``n`` more tokens of a running sequence and add it to the step."""
         self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids)
-        self._add(seq, n, out)
-
-    def _add(self, seq: Sequence, n: int, out: SchedulerOutput, same_table: bool = False) -> None:
-        """Add a sequence whose slots are allocated to the step, and count its tokens.
-        ``same_table``: its allocation took no block (its table is the one last sent, if any)."""
         self._planned.append(seq)
-        if not same_table or seq.seq_id not in self._sent_tables:
-            self._grown.append(seq)
+        self._grown.append(seq)
         out.num_new_tokens.append(n)
         if n == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == len(seq.token_ids) - 1:
-            self.stats.num_decode_tokens += 1
-        else:
-            self.stats.num_prefill_tokens += n
+            self._num_decode += 1
 
     def finish_many(self, seqs: list[Sequence]) -> None:
         """Retire finished (or dropped) sequences: out of every queue, blocks freed."""
         if not seqs:
             return
-        done = set(id(s) for s in seqs)
-        self.running = [s for s in self.running if id(s) not in done]
+        done = set(seqs)  # Sequences hash and compare by identity
+        self.running = [s for s in self.running if s not in done]
         if any(s.status is not SequenceStatus.RUNNING for s in seqs):
-            self.waiting = deque(s for s in self.waiting if id(s) not in done)
-            self.swapped = deque(s for s in self.swapped if id(s) not in done)
+            self.waiting = deque(s for s in self.waiting if s not in done)
+            self.swapped = deque(s for s in self.swapped if s not in done)
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             self.seqs.pop(seq.seq_id, None)
@@ -252,7 +280,7 @@ class Scheduler:
         """Drop every sequence and free their blocks (after an error). Also frees the blocks of
         any sequence the queues lost track of (an interrupt between two of their updates)."""
         dropped = list({id(s): s for s in [*self.running, *self.swapped, *self.waiting, *self.seqs.values()]}.values())
-        self.running, self.swapped, self.waiting, self.seqs = [], deque(), deque(), {}
+        self.running, self.swapped, self.waiting, self.seqs, self.scheduled = [], deque(), deque(), {}, []
         for seq in dropped:
             seq.status = SequenceStatus.FINISHED
             self._release(seq)

@@ -72,6 +72,16 @@ class Sequence:
     pending_forks: list = field(default_factory=list)
     beam_group: Optional[Any] = None  # the BeamGroup of a beam-search sequence
     beam_cum_logprob: float = 0.0
+    # what append_token checks at every token, computed once from the fields above: the token ids
+    # that may end the sequence (stop tokens, EOS unless ignore_eos) and the length it ends at
+    _stop_ids: frozenset = field(init=False, repr=False)
+    _max_len: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self._stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        limit = self.max_model_len
+        self._max_len = limit if params.max_tokens is None else min(limit, self.num_prompt_tokens + params.max_tokens)
 
     def fork(self, seq_id: int, index: int, generator=None, detokenizer=None) -> "Sequence":
         """A copy of this sequence's state under a new id (the block manager forks its blocks)."""
@@ -112,18 +122,14 @@ class Sequence:
         """Add a sampled token and decide whether the sequence ends here. Returns True if it does."""
         token_ids = self.token_ids
         token_ids.append(token_id)
-        num_output_tokens = len(token_ids) - self.num_prompt_tokens
-        params = self.sampling_params
-        detok = self.detokenizer
-        if num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
+        if token_id in self._stop_ids and len(token_ids) - self.num_prompt_tokens >= self.sampling_params.min_tokens:
+            if not self.sampling_params.ignore_eos and token_id in self.eos_token_ids:
                 return self._finish("stop", None, token_id)
-            if token_id in params.stop_token_ids:
-                return self._finish("stop", token_id, token_id)
+            return self._finish("stop", token_id, token_id)
+        detok = self.detokenizer
         if detok is not None and detok.append(token_id) is not None:
             return self._finish("stop", detok.stop_reason)
-        max_tokens = params.max_tokens
-        if (max_tokens is not None and num_output_tokens >= max_tokens) or len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self._max_len:  # max_tokens or max_model_len
             return self._finish("length", None)
         return False
 
