@@ -24,11 +24,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedgen.engine.huge_pages import advise_huge_pages
 from pagedgen.ops import extension_available, extension_error
 
 CLOCK = time.perf_counter  # --clock thread: time.thread_time
-HUGE_PAGES = True  # --huge-pages off: 4 KiB pages for the caches
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,8 +43,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="thread: CPU time of the calling thread, on one thread (robust to other load on the machine)")
-    p.add_argument("--huge-pages", choices=["on", "off"], default="on",
-                   help="back the caches with transparent huge pages, as the engine does (off: 4 KiB pages)")
     p.add_argument("--quick", action="store_true", help="prefill 256, decode 8 x 256, head size 64, 3 rounds")
     args = p.parse_args(argv)
     if args.quick:
@@ -88,9 +84,6 @@ def paged_cache(k: torch.Tensor, v: torch.Tensor, block_size: int, shuffle: bool
     order = torch.randperm(S * blocks) if shuffle else torch.arange(S * blocks)
     shape, dtype = (S * blocks, block_size, Hkv, D), k.dtype
     key_cache, value_cache = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-    if HUGE_PAGES:  # as the engine allocates its CPU cache (pagedgen/engine/huge_pages.py)
-        advise_huge_pages(key_cache)
-        advise_huge_pages(value_cache)
     key_cache[order] = blocked(k)  # logical block i of the batch lives in physical block order[i]
     value_cache[order] = blocked(v)
     return key_cache, value_cache, order.view(S, blocks).to(torch.int32)
@@ -137,15 +130,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not extension_available("cpu"):
         raise SystemExit(f"needs the compiled kernels: {extension_error('cpu')}")
-    global CLOCK, HUGE_PAGES
-    HUGE_PAGES = args.huge_pages == "on"
     if args.clock == "thread":
+        global CLOCK
         CLOCK, args.threads = time.thread_time, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads, heads {args.num_heads}/{args.num_kv_heads} (q/kv), block size "
-          f"{args.block_size}; median ms over {args.rounds} interleaved rounds ({args.clock} clock); huge pages {args.huge_pages}")
+          f"{args.block_size}; median ms over {args.rounds} interleaved rounds ({args.clock} clock)")
     print(f"{'workload':<30} {'dtype':<9} {'head':>4} {'paged':>9} {'contig tbl':>10} {'sdpa':>9} "
           f"{'sdpa/paged':>10} {'paging price':>12} {'max diff':>9}")
     workloads = [("decode", f"decode {args.num_seqs} x {args.context_len} ctx")]

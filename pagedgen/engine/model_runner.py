@@ -38,7 +38,6 @@ from pagedgen.config import CacheConfig
 from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.block_tables import BlockTables, int_tensor
 from pagedgen.engine.cuda_graphs import CUDAGraphRunner
-from pagedgen.engine.huge_pages import advise_huge_pages
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
@@ -121,15 +120,11 @@ class ModelRunner:
         self.sampler = sampler
         cfg = model.config
         shape = (cache_config.num_blocks, cache_config.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # torch.empty: pages are only touched when a block is first written; on the CPU they come as
-        # 2 MiB huge pages where Linux allows (fewer TLB misses over scattered blocks: huge_pages.py)
+        # torch.empty: pages are only touched when a block is first written
         self.kv_caches = [
             (torch.empty(shape, dtype=cfg.dtype, device=model.device), torch.empty(shape, dtype=cfg.dtype, device=model.device))
             for _ in range(cfg.num_layers)
         ]
-        for kv in self.kv_caches:
-            for t in kv:
-                advise_huge_pages(t)
         # CPU swap space for swap preemption, same layout: [num_cpu_blocks, block_size, num_kv_heads, head_dim]
         cpu_shape = (cache_config.num_cpu_blocks,) + shape[1:]
         pin = model.device.type == "cuda"
