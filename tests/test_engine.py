@@ -132,3 +132,26 @@ def test_scheduler_output_is_plain_data_a_worker_can_apply(stories_path, prompts
     assert all(o.finished for o in outs)
     assert seen["preempted"] > 0 and seen["cow"] > 0 and seen["freed"] > 0
     assert set(mirror) == set(engine.scheduler._freed)  # the next step's output would free the rest
+
+
+def test_one_sampling_params_for_many_requests_is_checked_once_and_changes_are_seen(llm):
+    """add_request reuses the checked copy of an unchanged SamplingParams object (a data set through
+    the engine API); a change to that object after a request is queued is checked again and does
+    not reach the requests already queued."""
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", "Once upon a time", sp)
+    engine.add_request("b", "The dog", sp)
+    a, b = engine._requests["a"].params, engine._requests["b"].params
+    assert a is b and a is not sp and a == sp
+    sp.max_tokens = 5
+    engine.add_request("c", "The cat", sp)
+    c = engine._requests["c"].params
+    assert c is not a and c.max_tokens == 5 and a.max_tokens == 3
+    sp.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("d", "A bird", sp)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert {k: len(o.outputs[0].token_ids) for k, o in outs.items()} == {"a": 3, "b": 3, "c": 5}

@@ -76,6 +76,7 @@ class RequestProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self._last_checked: Optional[tuple[SamplingParams, SamplingParams]] = None  # (caller's object, checked copy)
 
     # ----- in ------------------------------------------------------------------------------------
     def process(self, request_id: str, prompt, params: Optional[Params]) -> Request:
@@ -143,7 +144,15 @@ class RequestProcessor:
             return params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where} must be a SamplingParams or a BeamSearchParams, got {type(params).__name__}")
-        return inputs.checked_params(params, where, self.vocab_size, self.max_num_seqs)
+        # many requests with one SamplingParams (a data set through add_request): the checked copy
+        # of the last one is reused while the caller's object still equals it (the engine never
+        # changes a checked copy; a generate call shares one per SamplingParams the same way)
+        last = self._last_checked
+        if last is not None and last[0] is params and params == last[1]:
+            return last[1]
+        checked = inputs.checked_params(params, where, self.vocab_size, self.max_num_seqs)
+        self._last_checked = (params, checked)
+        return checked
 
     def new_stream(self, request: Request):
         """An incremental detokenizer for one completion of ``request`` when it has stop strings
