@@ -3,8 +3,8 @@ abort_request), one input row per request.
 
 Rows are admitted in input order while fewer than ``max_in_flight`` run and the writer's reorder
 buffer has room; they are read and made into requests up to ``READ_AHEAD`` (at most
-``max_in_flight``) at a time (their texts
-tokenized in one call, ``RequestBuilder.build_many``), then added one by one. Each row is validated
+``max_in_flight``) at a time, their texts tokenized in one call (``RequestBuilder.build_many``),
+then added one by one. Each row is validated
 on its own (``add_request`` raises for a bad one and leaves the engine as it was), so a bad row is
 caught where it is and the rest go on (``--on-error skip``) or the run stops after the rows before
 it finish (``stop``; rows read ahead after it are not added). SIGINT/SIGTERM stop the admission;
