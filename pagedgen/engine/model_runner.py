@@ -201,14 +201,9 @@ class ModelRunner:
         when its computed tokens reach its end; a forked parallel sample repeats its parent's row."""
         seqs = batch.seqs
         prompt_plan = PromptLogprobsPlan()
-        if not any(seq.beam_group is not None or seq.prompt_logprobs is not None for seq in seqs):
-            samples = [end == len(seq.token_ids) for seq, end in zip(seqs, ends)]
-            if all(samples):  # the common step: every sequence samples from its last row
-                logits_indices, sampling = [r - 1 for r in query_start_loc[1:]], list(seqs)
-            else:  # some compute a prefill chunk that does not reach their end
-                logits_indices = [r - 1 for r, s in zip(query_start_loc[1:], samples) if s]
-                sampling = [seq for seq, s in zip(seqs, samples) if s]
-            beams, beam_rows = [], []
+        if all(end == len(seq.token_ids) and seq.beam_group is None and seq.prompt_logprobs is None
+               for seq, end in zip(seqs, ends)):  # the common step: every sequence samples from its last row
+            logits_indices, sampling, beams, beam_rows = [r - 1 for r in query_start_loc[1:]], list(seqs), [], []
         else:
             logits_indices, sampling, beams, beam_rows = [], [], [], []
             for seq, start, end, row_end in zip(seqs, starts, ends, query_start_loc[1:]):
