@@ -1,6 +1,7 @@
 """The command line: prompts file in, completions .jsonl out, summary on stderr (in-process here;
 ``python -m pagedgen`` runs as a subprocess in test_cli_interrupt.py); a user error is one
 `pagedgen: error:` line and exit code 2 (more in test_cli_formats.py and test_cli_errors.py)."""
+import gc
 import json
 import os
 
@@ -40,6 +41,7 @@ def test_cli_text_file_and_bad_input(stories_path, tmp_path, capsys):
     rc, err = run_cli(capsys, "--model", stories_path, "--input", txt, "--output", tmp_path / "o.jsonl", "--max-tokens", "4")
     assert rc == 0, err
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 2
+    assert gc.get_freeze_count() == 0  # the run freezes the heap (full collections skip the model) and unfreezes it after
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     rc, err = run_cli(capsys, "--model", stories_path, "--input", bad, "--output", tmp_path / "x.jsonl")
@@ -47,6 +49,7 @@ def test_cli_text_file_and_bad_input(stories_path, tmp_path, capsys):
     assert rc == 2 and f"{bad}: line 2: no field 'prompt' (fields: text); use --prompt-field" in err
     assert "1 rows are in" in err and "--on-error skip" in err and "Traceback" not in err
     assert len((tmp_path / "x.jsonl").read_text().splitlines()) == 1
+    assert gc.get_freeze_count() == 0  # also when the run stops at a bad row
     rc, err = run_cli(capsys, "--model", stories_path, "--input", tmp_path / "missing.jsonl", "--output", tmp_path / "y.jsonl")
     assert rc == 2 and "No such file" in err
     rc, err = run_cli(capsys, "--model", stories_path, "--input", txt, "--output", tmp_path / "y.jsonl", "--temperature", "-1")
