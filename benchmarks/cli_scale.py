@@ -79,9 +79,9 @@ def write_rows(path: str, n: int, texts: list[str]) -> None:
             f.write(json.dumps({"id": i, "prompt": texts[i % len(texts)]}) + "\n")
 
 
-def run_child(cmd: list[str], env: dict) -> tuple[float, int, str, str]:
-    """(wall seconds, peak RSS in bytes, stdout, stderr) of ``cmd``, its own rusage read with
-    os.wait4; raises on a non-zero exit."""
+def run_child(cmd: list[str], env: dict) -> tuple[float, int, str, str, float]:
+    """(wall seconds, peak RSS in bytes, stdout, stderr, CPU seconds: user + system) of ``cmd``,
+    its own rusage read with os.wait4; raises on a non-zero exit."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -93,7 +93,7 @@ def run_child(cmd: list[str], env: dict) -> tuple[float, int, str, str]:
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:5])} ... exited with {proc.returncode}:\n{stderr[-3000:]}")
-    return wall, usage.ru_maxrss * 1024, stdout, stderr  # ru_maxrss: KiB on Linux
+    return wall, usage.ru_maxrss * 1024, stdout, stderr, usage.ru_utime + usage.ru_stime  # ru_maxrss: KiB on Linux
 
 
 def cli_cmd(model: str, src: str, dst: str, max_tokens: int, max_num_seqs: int) -> list[str]:
@@ -130,35 +130,36 @@ def main(argv=None) -> dict:
             for side in ("cli", "generate"):
                 dst = os.path.join(tmp, f"{side}.jsonl")
                 if side == "cli":
-                    wall, rss, _, err = run_child(cli_cmd(model, src, dst, args.max_tokens, args.max_num_seqs), env)
+                    wall, rss, _, err, cpu = run_child(cli_cmd(model, src, dst, args.max_tokens, args.max_num_seqs), env)
                     loop = cli_loop_seconds(err)
                 else:
                     cmd = [sys.executable, "-c", GENERATE_SCRIPT, model, src, dst, str(args.max_tokens), str(args.max_num_seqs)]
-                    wall, rss, out, _ = run_child(cmd, env)
+                    wall, rss, out, _, cpu = run_child(cmd, env)
                     loop = json.loads(out.strip().splitlines()[-1])["loop_s"]
-                sides[side].append({"wall_s": wall, "loop_s": loop, "peak_rss": rss})
-                print(f"  run {r + 1}/{args.repeats} {side:8s} loop {loop:7.2f} s  wall {wall:7.2f} s  peak RSS {rss / 2**20:7.1f} MiB", flush=True)
+                sides[side].append({"wall_s": wall, "loop_s": loop, "peak_rss": rss, "cpu_s": cpu})
+                print(f"  run {r + 1}/{args.repeats} {side:8s} loop {loop:7.2f} s  wall {wall:7.2f} s  CPU {cpu:7.2f} s  "
+                      f"peak RSS {rss / 2**20:7.1f} MiB", flush=True)
         tokens = args.rows * args.max_tokens
         for side, runs in sides.items():
-            results[side] = {k: statistics.median(run[k] for run in runs) for k in ("wall_s", "loop_s", "peak_rss")}
+            results[side] = {k: statistics.median(run[k] for run in runs) for k in ("wall_s", "loop_s", "peak_rss", "cpu_s")}
             results[side]["output_tok_s"] = tokens / results[side]["loop_s"]
         results["cli_vs_generate_throughput"] = results["cli"]["output_tok_s"] / results["generate"]["output_tok_s"]
         rss_runs = {}
         for n in args.rss_rows:
             big = os.path.join(tmp, f"rss{n}.jsonl")
             write_rows(big, n, texts)
-            wall, rss, _, err = run_child(cli_cmd(model, big, os.path.join(tmp, "rss-out.jsonl"), 1, args.max_num_seqs), env)
+            wall, rss, _, err, _ = run_child(cli_cmd(model, big, os.path.join(tmp, "rss-out.jsonl"), 1, args.max_num_seqs), env)
             rss_runs[n] = {"peak_rss": rss, "wall_s": wall, "loop_s": cli_loop_seconds(err)}
             os.remove(big)
             print(f"  CLI on {n:,} one-token rows: peak RSS {rss / 2**20:.1f} MiB, loop {rss_runs[n]['loop_s']:.1f} s", flush=True)
         results["rss"] = rss_runs
     lo, hi = min(args.rss_rows), max(args.rss_rows)
     print()
-    print(f"| {args.rows:,} rows x {args.max_tokens} tokens (medians of {args.repeats}) | loop s | wall s | output tok/s (loop) | peak RSS MiB |")
-    print("|---|---|---|---|---|")
+    print(f"| {args.rows:,} rows x {args.max_tokens} tokens (medians of {args.repeats}) | loop s | wall s | process CPU s | output tok/s (loop) | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
     for side, name in (("generate", "read rows + LLM.generate + write"), ("cli", "pagedgen CLI")):
         s = results[side]
-        print(f"| {name} | {s['loop_s']:.2f} | {s['wall_s']:.2f} | {s['output_tok_s']:,.0f} | {s['peak_rss'] / 2**20:.0f} |")
+        print(f"| {name} | {s['loop_s']:.2f} | {s['wall_s']:.2f} | {s['cpu_s']:.2f} | {s['output_tok_s']:,.0f} | {s['peak_rss'] / 2**20:.0f} |")
     print(f"\nCLI / LLM.generate throughput: {results['cli_vs_generate_throughput']:.3f}")
     print(f"CLI peak RSS: {rss_runs[lo]['peak_rss'] / 2**20:.0f} MiB at {lo:,} rows, {rss_runs[hi]['peak_rss'] / 2**20:.0f} MiB at "
           f"{hi:,} rows (x{rss_runs[hi]['peak_rss'] / rss_runs[lo]['peak_rss']:.2f})")
