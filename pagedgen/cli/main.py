@@ -249,17 +249,15 @@ def _remaining(rows: Iterator, done: resume.DoneSet, tracker: sidecar.InputTrack
 
 def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_output: int) -> int:
     max_in_flight = args.max_in_flight or 2 * llm.scheduler_config.max_num_seqs
-    tracker = sidecar.InputTracker()
+    tracker = sidecar.InputTracker(keep_from=car.input_rows)
     stats = progress_mod.RunStats()
     outcome = Outcome()
 
-    def verified() -> dict:
-        # after a bad row the prefix stops before it (rows read ahead after it too), so that fixing it keeps the prefix
-        return tracker.state_before(outcome.bad_row[0].index) if outcome.bad_row is not None else tracker.state()
-
     def before_write(top_index: int) -> None:
+        # the prefix ends with the highest row written, never with the rows read ahead (a bad row among
+        # them is not written: fixing it must keep the prefix valid)
         if top_index >= car.input_rows:
-            car.update_input(verified())
+            car.update_input(tracker.state_through(top_index))
 
     writer = RowWriter(Appender(args.output), Appender(out_errors), ordered=not args.unordered, max_buffered=args.reorder_buffer,
                        flush_rows=args.flush_rows, flush_seconds=args.flush_seconds, before_write=before_write)
@@ -281,7 +279,6 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
             run_rows(llm, remaining, builder, writer, spec, settings, stats, bar, signals, outcome)
         with _UserErrors(write_error):
             writer.close()
-            car.update_input(verified())
     except BaseException:
         bar.close()
         with _UserErrors(write_error):  # keep what finished (in order) before reporting

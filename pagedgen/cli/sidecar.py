@@ -1,11 +1,12 @@
 """The sidecar file ``OUTPUT.pagedgen.json``: what an output file was made from, so that a rerun resumes
 only when the input, the model and the parameters are those of the run that started it.
 
-- **Input**: the SHA-256 of the input's first ``bytes`` bytes, which hold every row an output line
-  can come from (rows ``0 .. rows-1``). The runner hashes the bytes as it reads them (row spans,
-  see ``readers``) and rewrites the sidecar *before* any row past its ``rows`` is written, so the
-  check always covers every finished row. A rerun re-hashes that prefix (about 1 s per GB) and
-  compares: an input replaced, truncated or edited anywhere before the last row read is refused;
+- **Input**: the SHA-256 of the input's first ``bytes`` bytes, rows ``0 .. rows-1``, where row
+  ``rows-1`` is the highest row in the output (or the errors file). The runner hashes the bytes as
+  it reads them (row spans, see ``readers``) and, *before* a row past ``rows`` is written, rewrites
+  the sidecar to end with that row, so the check always covers every finished row and never a row
+  read ahead but not written (a bad row the run stopped at, or rows after it). A rerun re-hashes that prefix (about 1 s per GB) and
+  compares: an input replaced, truncated or edited anywhere before the last row written is refused;
   rows after it may change (a fixed bad row, appended rows). Parquet has no row byte ranges: its
   whole file is hashed instead. From stdin the prefix is checked as the rows stream in.
 - **Model**: size and SHA-256 of config.json, the tokenizer files and the safetensors index; for
@@ -87,34 +88,47 @@ def model_fingerprint(folders: list[str]) -> dict:
 class InputTracker:
     """The running SHA-256 of the input's bytes, fed one row span at a time, in row order.
 
-    ``state()`` covers every row read so far; ``state_before(index)`` stops before row ``index``,
-    one of the last ``KEEP`` rows read (a run that stops at a bad row records that, so fixing the
-    row keeps the prefix valid; the runner reads a few rows ahead of the one it adds).
+    ``state()`` covers every row read so far; ``state_through(index)`` ends with row ``index``. The
+    sidecar records ``state_through`` the highest row written, never the rows read: the runner
+    reads rows ahead of the ones it adds (a bad row among them, and rows after it, are never
+    written), so the recorded prefix holds only rows up to the last one in the output and fixing
+    a bad row keeps it valid.
+
+    Args:
+        keep_from: the first row index whose state is kept (rows before it are covered by the
+            sidecar already); ``state_through`` forgets the rows before the one it is asked for,
+            so the states kept are those of the rows read but not yet written.
     """
 
-    KEEP = 1024  # rows whose prefix state is kept: more than the runner reads ahead (runner.READ_AHEAD)
-
-    def __init__(self) -> None:
+    def __init__(self, keep_from: int = 0) -> None:
         self._hash = hashlib.sha256()
         self.bytes = 0
         self.rows = 0
-        self._before: collections.deque = collections.deque(maxlen=self.KEEP)  # (row index, bytes, rows, hash)
+        self.keep_from = keep_from
+        self._after: collections.deque = collections.deque()  # (row index, bytes, hash) after each row
 
     def feed(self, span: bytes, rows_after: int) -> None:
-        self._before.append((rows_after - 1, self.bytes, self.rows, self._hash.copy()))
         self._hash.update(span)
         self.bytes += len(span)
         self.rows = rows_after
+        if rows_after - 1 >= self.keep_from:
+            self._after.append((rows_after - 1, self.bytes, self._hash.copy()))
 
     def state(self) -> dict:
         return {"bytes": self.bytes, "rows": self.rows, "sha256": self._hash.hexdigest()}
 
-    def state_before(self, index: int) -> dict:
-        """The state before row ``index`` was fed. Raises KeyError if it is not among the last KEEP rows."""
-        for row, nbytes, rows, h in reversed(self._before):
-            if row == index:
-                return {"bytes": nbytes, "rows": rows, "sha256": h.hexdigest()}
-        raise KeyError(f"row {index} is not among the last {self.KEEP} rows read")
+    def state_through(self, index: int) -> dict:
+        """The state after row ``index`` was fed (rows ``0 .. index``); forgets the rows before it.
+
+        Raises:
+            KeyError: row ``index`` was not fed, or is before ``keep_from`` or an earlier call's row.
+        """
+        while self._after and self._after[0][0] < index:
+            self._after.popleft()
+        if not self._after or self._after[0][0] != index:
+            raise KeyError(f"the input state after row {index} is not kept")
+        _, nbytes, h = self._after[0]
+        return {"bytes": nbytes, "rows": index + 1, "sha256": h.hexdigest()}
 
 
 class Sidecar:
@@ -159,7 +173,7 @@ class Sidecar:
         return self.data["input"].get("rows", 0)
 
     def update_input(self, state: dict) -> None:
-        """Record a longer verified input prefix (never a shorter one) and save."""
+        """Record a longer verified input prefix (never a shorter one: rows in the output stay in it) and save."""
         if state["rows"] > self.input_rows:
             self.data["input"].update(state)
             self.save()
@@ -190,8 +204,8 @@ class Sidecar:
         digest, got = hash_prefix(path, recorded["bytes"])
         if got < recorded["bytes"] or digest != recorded["sha256"]:
             raise CLIError(
-                f"{what}: its first {recorded['bytes']:,} bytes (rows 0-{recorded['rows'] - 1}, which rows already in "
-                f"the output came from) {'are missing' if got < recorded['bytes'] else 'differ'}; {hint}"
+                f"{what}: its first {recorded['bytes']:,} bytes (rows 0-{recorded['rows'] - 1}; the output holds "
+                f"rows up to row {recorded['rows'] - 1}) {'are missing' if got < recorded['bytes'] else 'differ'}; {hint}"
             )
 
 

@@ -1,0 +1,41 @@
+"""Resume edge cases of the CLI's exactly-once rules (docs/cli.md, "Resuming"): the recorded input
+prefix after a stop at a bad row, foreign lines at the end of an output, outputs whose names differ
+only by ``.jsonl``, two runs on one output at once, and an input whose last line was still being
+written (in-process runs on stories260K, a few rows, a few tokens)."""
+import json
+
+import pytest
+
+from cli_util import error_lines, read_jsonl, run_cli
+from conftest import story_openings
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPTS = story_openings(24)
+
+
+def _base(stories_path, src, dst, *extra):
+    return ("--model", stories_path, "--input", src, "--output", dst, "--temperature", "0", "--max-tokens", 2, *extra)
+
+
+def _openai_line(i, max_tokens, bad=False):
+    body = {"prompt": PROMPTS[i], "max_tokens": max_tokens, **({"temperature": -1} if bad else {})}
+    return json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n"
+
+
+@pytest.mark.parametrize("rows, bad, max_in_flight, order", [(24, 20, 8, []), (12, 5, 2, ["--unordered"])])
+def test_fixing_a_bad_row_after_rows_read_ahead_resumes(rows, bad, max_in_flight, order, stories_path, tmp_path, capsys):
+    """Rows are read ahead of the one being added (shapes found to write rows while the bad row,
+    already read, waits): the prefix the sidecar records must still end before the bad row, so that
+    fixing it, as the message says, resumes."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(_openai_line(i, [1, 3][i % 2], i == bad) for i in range(rows)))
+    flags = ("--max-num-seqs", 4, "--max-in-flight", max_in_flight, "--flush-rows", 1, *order)
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
+    assert rc == 2 and f"{src}: line {bad + 1}: " in err and f"{bad} rows are in" in err, err
+    written = sorted(int(r["id"].removeprefix("batch_req_")) for r in read_jsonl(dst))
+    assert written == list(range(bad))
+    assert json.loads((tmp_path / "out.pagedgen.json").read_text())["input"]["rows"] == bad  # not past the bad row
+    src.write_text("".join(_openai_line(i, [1, 3][i % 2]) for i in range(rows)))
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
+    assert rc == 0 and f"{rows - bad} generated, {bad} skipped as already done" in err, err
+    assert sorted(int(r["id"].removeprefix("batch_req_")) for r in read_jsonl(dst)) == list(range(rows))
