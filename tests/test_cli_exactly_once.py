@@ -39,3 +39,20 @@ def test_fixing_a_bad_row_after_rows_read_ahead_resumes(rows, bad, max_in_flight
     rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
     assert rc == 0 and f"{rows - bad} generated, {bad} skipped as already done" in err, err
     assert sorted(int(r["id"].removeprefix("batch_req_")) for r in read_jsonl(dst)) == list(range(rows))
+
+
+def test_complete_foreign_lines_at_the_end_are_refused_not_cut(stories_path, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    assert run_cli(capsys, *_base(stories_path, src, dst))[0] == 0
+    rows = dst.read_bytes().splitlines(keepends=True)
+    dst.write_bytes(b"".join(rows[:2]))  # a partial output (row 2 not written yet) ...
+    for notes in ([b'{"note": "row 0 checked"}\n', b'{"note": "row 1 checked"}\n'], [b'{"note": "looks fine"}\n']):
+        with open(dst, "wb") as f:  # ... with complete lines someone appended
+            f.write(b"".join(rows[:2] + notes))
+        rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+        assert rc == 2 and error_lines(err) and f"{dst}:3: " in error_lines(err)[0], err
+        assert "cut" not in err and dst.read_bytes() == b"".join(rows[:2] + notes)
+    dst.write_bytes(b"".join(rows[:2]) + rows[2][:10])  # an unfinished last line is still repaired
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 0 and "cut 10 bytes of an unfinished last line" in err and dst.read_bytes() == b"".join(rows)

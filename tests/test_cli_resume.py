@@ -75,10 +75,18 @@ def test_scan_done_rows_and_repair_torn_tail(tmp_path):
     assert scan.torn_bytes == 4096
     out.write_bytes(good + b'{"index": 5, "x": \0\0\0}\n')
     assert resume.scan(str(out), "rows", resume.DoneSet()).good_bytes == len(good)
-    # ... but a bad line followed by good ones is not a torn write: refused
-    out.write_bytes(_line(0) + b"garbage\n" + _line(1))
-    with pytest.raises(CLIError, match=r"out.jsonl:2: not a row pagedgen writes, with finished rows after it"):
-        resume.scan(str(out), "rows", resume.DoneSet())
+    # ... but a bad line followed by other lines is not a torn write: refused, whatever follows it
+    for tail in (_line(1), b"more garbage\n", b'{"note": 2}\n'):
+        out.write_bytes(_line(0) + b"garbage\n" + tail)
+        with pytest.raises(CLIError, match=r"out.jsonl:2: not a row pagedgen writes, with more lines after it"):
+            resume.scan(str(out), "rows", resume.DoneSet())
+    # nor is a complete, valid JSON last line that is not a row: refused, never deleted
+    for tail in (b'{"note": "checked by hand"}\n', b'{"index": "x"}\n', b"[1, 2]\n"):
+        out.write_bytes(good + tail)
+        with pytest.raises(CLIError, match=r"out.jsonl:4: a complete line that is not a row pagedgen writes"):
+            resume.scan(str(out), "rows", resume.DoneSet())
+    out.write_bytes(good + b'{"note": "unfinished"}')  # valid JSON but no newline: a torn write
+    assert resume.scan(str(out), "rows", resume.DoneSet()).good_bytes == len(good)
     out.write_bytes(_line(0) + _line(0))
     with pytest.raises(CLIError, match="row 0 is written twice"):
         resume.scan(str(out), "rows", resume.DoneSet())
