@@ -56,3 +56,33 @@ def test_complete_foreign_lines_at_the_end_are_refused_not_cut(stories_path, tmp
     dst.write_bytes(b"".join(rows[:2]) + rows[2][:10])  # an unfinished last line is still repaired
     rc, err = run_cli(capsys, *_base(stories_path, src, dst))
     assert rc == 0 and "cut 10 bytes of an unfinished last line" in err and dst.read_bytes() == b"".join(rows)
+
+
+def test_outputs_named_with_and_without_jsonl_keep_their_own_files(stories_path, tmp_path, capsys):
+    """``res`` and ``res.jsonl`` share ``res.pagedgen.json`` and ``res.errors.jsonl``: the sidecar
+    records its output, and another output's files are never used, replaced or deleted."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
+    res_jsonl, res = tmp_path / "res.jsonl", tmp_path / "res"
+    car, errors = tmp_path / "res.pagedgen.json", tmp_path / "res.errors.jsonl"
+    assert run_cli(capsys, *_base(stories_path, src, res_jsonl, "--on-error", "skip"))[0] == 0
+    files = {p: p.read_bytes() for p in (res_jsonl, car, errors)}
+    for extra in ([], ["--overwrite"]):
+        rc, err = run_cli(capsys, *_base(stories_path, src, res, "--on-error", "skip", *extra))
+        assert rc == 2 and f"belong to --output {str(res_jsonl)!r}" in err and "choose another output name" in err, err
+        assert not res.exists() and {p: p.read_bytes() for p in files} == files
+    rc, err = run_cli(capsys, *_base(stories_path, src, res_jsonl, "--on-error", "skip"))
+    assert rc == 0 and "0 generated, 2 skipped as already done" in err, err
+    res_jsonl.unlink()  # its files are left over: reused only with --overwrite
+    rc, err = run_cli(capsys, *_base(stories_path, src, res, "--on-error", "skip"))
+    assert rc == 2 and "which no longer exists: pass --overwrite" in err, err
+    rc, err = run_cli(capsys, *_base(stories_path, src, res, "--on-error", "skip", "--overwrite"))
+    assert rc == 0 and json.loads(car.read_text())["output"] == "res" and len(read_jsonl(res)) == 1, err
+    # an older sidecar (no "output") belongs to whichever of the two names exists
+    data = json.loads(car.read_text())
+    del data["output"]
+    car.write_text(json.dumps(data))
+    rc, err = run_cli(capsys, *_base(stories_path, src, res_jsonl, "--on-error", "skip"))
+    assert rc == 2 and f"belong to --output {str(res)!r}" in err, err
+    rc, err = run_cli(capsys, *_base(stories_path, src, res, "--on-error", "skip"))
+    assert rc == 0 and "2 skipped as already done" in err and json.loads(car.read_text())["output"] == "res", err

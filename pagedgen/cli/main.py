@@ -84,6 +84,7 @@ def _run(args) -> int:
         loader.check_model_folder(args.model)
         model_fp = sidecar.model_fingerprint(folders)
     fingerprint = _params_fingerprint(args, fmt, params, spec)
+    sidecar.check_owner(args.output, args.overwrite)
     state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
 
     try:
@@ -104,12 +105,14 @@ def _run(args) -> int:
             if os.path.exists(path):
                 os.remove(path)
         car = sidecar.Sidecar(out_sidecar, {"version": sidecar.SIDECAR_VERSION, "created": int(time.time()),
+                                            "output": os.path.basename(args.output),
                                             "input": {"path": os.path.abspath(args.input) if args.input != "-" else "-",
                                                       "format": fmt, "bytes": 0, "rows": 0},
                                             "model": model_fp, "params": fingerprint})
         if fmt == "parquet":
             car.data["input"]["file_sha256"] = sidecar.hash_prefix(args.input)[0]
         scans = []
+    car.data["output"] = os.path.basename(args.output)  # an older sidecar has none
     for scan in scans:
         if scan.torn_bytes:
             resume.truncate_to(scan)

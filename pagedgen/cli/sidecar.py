@@ -39,9 +39,54 @@ READ_CHUNK = 4 << 20
 
 
 def paths_for(output: str) -> tuple[str, str]:
-    """(sidecar, errors file) of ``output``: ``out.jsonl`` -> ``out.pagedgen.json``, ``out.errors.jsonl``."""
+    """(sidecar, errors file) of ``output``: ``out.jsonl`` -> ``out.pagedgen.json``, ``out.errors.jsonl``.
+    ``out`` has the same two (see ``check_owner``)."""
     base = output[: -len(".jsonl")] if output.endswith(".jsonl") else output
     return base + ".pagedgen.json", base + ".errors.jsonl"
+
+
+def _sibling(output: str) -> str:
+    """The other output name with the same sidecar and errors file (``out.jsonl`` <-> ``out``)."""
+    return output[: -len(".jsonl")] if output.endswith(".jsonl") else output + ".jsonl"
+
+
+def check_owner(output: str, overwrite: bool) -> None:
+    """Refuse to use a sidecar (and errors file) that belongs to another output.
+
+    ``out`` and ``out.jsonl`` share ``out.pagedgen.json`` and ``out.errors.jsonl``; the sidecar
+    records the name of the output it was written for (``"output"``; a sidecar of an older
+    version, which has none, belongs to the other name when only that one exists).
+
+    Raises:
+        CLIError: the sidecar belongs to the other output and that output exists (even with
+            ``overwrite``: its files are never deleted), or it belongs to the other output, which is
+            gone, and ``overwrite`` is not set.
+    """
+    path, errors = paths_for(output)
+    if not os.path.exists(path):
+        return
+    owner = _recorded_output(path)
+    sibling = _sibling(output)
+    if owner is None:  # an older sidecar: it belongs to whichever of the two outputs exists
+        owner = os.path.basename(sibling if os.path.exists(sibling) and not os.path.exists(output) else output)
+    if owner == os.path.basename(output):
+        return
+    other = os.path.join(os.path.dirname(output), owner)
+    shared = f"the sidecar {path!r} and errors file {errors!r} belong to --output {other!r} (outputs named with and without .jsonl share them)"
+    if os.path.exists(other):
+        raise CLIError(f"--output {output!r}: {shared}, which exists: choose another output name (its files are never replaced)")
+    if not overwrite:
+        raise CLIError(f"--output {output!r}: {shared}, which no longer exists: pass --overwrite to replace them, or choose "
+                       f"another output name")
+
+
+def _recorded_output(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable: Sidecar.load reports it
+    return data.get("output") if isinstance(data, dict) else None
 
 
 def hash_prefix(path: str, nbytes: Optional[int] = None) -> tuple[str, int]:
@@ -134,7 +179,8 @@ class InputTracker:
 class Sidecar:
     """The sidecar's contents (a dict) and its atomic save.
 
-    Keys: ``version``, ``input`` ({"path", "format", "bytes", "rows", "sha256"} or, for Parquet,
+    Keys: ``version``, ``output`` (the output file's name, without its folder; see ``check_owner``),
+    ``input`` ({"path", "format", "bytes", "rows", "sha256"} or, for Parquet,
     {"path", "format", "file_sha256", "rows"}), ``model`` (``model_fingerprint``), ``params``,
     ``created`` (Unix time of the first run, used for the OpenAI format's ``created``).
     """
