@@ -3,10 +3,11 @@ prefix after a stop at a bad row, foreign lines at the end of an output, outputs
 only by ``.jsonl``, two runs on one output at once, and an input whose last line was still being
 written (in-process runs on stories260K, a few rows, a few tokens)."""
 import json
+import time
 
 import pytest
 
-from cli_util import error_lines, read_jsonl, run_cli
+from cli_util import error_lines, popen_cli, read_jsonl, run_cli
 from conftest import story_openings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -86,3 +87,42 @@ def test_outputs_named_with_and_without_jsonl_keep_their_own_files(stories_path,
     assert rc == 2 and f"belong to --output {str(res)!r}" in err, err
     rc, err = run_cli(capsys, *_base(stories_path, src, res, "--on-error", "skip"))
     assert rc == 0 and "2 skipped as already done" in err and json.loads(car.read_text())["output"] == "res", err
+
+
+def _wait_for_lines(path, n, proc, timeout=120.0):
+    end = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < end:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{path} never held {n} lines: {proc.communicate()[1]}")
+
+
+def test_a_second_run_on_the_same_output_is_refused(stories_path, tmp_path, capsys):
+    """An exclusive lock per output: a second run is refused at once (naming the first one's pid)
+    and touches nothing; the lock goes with the process, kill -9 included."""
+    import pagedgen.engine_args, pagedgen.sampling_args  # noqa: F401 (imported: the second run reaches the lock at once)
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = 1000
+    src.write_text("".join(json.dumps({"prompt": PROMPTS[i % 24]}) + "\n" for i in range(rows)))
+    flags = ("--max-tokens", 4, "--flush-rows", 5, "--flush-seconds", 0.05)
+    first = popen_cli(*_base(stories_path, src, dst, *flags))
+    try:
+        _wait_for_lines(dst, 10, first)
+        for extra in ([], ["--overwrite"]):
+            rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags, *extra))
+            assert rc == 2 and error_lines(err) == [
+                f"pagedgen: error: --output {str(dst)!r}: another pagedgen run (pid {first.pid}, --output 'out.jsonl') is "
+                f"writing it (lock {str(tmp_path / 'out.pagedgen.lock')!r}); wait for it to finish, or choose another output"], err
+        first.kill()  # kill -9: the kernel drops the lock
+        first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))
+    assert rc == 0 and "skipped as already done" in err, err
+    assert [r["index"] for r in read_jsonl(dst)] == list(range(rows))
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))  # released after a run in this process too
+    assert rc == 0 and f"0 generated, {rows:,} skipped as already done" in err, err

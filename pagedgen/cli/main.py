@@ -3,6 +3,7 @@ run, summarise. Every error the user can cause ends as one ``pagedgen: error:`` 
 (``--debug`` shows the traceback instead); an interruption prints how to resume."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -17,6 +18,7 @@ from pagedgen.cli import progress as progress_mod
 from pagedgen.cli import readers, resume, sidecar
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
+from pagedgen.cli.lock import OutputLock, lock_path
 from pagedgen.cli.prompts import PromptSpec, RequestBuilder
 from pagedgen.cli.runner import Outcome, RunSettings, StopSignals, run_rows
 from pagedgen.cli.writer import Appender, RowWriter, output_is_input
@@ -28,7 +30,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     after SIGINT/SIGTERM, 1 an internal error."""
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        with contextlib.ExitStack() as held:  # the output's lock, released on every way out
+            return _run(args, held)
     except CLIError as exc:
         if args.debug:
             raise
@@ -66,7 +69,7 @@ class _UserErrors:
         return False
 
 
-def _run(args) -> int:
+def _run(args, held: contextlib.ExitStack) -> int:
     from pagedgen.engine_args import EngineArgs
     from pagedgen.sampling_args import sampling_params_from_args
 
@@ -75,7 +78,8 @@ def _run(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     fmt = _check_input(args)
     out_sidecar, out_errors = sidecar.paths_for(args.output)
-    _check_output(args, (args.output, out_sidecar, out_errors))
+    _check_output(args, (args.output, out_sidecar, out_errors, lock_path(args.output)))
+    held.enter_context(OutputLock(args.output))  # before the output, sidecar or errors file is read
     spec = _prompt_spec(args, fmt)
     with _UserErrors(""):
         from pagedgen.model import loader
