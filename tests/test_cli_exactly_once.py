@@ -126,3 +126,49 @@ def test_a_second_run_on_the_same_output_is_refused(stories_path, tmp_path, caps
     assert [r["index"] for r in read_jsonl(dst)] == list(range(rows))
     rc, err = run_cli(capsys, *_base(stories_path, src, dst, *flags))  # released after a run in this process too
     assert rc == 0 and f"0 generated, {rows:,} skipped as already done" in err, err
+
+
+def test_an_input_whose_last_line_was_still_being_written(stories_path, tmp_path, capsys):
+    """A last line read without its newline: a file that later continues that line changed that
+    row (refused unless --overwrite); one that ends the line and goes on resumes."""
+    src, dst = tmp_path / "grow.txt", tmp_path / "out.jsonl"
+    src.write_bytes(b"Once upon a time\r\nThe d")
+    assert run_cli(capsys, *_base(stories_path, src, dst))[0] == 0
+    assert [r["prompt"] for r in read_jsonl(dst)] == ["Once upon a time", "The d"]
+    with open(src, "ab") as f:
+        f.write(b"og ran\nLily\n")
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and "row 1, the one the output ends with, was the file's last line, without a newline" in err, err
+    assert "--overwrite" in err and [r["prompt"] for r in read_jsonl(dst)] == ["Once upon a time", "The d"]
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--overwrite"))
+    assert rc == 0 and [r["prompt"] for r in read_jsonl(dst)] == ["Once upon a time", "The dog ran", "Lily"], err
+    for ending in (b"\n", b"\r\n"):  # the line ends, the file goes on: the row is the same, the rerun resumes
+        src.write_bytes(b"Once upon a time\nThe dog")
+        assert run_cli(capsys, *_base(stories_path, src, dst, "--overwrite"))[0] == 0
+        with open(src, "ab") as f:
+            f.write(ending + b"Lily\n")
+        rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+        assert rc == 0 and "1 generated, 2 skipped as already done" in err, err
+        assert [r["prompt"] for r in read_jsonl(dst)] == ["Once upon a time", "The dog", "Lily"]
+
+
+@pytest.mark.parametrize("start, more, same", [(b"a\nb", b"", True), (b"a\nb", b"\nc", True), (b"a\nb", b"\r\nc", True),
+                                               (b"a\nb\r", b"\nc", True), (b"a\nb\r", b"\r\nc", False), (b"a\nb", b"c\n", False),
+                                               (b"a\nb", b"\rc\n", False), (b"a\nb", b" \n", False)])
+def test_a_continued_last_line_is_a_changed_row(start, more, same, tmp_path):
+    from pagedgen.cli import sidecar
+    from pagedgen.cli.errors import CLIError
+
+    src = tmp_path / "in.txt"
+    tracker = sidecar.InputTracker()
+    for i, line in enumerate(start.splitlines(keepends=True)):
+        tracker.feed(line, i + 1)
+    car = sidecar.Sidecar(str(tmp_path / "s.json"), {"version": 1, "input": {"format": "text", "bytes": 0, "rows": 0}})
+    car.update_input(tracker.state_through(1))
+    assert car.data["input"]["ends_mid_line"]
+    src.write_bytes(start + more)
+    if same:
+        car.check_input_file(str(src), "text", "out.jsonl")
+    else:
+        with pytest.raises(CLIError, match="the file now continues that line"):
+            car.check_input_file(str(src), "text", "out.jsonl")

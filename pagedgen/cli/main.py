@@ -256,7 +256,7 @@ def _remaining(rows: Iterator, done: resume.DoneSet, tracker: sidecar.InputTrack
 
 def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_output: int) -> int:
     max_in_flight = args.max_in_flight or 2 * llm.scheduler_config.max_num_seqs
-    tracker = sidecar.InputTracker(keep_from=car.input_rows)
+    tracker = sidecar.InputTracker(keep_from=car.input_rows, lines=fmt not in ("json", "parquet"))
     stats = progress_mod.RunStats()
     outcome = Outcome()
 

@@ -7,7 +7,9 @@ only when the input, the model and the parameters are those of the run that star
   the sidecar to end with that row, so the check always covers every finished row and never a row
   read ahead but not written (a bad row the run stopped at, or rows after it). A rerun re-hashes that prefix (about 1 s per GB) and
   compares: an input replaced, truncated or edited anywhere before the last row written is refused;
-  rows after it may change (a fixed bad row, appended rows). Parquet has no row byte ranges: its
+  rows after it may change (a fixed bad row, appended rows). When that row was the file's last
+  line, without a newline (``ends_mid_line``: a file still being written), a file that now
+  continues that line is refused too, as it changes the row. Parquet has no row byte ranges: its
   whole file is hashed instead. From stdin the prefix is checked as the rows stream in.
 - **Model**: size and SHA-256 of config.json, the tokenizer files and the safetensors index; for
   weight files over 64 MiB the size and a hash of 16 evenly spaced 1 MiB samples (a fine-tune or
@@ -143,21 +145,25 @@ class InputTracker:
         keep_from: the first row index whose state is kept (rows before it are covered by the
             sidecar already); ``state_through`` forgets the rows before the one it is asked for,
             so the states kept are those of the rows read but not yet written.
+        lines: the format is one row per line (JSONL, OpenAI, text, CSV/TSV): the state records
+            whether the row ended without a newline (``ends_mid_line``: the last line of a file,
+            perhaps still being written; see ``Sidecar.check_input_file``).
     """
 
-    def __init__(self, keep_from: int = 0) -> None:
+    def __init__(self, keep_from: int = 0, lines: bool = True) -> None:
         self._hash = hashlib.sha256()
         self.bytes = 0
         self.rows = 0
         self.keep_from = keep_from
-        self._after: collections.deque = collections.deque()  # (row index, bytes, hash) after each row
+        self.lines = lines
+        self._after: collections.deque = collections.deque()  # (row index, bytes, hash, ends mid-line) after each row
 
     def feed(self, span: bytes, rows_after: int) -> None:
         self._hash.update(span)
         self.bytes += len(span)
         self.rows = rows_after
         if rows_after - 1 >= self.keep_from:
-            self._after.append((rows_after - 1, self.bytes, self._hash.copy()))
+            self._after.append((rows_after - 1, self.bytes, self._hash.copy(), self.lines and not span.endswith(b"\n")))
 
     def state(self) -> dict:
         return {"bytes": self.bytes, "rows": self.rows, "sha256": self._hash.hexdigest()}
@@ -172,8 +178,8 @@ class InputTracker:
             self._after.popleft()
         if not self._after or self._after[0][0] != index:
             raise KeyError(f"the input state after row {index} is not kept")
-        _, nbytes, h = self._after[0]
-        return {"bytes": nbytes, "rows": index + 1, "sha256": h.hexdigest()}
+        _, nbytes, h, mid_line = self._after[0]
+        return {"bytes": nbytes, "rows": index + 1, "sha256": h.hexdigest(), "ends_mid_line": mid_line}
 
 
 class Sidecar:
@@ -253,6 +259,22 @@ class Sidecar:
                 f"{what}: its first {recorded['bytes']:,} bytes (rows 0-{recorded['rows'] - 1}; the output holds "
                 f"rows up to row {recorded['rows'] - 1}) {'are missing' if got < recorded['bytes'] else 'differ'}; {hint}"
             )
+        if recorded.get("ends_mid_line") and not _line_ended(path, recorded["bytes"]):
+            raise CLIError(
+                f"{what}: row {recorded['rows'] - 1}, the one the output ends with, was the file's last line, without "
+                f"a newline, and the file now continues that line (the file was still being written?); {hint}"
+            )
+
+
+def _line_ended(path: str, nbytes: int) -> bool:
+    """Whether the line that ran to byte ``nbytes`` of ``path`` without a newline still reads the same:
+    the file ends there, or goes on with a line end (``\\n``, or ``\\r\\n`` after a byte other than
+    ``\\r``: the readers drop one ``\\r\\n`` or ``\\n``)."""
+    with open(path, "rb") as f:
+        f.seek(max(nbytes - 1, 0))
+        around = f.read(3 if nbytes else 2)
+    last, after = (around[:1], around[1:]) if nbytes else (b"", around)
+    return after == b"" or after.startswith(b"\n") or (after.startswith(b"\r\n") and last != b"\r")
 
 
 def fsync_dir(path: str) -> None:
