@@ -124,12 +124,12 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
     return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(work / kMinWorkPerThread, num_items), 1,
                                                 std::max(1, at::get_num_threads())));
   };
-#if defined(__AVX512F__)
+#if defined(PAGEDGEN_SMALL_HEADS)
   if constexpr (kHeadSize == 8 || kHeadSize == 16) {
     if (!general_path_forced()) {
       // One item per row block and group of KV heads: all KV heads of the rows, unless there are too
       // few blocks to share out, then the KV heads of one column tile (16 floats of a token row).
-      const int64_t tile_heads = small_heads::kColumns / kHeadSize;
+      const int64_t tile_heads = small_heads::tile_columns<kHeadSize>() / kHeadSize;
       const int64_t max_rows = std::clamp<int64_t>(kSmallItemHeads / (p.num_kv_heads * p.group), 1, kMaxItemRows);
       const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);
       const int64_t nb = static_cast<int64_t>(blocks.size());
