@@ -136,11 +136,14 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
       const int64_t per_item = nb >= 8 * threads_for(nb) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
       const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
       const int64_t scratch = small_scratch_floats(max_rows, per_item * p.group, per_item * kHeadSize, kHeadSize);
-      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks, [&](int64_t item, float* s, bool) {
-        const int64_t kv_begin = item % chunks * per_item;
-        return attend_small_rows<scalar_t, kHeadSize>(p, blocks[item / chunks], kv_begin,
-                                                      std::min(kv_begin + per_item, p.num_kv_heads), s);
-      });
+      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks,
+                [&](int64_t item, float* s, bool next_is_mine) {
+                  const int64_t kv_begin = item % chunks * per_item;
+                  // the next item's rows with the same KV heads (all of them: one item per row block)
+                  const RowBlock* then = next_is_mine && chunks == 1 ? &blocks[item + 1] : nullptr;
+                  return attend_small_rows<scalar_t, kHeadSize>(p, blocks[item / chunks], kv_begin,
+                                                                std::min(kv_begin + per_item, p.num_kv_heads), s, then);
+                });
       return;
     }
   }

@@ -176,10 +176,29 @@ void small_tile(const Params<scalar_t>& p, const RowBlock& b, int64_t t0, const 
   }
 }
 
+// The K and V rows of the first kPrefetchAhead tokens of decode row `then` (KV heads from kv_begin,
+// `bytes` of a token row) into L2: the next item a thread runs, whose own prefetches start
+// kPrefetchAhead tokens in. A block outside the cache is left for that item to report.
+template <typename scalar_t>
+void prefetch_first_rows(const Params<scalar_t>& p, const RowBlock& then, int64_t kv_begin, int64_t bytes) {
+  const int64_t lo = window_start(then.pos, p.sliding_window);
+  const int n = static_cast<int>(std::min<int64_t>(kPrefetchAhead, then.pos + 1 - lo));
+  int64_t slots[kPrefetchAhead];
+  if (n <= 0 || !walker_of(p, then, lo).next(n, slots, [](int64_t) {})) return;
+  const int64_t row_stride = p.num_kv_heads * p.head_size, col = kv_begin * p.head_size;
+  for (int j = 0; j < n; ++j) {
+    prefetch_lines<2>(p.key_cache + slots[j] * row_stride + col, bytes);
+    prefetch_lines<2>(p.value_cache + slots[j] * row_stride + col, bytes);
+  }
+}
+
 // Attention of the rows of `b` for all query heads of KV heads [kv_begin, kv_end) (kD = 8 or 16).
-// Returns false (having written zeros) if the block table names a block outside the cache.
+// Returns false (having written zeros) if the block table names a block outside the cache. `then`:
+// the decode row this thread runs next with the same KV heads (nullptr if none or not known), whose
+// first rows are prefetched while this item's last tile runs.
 template <typename scalar_t, int kD>
-bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch) {
+bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch,
+                       const RowBlock* then = nullptr) {
   const int G = static_cast<int>(p.group), R = b.rows;
   const int heads = static_cast<int>(kv_end - kv_begin) * G;   // query heads of this item, per row
   const int width = static_cast<int>(kv_end - kv_begin) * kD;  // elements of a token row for them
@@ -204,6 +223,9 @@ bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_
   bool ok = true;
   for (int64_t t0 = lo / kSmallTile * kSmallTile; t0 < end && ok; t0 += kSmallTile) {
     const int ua = static_cast<int>(std::max(lo, t0) - t0), ub = static_cast<int>(std::min(end, t0 + kSmallTile) - t0);
+    if (then != nullptr && then->rows == 1 && t0 + kSmallTile >= end) {
+      prefetch_first_rows(p, *then, kv_begin, width * static_cast<int64_t>(sizeof(scalar_t)));
+    }
     if (p.block_size % kRun == 0) {
       // one run offset per kRun slots; runs that hold an attended token lie in blocks still in use
       for (int r = ua / kRun; r * kRun < ub; ++r) {
