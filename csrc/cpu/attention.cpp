@@ -11,9 +11,11 @@
 //     for a decode sequence, up to R rows of a prompt chunk (tiled prefill: the rows share each K/V
 //     tile they read, attention_general.h / attention_small.h). All query heads of a GQA group are
 //     handled together, so each K/V row is read (and converted to float) once per group and block.
-//   * Two paths: head sizes 8 and 16 with AVX-512 take the small-head path (attention_small.h: 16 x 16
-//     in-register K transposes, 256-token softmax tiles); every other head size the general path
-//     (attention_general.h: 32-token tiles). PAGEDGEN_CPU_ATTENTION=general forces the general path.
+//   * Two paths: head sizes 8 and 16 on AVX-512 and AVX2 + FMA builds take the small-head path
+//     (attention_small.h: W x W in-register K transposes, W = 16 lanes with AVX-512 and 8 with AVX2,
+//     256-token softmax tiles); every other head size, and head sizes 8 and 16 on other builds, the
+//     general path (attention_general.h: 32-token tiles). PAGEDGEN_CPU_ATTENTION=general forces the
+//     general path.
 //   * Batch invariance (issue 13): a row's result is a function of its query, its position, its
 //     context and the window only. Tiles are aligned to absolute positions, and every per-row loop
 //     computes each value by the same operations whatever the rows around it (attention_math.h), so
@@ -128,7 +130,7 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
   if constexpr (kHeadSize == 8 || kHeadSize == 16) {
     if (!general_path_forced()) {
       // One item per row block and group of KV heads: all KV heads of the rows, unless there are too
-      // few blocks to share out, then the KV heads of one column tile (16 floats of a token row).
+      // few blocks to share out, then the KV heads of one column tile (attention_small_heads.h).
       const int64_t tile_heads = small_heads::tile_columns<kHeadSize>() / kHeadSize;
       const int64_t max_rows = std::clamp<int64_t>(kSmallItemHeads / (p.num_kv_heads * p.group), 1, kMaxItemRows);
       const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);

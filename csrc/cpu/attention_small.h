@@ -10,7 +10,8 @@
 // as much as the tile itself at kTile); the V accumulation runs per (row, KV head) for all the query
 // heads that share it, over the V rows converted once per item. Each row uses the slots of a tile
 // that it attends to and nothing else, computed by the same operations whatever the item's other
-// rows are: prefill chunks of any size and decode give a row the same bits.
+// rows are: prefill chunks of any size and decode give a row the same bits. (W is fixed by the build;
+// an AVX2 and an AVX-512 build differ in the last bits, through the softmax's W-lane sum tree.)
 #pragma once
 
 #include "attention_small_heads.h"
