@@ -29,8 +29,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__AVX512F__)
 // GCC 12 reports its own _mm512_undefined_* placeholders inside the intrinsics as maybe uninitialised.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace pagedgen::cpu::small_heads {
 
