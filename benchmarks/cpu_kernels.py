@@ -13,11 +13,16 @@ interleave the systems (so that a busy machine slows them alike); the figure is 
 rounds, in ms, and the ratios are of those medians:
   sdpa/paged    > 1: the paged kernel is faster than SDPA on contiguous tensors (target >= 1 for prefill)
   paging price  paged / contiguous table - 1 (target <= +10%)
+With --vs-general, the paged call is also timed with PAGEDGEN_CPU_ATTENTION=general (the kernel's
+general path, which it reads at each call) in the same rounds: for head sizes 8 and 16, "general /
+paged" > 1 means the small-head path (csrc/cpu/attention_small.h) is faster than the general one.
 
     python benchmarks/cpu_kernels.py            # 1,024-token prefill, 64 x 512 decode, fp32 and bf16, heads 64/128
     python benchmarks/cpu_kernels.py --quick    # small sizes, few rounds (CI: checks that it runs)
+    python benchmarks/cpu_kernels.py --threads 1 --clock thread --head-sizes 8 16 --vs-general
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -43,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="thread: CPU time of the calling thread, on one thread (robust to other load on the machine)")
+    p.add_argument("--vs-general", action="store_true",
+                   help="also time the paged call on the kernel's general path (PAGEDGEN_CPU_ATTENTION=general)")
     p.add_argument("--quick", action="store_true", help="prefill 256, decode 8 x 256, head size 64, 3 rounds")
     args = p.parse_args(argv)
     if args.quick:
@@ -118,12 +125,31 @@ def bench(args, kind: str, head_size: int, dtype: torch.dtype) -> dict:
         "contiguous table": paged(False),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True),
     }
+    if args.vs_general:
+        calls["general"] = on_general_path(paged(True))
     r = interleaved_medians(calls, args.rounds)
     calls["paged"]()
     expected = calls["sdpa"]()  # [S, H, n or 1, D]
     got = out.unsqueeze(2) if kind == "decode" else out.transpose(0, 1)[None]
     r["max_abs_diff"] = (got.float() - expected.float()).abs().max().item()
     return r
+
+
+def on_general_path(call):
+    """call, run with PAGEDGEN_CPU_ATTENTION=general (the kernel reads it at each call), then restored."""
+
+    def run():
+        before = os.environ.get("PAGEDGEN_CPU_ATTENTION")
+        os.environ["PAGEDGEN_CPU_ATTENTION"] = "general"
+        try:
+            return call()
+        finally:
+            if before is None:
+                del os.environ["PAGEDGEN_CPU_ATTENTION"]
+            else:
+                os.environ["PAGEDGEN_CPU_ATTENTION"] = before
+
+    return run
 
 
 def main(argv=None) -> None:
@@ -139,7 +165,7 @@ def main(argv=None) -> None:
     print(f"{torch.get_num_threads()} threads, heads {args.num_heads}/{args.num_kv_heads} (q/kv), block size "
           f"{args.block_size}; median ms over {args.rounds} interleaved rounds ({args.clock} clock)")
     print(f"{'workload':<30} {'dtype':<9} {'head':>4} {'paged':>9} {'contig tbl':>10} {'sdpa':>9} "
-          f"{'sdpa/paged':>10} {'paging price':>12} {'max diff':>9}")
+          f"{'sdpa/paged':>10} {'paging price':>12} {'max diff':>9}" + (f" {'general':>9} {'gen/paged':>9}" if args.vs_general else ""))
     workloads = [("decode", f"decode {args.num_seqs} x {args.context_len} ctx")]
     if args.prefill_len:
         workloads.append(("prefill", f"prefill {args.prefill_len} (causal)"))
@@ -150,7 +176,8 @@ def main(argv=None) -> None:
                 r = bench(args, kind, head_size, dtype)
                 price = r["paged"] / r["contiguous table"] - 1
                 print(f"{label:<30} {dtype_name:<9} {head_size:>4} {r['paged']:>9.3f} {r['contiguous table']:>10.3f} "
-                      f"{r['sdpa']:>9.3f} {r['sdpa'] / r['paged']:>9.2f}x {price:>+11.1%} {r['max_abs_diff']:>9.1e}",
+                      f"{r['sdpa']:>9.3f} {r['sdpa'] / r['paged']:>9.2f}x {price:>+11.1%} {r['max_abs_diff']:>9.1e}"
+                      + (f" {r['general']:>9.3f} {r['general'] / r['paged']:>8.2f}x" if args.vs_general else ""),
                       flush=True)
 
 

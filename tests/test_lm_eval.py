@@ -84,7 +84,9 @@ def test_every_loglikelihood_within_1e4_of_hf(both):
                     assert greedy_a == greedy_b, (task, a["doc_id"])
                 else:
                     ll_a, ll_b = ra[0], rb[0]
-                assert abs(ll_a - ll_b) <= 1e-4, (task, a["doc_id"], ll_a, ll_b)
+                # hf's value is a float32 sum: above 1,024 in magnitude its own resolution (one ulp,
+                # 2^-13 ~ 1.2e-4) is coarser than 1e-4, so allow two float32 ulps of it there
+                assert abs(ll_a - ll_b) <= max(1e-4, 2.4e-7 * abs(ll_b)), (task, a["doc_id"], ll_a, ll_b)
 
 
 def test_greedy_generations_identical_to_hf(both):

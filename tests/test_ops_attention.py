@@ -1,7 +1,8 @@
 """The CPU kernel of the varlen paged_attention op against the PyTorch reference (pagedgen/ops/
 reference.py, the oracle): decode rows, prefill chunks from position 0, chunks that start mid-block
 after a cached prefix, mixed in one call; GQA ratios 1-8; head sizes 8/16 (the small-head path on
-AVX-512 builds, else the general one) and 32-256 and run-time sizes; sliding windows; both paths.
+AVX-512 and AVX2 + FMA builds, else the general one) and 32-256 and run-time sizes; sliding windows;
+both paths.
 
 Tolerances: kernel and reference both compute in float32 from the same inputs and differ only in
 summation order and the kernel's polynomial exp (~1e-7 relative), so float32 must agree to 1e-5. In
@@ -129,10 +130,11 @@ def test_sliding_window_matches_transformers_mask():
         assert attended == {t for t in range(p + 1) if keep(0, 0, p, t)}, p
 
 
-# The small-head path (head sizes 8 and 16 on AVX-512): items of one column tile of KV heads (few rows)
-# or all KV heads (many rows); an odd KV head count (a half-width last column tile at head size 8);
-# group sizes with and without a compiled accumulator; block sizes that do (16, 32) and do not (8, 5)
-# hold whole 16-token runs; contexts and chunks across the 256-token softmax tile.
+# The small-head path (head sizes 8 and 16 on AVX-512 and AVX2 + FMA): items of one column tile of KV
+# heads (few rows) or all KV heads (many rows); an odd KV head count (on AVX-512, a half-width last
+# column tile at head size 8); group sizes with and without a compiled accumulator; block sizes that
+# do (16, 32) and do not (8, 5) hold whole 16-token runs; contexts and chunks across the 256-token
+# softmax tile.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [5, 16, 32])
 @pytest.mark.parametrize("head_size", [8, 16])
@@ -142,7 +144,7 @@ def test_small_heads(num_kv_heads, gqa, head_size, block_size, dtype):
     check(specs, num_kv_heads * gqa, num_kv_heads, head_size, block_size, dtype, seed=block_size)
 
 
-# The general path for the head sizes the small-head path takes on AVX-512 builds (selected with
+# The general path for the head sizes the small-head path takes on AVX-512 / AVX2 builds (selected with
 # PAGEDGEN_CPU_ATTENTION=general, which the kernel reads at each call), so that both are covered.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size, block_size, num_kv_heads", [(8, 16, 4), (8, 5, 3), (16, 8, 2)])

@@ -11,9 +11,11 @@
 //     for a decode sequence, up to R rows of a prompt chunk (tiled prefill: the rows share each K/V
 //     tile they read, attention_general.h / attention_small.h). All query heads of a GQA group are
 //     handled together, so each K/V row is read (and converted to float) once per group and block.
-//   * Two paths: head sizes 8 and 16 with AVX-512 take the small-head path (attention_small.h: 16 x 16
-//     in-register K transposes, 256-token softmax tiles); every other head size the general path
-//     (attention_general.h: 32-token tiles). PAGEDGEN_CPU_ATTENTION=general forces the general path.
+//   * Two paths: head sizes 8 and 16 on AVX-512 and AVX2 + FMA builds take the small-head path
+//     (attention_small.h: W x W in-register K transposes, W = 16 lanes with AVX-512 and 8 with AVX2,
+//     256-token softmax tiles); every other head size, and head sizes 8 and 16 on other builds, the
+//     general path (attention_general.h: 32-token tiles). PAGEDGEN_CPU_ATTENTION=general forces the
+//     general path.
 //   * Batch invariance (issue 13): a row's result is a function of its query, its position, its
 //     context and the window only. Tiles are aligned to absolute positions, and every per-row loop
 //     computes each value by the same operations whatever the rows around it (attention_math.h), so
@@ -124,23 +126,26 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
     return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(work / kMinWorkPerThread, num_items), 1,
                                                 std::max(1, at::get_num_threads())));
   };
-#if defined(__AVX512F__)
+#if defined(PAGEDGEN_SMALL_HEADS)
   if constexpr (kHeadSize == 8 || kHeadSize == 16) {
     if (!general_path_forced()) {
       // One item per row block and group of KV heads: all KV heads of the rows, unless there are too
-      // few blocks to share out, then the KV heads of one column tile (16 floats of a token row).
-      const int64_t tile_heads = small_heads::kColumns / kHeadSize;
+      // few blocks to share out, then the KV heads of one column tile (attention_small_heads.h).
+      const int64_t tile_heads = small_heads::tile_columns<kHeadSize>() / kHeadSize;
       const int64_t max_rows = std::clamp<int64_t>(kSmallItemHeads / (p.num_kv_heads * p.group), 1, kMaxItemRows);
       const std::vector<RowBlock> blocks = row_blocks(qsl, lens, num_seqs, max_rows);
       const int64_t nb = static_cast<int64_t>(blocks.size());
       const int64_t per_item = nb >= 8 * threads_for(nb) ? p.num_kv_heads : std::min(tile_heads, p.num_kv_heads);
       const int64_t chunks = (p.num_kv_heads + per_item - 1) / per_item;
       const int64_t scratch = small_scratch_floats(max_rows, per_item * p.group, per_item * kHeadSize, kHeadSize);
-      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks, [&](int64_t item, float* s, bool) {
-        const int64_t kv_begin = item % chunks * per_item;
-        return attend_small_rows<scalar_t, kHeadSize>(p, blocks[item / chunks], kv_begin,
-                                                      std::min(kv_begin + per_item, p.num_kv_heads), s);
-      });
+      run_items(nb * chunks, threads_for(nb * chunks), scratch, p.num_blocks,
+                [&](int64_t item, float* s, bool next_is_mine) {
+                  const int64_t kv_begin = item % chunks * per_item;
+                  // the next item's rows with the same KV heads (all of them: one item per row block)
+                  const RowBlock* then = next_is_mine && chunks == 1 ? &blocks[item + 1] : nullptr;
+                  return attend_small_rows<scalar_t, kHeadSize>(p, blocks[item / chunks], kv_begin,
+                                                                std::min(kv_begin + per_item, p.num_kv_heads), s, then);
+                });
       return;
     }
   }

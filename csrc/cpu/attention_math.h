@@ -259,22 +259,10 @@ inline void transpose_full_tile(const float* const* k, int ua, int ub, float* kt
     for (int d0 = 0; d0 < kD; d0 += 8) {
       float* dst = kt + d0 * kTile + j0;
 #if defined(__AVX__)
-      __m256 r[8], t[8];
+      __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[j0 + i] + d0);
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {  // [rows i .. i + 3 of columns c | c + 4] for c = 0 .. 3
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-      }
-      for (int c = 0; c < 4; ++c) {
-        _mm256_storeu_ps(dst + c * kTile, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-        _mm256_storeu_ps(dst + (c + 4) * kTile, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
-      }
+      transpose8(r);
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(dst + c * kTile, r[c]);
 #else
       for (int d = 0; d < 8; ++d) {
         for (int j = 0; j < 8; ++j) dst[d * kTile + j] = rows[j0 + j][d0 + d];

@@ -1,21 +1,24 @@
 // The small-head path of the CPU paged attention kernel (csrc/cpu/attention.cpp): head sizes 8 and
-// 16 on AVX-512 builds. A work item is a block of rows of one sequence (one row in decode, up to R
+// 16 on AVX-512 and AVX2 + FMA builds (one algorithm; the register width W, 16 or 8 floats, is
+// small_heads::kTokens). A work item is a block of rows of one sequence (one row in decode, up to R
 // rows of a prompt chunk in prefill) with all query heads of KV heads [kv_begin, kv_end) at once.
 //
-// Scores come from 16 x 16 register transposes of the K rows of those heads (each K element is loaded
+// Scores come from W x W register transposes of the K rows of those heads (each K element is loaded
 // and transposed once per item, however many rows and heads share it, attention_small_heads.h);
 // softmax is the general path's, per (row, query head), over tiles of kSmallTile tokens aligned to
 // absolute positions (with 8-16 multiply-adds per token and head, the per-tile bookkeeping would cost
 // as much as the tile itself at kTile); the V accumulation runs per (row, KV head) for all the query
 // heads that share it, over the V rows converted once per item. Each row uses the slots of a tile
 // that it attends to and nothing else, computed by the same operations whatever the item's other
-// rows are: prefill chunks of any size and decode give a row the same bits.
+// rows are: prefill chunks of any size and decode give a row the same bits. (W is fixed by the build;
+// an AVX2 and an AVX-512 build differ in the last bits, through the softmax's W-lane sum tree.)
 #pragma once
 
-#if defined(__AVX512F__)
+#include "attention_small_heads.h"
+
+#if defined(PAGEDGEN_SMALL_HEADS)
 #include "attention_common.h"
 #include "attention_math.h"
-#include "attention_small_heads.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -24,14 +27,16 @@
 namespace pagedgen::cpu {
 
 constexpr int kSmallTile = 256;     // tokens per online-softmax step
-constexpr int kPrefetchAhead = 2;   // K rows are requested this many 16-token sub-tiles ahead
-alignas(64) constexpr float kZeroRow[small_heads::kColumns] = {};  // stands in for rows not attended to
+constexpr int kPrefetchAhead = 32;  // K rows are requested this many tokens ahead
+constexpr int kRun = 16;            // tokens of a run (RunRows)
+alignas(64) constexpr float kZeroRow[small_heads::kMaxColumns] = {};  // stands in for rows not attended to
+static_assert(kSmallTile % kRun == 0 && kRun % small_heads::kTokens == 0 && kPrefetchAhead % small_heads::kTokens == 0);
 
 // Element offset, in a cache, of the row of slot j of a tile (the item's first KV head).
-struct RunRows {  // block_size a multiple of 16: every 16-token run of a tile lies in one block
+struct RunRows {  // block_size a multiple of kRun: every kRun-token run of a tile lies in one block
   const int64_t* base;  // [runs] offset of each run's first row
   int64_t stride;       // elements between consecutive tokens of a block
-  int64_t operator()(int j) const { return base[j >> 4] + (j & 15) * stride; }
+  int64_t operator()(int j) const { return base[unsigned(j) / kRun] + unsigned(j) % kRun * stride; }
 };
 struct SlotRows {  // any block size: one slot per token
   const int64_t* slots;
@@ -105,11 +110,12 @@ void small_tile(const Params<scalar_t>& p, const RowBlock& b, int64_t t0, const 
     jb = static_cast<int>(std::clamp<int64_t>(pos + 1 - t0, 0, kSmallTile));
   };
   const scalar_t* zero_row = reinterpret_cast<const scalar_t*>(kZeroRow);
-  const scalar_t* krow[sh::kTokens];  // the current 16 slots' K rows (a zero row outside [ua, ub))
-  // sc[i, h, j] = scale * q[i, h] . k[j], 16 slots by 16 columns (one or two KV heads) at a time
+  constexpr int kColumns = sh::tile_columns<kD>();
+  const scalar_t* krow[sh::kTokens];  // the current kTokens slots' K rows (a zero row outside [ua, ub))
+  // sc[i, h, j] = scale * q[i, h] . k[j], kTokens slots by kColumns columns (one or two KV heads) at a time
   for (int sub = ua / sh::kTokens * sh::kTokens; sub < ub; sub += sh::kTokens) {
     // K rows of a later sub-tile into L1; this sub-tile's V rows (read after the softmax) into L2
-    const int ahead = sub + kPrefetchAhead * sh::kTokens;
+    const int ahead = sub + kPrefetchAhead;
     for (int j = std::max(ahead, ua); j < std::min(ub, ahead + sh::kTokens); ++j) {
       prefetch_lines(p.key_cache + rows(j), row_bytes);
     }
@@ -119,11 +125,11 @@ void small_tile(const Params<scalar_t>& p, const RowBlock& b, int64_t t0, const 
     for (int j = 0; j < sh::kTokens; ++j) {
       krow[j] = sub + j >= ua && sub + j < ub ? p.key_cache + rows(sub + j) : zero_row;
     }
-    for (int c0 = 0; c0 < width; c0 += sh::kColumns) {
-      const int cw = std::min(sh::kColumns, width - c0);
+    for (int c0 = 0; c0 < width; c0 += kColumns) {
+      const int cw = std::min(kColumns, width - c0);
       const int h0 = c0 / kD * G;  // first query head of the column tile
-      __m512 r[sh::kTokens];
-      sh::load_column_tile([&](int j) { return krow[j] == zero_row ? zero_row : krow[j] + c0; }, cw, r);
+      sh::Reg r[kColumns];
+      sh::load_column_tile<kD>([&](int j) { return krow[j] == zero_row ? zero_row : krow[j] + c0; }, cw, r);
       for (int i = 0; i < R; ++i) {
         int ja, jb;
         range(i, ja, jb);
@@ -171,10 +177,29 @@ void small_tile(const Params<scalar_t>& p, const RowBlock& b, int64_t t0, const 
   }
 }
 
+// The K and V rows of the first kPrefetchAhead tokens of decode row `then` (KV heads from kv_begin,
+// `bytes` of a token row) into L2: the next item a thread runs, whose own prefetches start
+// kPrefetchAhead tokens in. A block outside the cache is left for that item to report.
+template <typename scalar_t>
+void prefetch_first_rows(const Params<scalar_t>& p, const RowBlock& then, int64_t kv_begin, int64_t bytes) {
+  const int64_t lo = window_start(then.pos, p.sliding_window);
+  const int n = static_cast<int>(std::min<int64_t>(kPrefetchAhead, then.pos + 1 - lo));
+  int64_t slots[kPrefetchAhead];
+  if (n <= 0 || !walker_of(p, then, lo).next(n, slots, [](int64_t) {})) return;
+  const int64_t row_stride = p.num_kv_heads * p.head_size, col = kv_begin * p.head_size;
+  for (int j = 0; j < n; ++j) {
+    prefetch_lines<2>(p.key_cache + slots[j] * row_stride + col, bytes);
+    prefetch_lines<2>(p.value_cache + slots[j] * row_stride + col, bytes);
+  }
+}
+
 // Attention of the rows of `b` for all query heads of KV heads [kv_begin, kv_end) (kD = 8 or 16).
-// Returns false (having written zeros) if the block table names a block outside the cache.
+// Returns false (having written zeros) if the block table names a block outside the cache. `then`:
+// the decode row this thread runs next with the same KV heads (nullptr if none or not known), whose
+// first rows are prefetched while this item's last tile runs.
 template <typename scalar_t, int kD>
-bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch) {
+bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch,
+                       const RowBlock* then = nullptr) {
   const int G = static_cast<int>(p.group), R = b.rows;
   const int heads = static_cast<int>(kv_end - kv_begin) * G;   // query heads of this item, per row
   const int width = static_cast<int>(kv_end - kv_begin) * kD;  // elements of a token row for them
@@ -185,7 +210,7 @@ bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_
   s.m = s.sc + R * heads * kSmallTile;
   s.l = s.m + R * heads;
   float* vbuf = s.l + R * heads;  // [kSmallTile, width] the tile's V rows as float (not for fp32)
-  int64_t slots[kSmallTile];      // token slots (or, with RunRows, 16-token run offsets)
+  int64_t slots[kSmallTile];      // token slots (or, with RunRows, kRun-token run offsets)
 
   for (int i = 0; i < R; ++i) {
     load_query(p, b.row + i, kv_begin * G, heads, kD, s.q + i * heads * kD, s.m + i * heads, s.l + i * heads);
@@ -199,10 +224,13 @@ bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_
   bool ok = true;
   for (int64_t t0 = lo / kSmallTile * kSmallTile; t0 < end && ok; t0 += kSmallTile) {
     const int ua = static_cast<int>(std::max(lo, t0) - t0), ub = static_cast<int>(std::min(end, t0 + kSmallTile) - t0);
-    if (p.block_size % small_heads::kTokens == 0) {
-      // one run offset per 16 slots; runs that hold an attended token lie in blocks still in use
-      for (int r = ua / small_heads::kTokens; r * small_heads::kTokens < ub; ++r) {
-        const int64_t token = t0 + r * small_heads::kTokens;
+    if (then != nullptr && then->rows == 1 && t0 + kSmallTile >= end) {
+      prefetch_first_rows(p, *then, kv_begin, width * static_cast<int64_t>(sizeof(scalar_t)));
+    }
+    if (p.block_size % kRun == 0) {
+      // one run offset per kRun slots; runs that hold an attended token lie in blocks still in use
+      for (int r = ua / kRun; r * kRun < ub; ++r) {
+        const int64_t token = t0 + r * kRun;
         const int64_t block = table[token / p.block_size * p.bt_s1];
         if (block < 0 || block >= p.num_blocks) {
           ok = false;
@@ -223,4 +251,4 @@ bool attend_small_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_
 }
 
 }  // namespace pagedgen::cpu
-#endif  // __AVX512F__
+#endif  // PAGEDGEN_SMALL_HEADS

@@ -293,6 +293,89 @@ inline Vec<W> vmax(const Vec<W>& a, const Vec<W>& b) {
   return a > b ? a : b;
 }
 
+// ---- in-register transposes ------------------------------------------------------------------------
+// transpose<W>(r): the W x W float block of the registers r[0:W] transposed in place (lane j of r[i]
+// goes to lane i of r[j]), W = 8 with AVX, W = 16 with AVX-512. Exact (moves only).
+#if defined(__AVX__)
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {  // interleave pairs of rows: [r_i, r_i+1 of columns 0, 1 | 4, 5] and [2, 3 | 6, 7]
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // [rows i .. i + 3 of columns c | c + 4] for c = 0 .. 3
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {  // the 128-bit halves of rows 0-3 and 4-7 of columns c and c + 4
+    t[c] = _mm256_permute2f128_ps(r[c], r[c + 4], 0x20);
+    t[c + 4] = _mm256_permute2f128_ps(r[c], r[c + 4], 0x31);
+  }
+  for (int c = 0; c < 8; ++c) r[c] = t[c];
+}
+#endif
+
+#if defined(__AVX512F__)
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // interleave pairs of rows: 2 x 2 blocks
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // pairs of 2 x 2 blocks: 4 x 4 blocks within each 128-bit lane
+    const __m512d a0 = _mm512_castps_pd(t[4 * i]), a1 = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d b0 = _mm512_castps_pd(t[4 * i + 2]), b1 = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, b0));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, b0));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, b1));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, b1));
+  }
+  // r[4i + k] now holds, in 128-bit lane L, column 4L + k of rows 4i..4i+3. Gather the four row
+  // groups of each column into one register with two rounds of 128-bit lane shuffles.
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);          // lanes (0, 2) of rows 0-3 | 4-7
+    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);      // lanes (1, 3)
+    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);        // column k      (lane 0 of each)
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);    // column 8 + k  (lane 2)
+    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);   // column 4 + k  (lane 1)
+    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd);  // column 12 + k (lane 3)
+  }
+}
+#endif
+
+template <int W>
+inline void transpose(Vec<W>* r) {
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    transpose16(reinterpret_cast<__m512*>(r));
+    return;
+  }
+#endif
+#if defined(__AVX__)
+  if constexpr (W == 8) {
+    transpose8(reinterpret_cast<__m256*>(r));
+    return;
+  }
+#endif
+  for (int i = 0; i < W; ++i) {
+    for (int j = i + 1; j < W; ++j) {
+      const float x = r[i][j];
+      r[i][j] = r[j][i];
+      r[j][i] = x;
+    }
+  }
+}
+
 // ---- exp -----------------------------------------------------------------------------------------
 // exp(x) = 2^n * e^r with n = round(x / ln 2) (to nearest even, by the 1.5 * 2^23 trick), r = x - n ln 2
 // (Cody-Waite split of ln 2, exact high part), e^r by its degree-7 Taylor polynomial in Horner form
