@@ -100,8 +100,8 @@ def _run(args) -> int:
 
     car, done, scans = state
     if args.overwrite or car is None:
-        for path in (args.output, out_errors):
-            if os.path.exists(path):
+        for path in (args.output, out_errors):  # regular files (_check_output); an empty output is kept as it is
+            if os.path.exists(path) and (args.overwrite or path != args.output):
                 os.remove(path)
         car = sidecar.Sidecar(out_sidecar, {"version": sidecar.SIDECAR_VERSION, "created": int(time.time()),
                                             "input": {"path": os.path.abspath(args.input) if args.input != "-" else "-",
@@ -149,12 +149,24 @@ def _check_input(args) -> str:
 
 
 def _check_output(args, paths: tuple[str, ...]) -> None:
-    """CLIError if an output path is the input, or cannot be written (checked before any work)."""
+    """CLIError if an output path (the output, its sidecar, its errors file) is the input, is a
+    symbolic link or something else than a regular file, or cannot be written (checked before any
+    work: pagedgen never removes or replaces a path that is not a regular file it writes)."""
+    out = args.output
+    if out == "-":
+        raise CLIError("--output -: writing to stdout is not supported (the output must be a file that a rerun can "
+                       "resume); give a file path")
     for path in paths:
         why = output_is_input(path, args.input)
         if why:
-            raise CLIError(f"--output {args.output!r}: {path!r} {why}; choose another output")
-    out = args.output
+            raise CLIError(f"--output {out!r}: {path!r} {why}; choose another output")
+        what = "--output" if path == out else f"--output {out!r}: {path!r}"
+        if os.path.islink(path):
+            raise CLIError(f"{what} is a symbolic link (to {os.readlink(path)!r}): pagedgen does not write through "
+                           f"links; give the real path of a regular file")
+        if os.path.exists(path) and not os.path.isfile(path) and not (path == out and os.path.isdir(path)):
+            kind = "a directory" if os.path.isdir(path) else "not a regular file (a device, FIFO or socket)"
+            raise CLIError(f"{what} exists and is {kind}; choose another output path")
     folder = os.path.dirname(os.path.abspath(out))
     problem = None
     if os.path.isdir(out):
