@@ -49,3 +49,43 @@ def test_output_that_is_not_a_regular_file_is_refused_and_kept(stories_path, tmp
     rc, err = run_cli(capsys, *_base(stories_path, src, dst))
     assert rc == 0, err
     assert dst.stat().st_ino == inode and [r["index"] for r in read_jsonl(dst)] == [0]
+
+
+def test_lone_surrogates_are_bad_rows(stories_path, tmp_path, capsys):
+    src = _input(tmp_path, {"prompt": "Once upon"}, r'{"prompt": "hi", "x": "\ud800"}', r'{"prompt": "hi \udc80 there"}',
+                 r'{"prompt": "a pair \ud83d\ude00 is fine"}', {"prompt": "The cat"})
+    dst = tmp_path / "out.jsonl"
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and "internal error" not in err
+    assert error_lines(err) == [f"pagedgen: error: {src}: line 2: field 'x' holds a lone UTF-16 surrogate ('\\ud800', an "
+                                "unpaired \\ud800-\\udfff escape), which is not text and cannot be written as UTF-8 (stopped "
+                                f"there: 1 rows are in {str(dst)!r}; fix the row and rerun the same command to resume, or "
+                                "pass --on-error skip)"]
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--on-error", "skip", "--overwrite"))
+    assert rc == 0 and "internal error" not in err, err
+    assert [r["index"] for r in read_jsonl(dst)] == [0, 3, 4]
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [(r["index"], r["line"]) for r in errors] == [(1, 2), (2, 3)]
+    assert "field 'prompt' holds a lone UTF-16 surrogate ('\\udc80'" in errors[1]["error"]
+    assert errors[1]["row"] == r'{"prompt": "hi \udc80 there"}'  # the line's own text
+    arr = tmp_path / "in.json"  # a JSON array too
+    arr.write_text(r'[{"prompt": "Once"}, {"prompt": "\udfff"}]')
+    rc, err = run_cli(capsys, *_base(stories_path, arr, tmp_path / "arr.jsonl", "--on-error", "skip"))
+    assert rc == 0 and "1 bad" in err, err
+
+
+def test_a_row_the_tokenizer_refuses_fails_alone(llm):
+    """One text the tokenizer cannot take fails its own row only; the batch's other rows are
+    tokenized as in one call."""
+    from pagedgen import SamplingParams
+    from pagedgen.cli.prompts import PromptSpec, Request, RequestBuilder
+    from pagedgen.cli.readers import Row
+
+    builder = RequestBuilder(llm.tokenizer, PromptSpec(mode="prompt"), SamplingParams(max_tokens=2), 512)
+    rows = [Row(i, i + 1, {"prompt": p}) for i, p in enumerate(["Once upon", "hi \udc80 there", "The cat"])]
+    built = builder.build_many(rows)
+    assert [r.index for r, _ in built] == [0, 1, 2]
+    assert isinstance(built[1][1], str) and "the tokenizer cannot tokenize the prompt" in built[1][1]
+    for k in (0, 2):
+        assert isinstance(built[k][1], Request)
+        assert built[k][1].prompt["prompt_token_ids"] == llm.tokenizer(rows[k].fields["prompt"])["input_ids"]

@@ -3,7 +3,8 @@ however big the file), numbering them 0, 1, 2, ... and remembering the file line
 
 Formats (``--input-format``, default from the file name and its first line):
 
-- ``jsonl``: one JSON object per line (or a JSON string: the prompt). Blank lines are not rows.
+- ``jsonl``: one JSON object per line (or a JSON string: the prompt). Blank lines are not rows. A
+  value holding a lone UTF-16 surrogate (``"\\ud800"``: not text, not writable as UTF-8) is a bad row.
 - ``openai``: JSON lines in the OpenAI batch input format (``custom_id``, ``method``, ``url``, ``body``).
 - ``csv`` / ``tsv``: a header line, then one record per row, parsed by Python's ``csv`` module (quoted
   fields may hold commas and newlines). Blank lines are not rows.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Optional
@@ -129,12 +131,34 @@ def read_json_lines(f: BinaryIO, prompt_field: str) -> Iterator[Row]:
             except json.JSONDecodeError as exc:
                 error = f"not valid JSON ({exc.msg}: column {exc.colno})"
             else:
-                fields, error = _as_fields(value, prompt_field)
+                fields, error = _as_fields(value, prompt_field, raw)
         yield Row(index, lineno, fields, error, span)
         index += 1
 
 
-def _as_fields(value, prompt_field: str) -> tuple[Optional[dict], Optional[str]]:
+# a JSON escape of a UTF-16 surrogate: json.loads makes a lone one a str that UTF-8 cannot encode
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _unwritable(value, span: bytes) -> Optional[str]:
+    """Why a parsed JSON value cannot be written back as UTF-8 (it holds a lone surrogate, from a
+    ``\\ud800``-style escape), else None. Only a span with such an escape is checked in full."""
+    if not _SURROGATE_ESCAPE.search(span):
+        return None
+    for key, item in (value.items() if isinstance(value, dict) else [(None, value)]):
+        try:
+            json.dumps([key, item], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = f"field {key!a}" if isinstance(value, dict) else "the value"
+            return (f"{where} holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!a}, an unpaired "
+                    f"\\ud800-\\udfff escape), which is not text and cannot be written as UTF-8")
+    return None
+
+
+def _as_fields(value, prompt_field: str, span: bytes = b"") -> tuple[Optional[dict], Optional[str]]:
+    why = _unwritable(value, span)
+    if why is not None:
+        return None, why
     if isinstance(value, dict):
         return value, None
     if isinstance(value, str):
@@ -147,7 +171,7 @@ def read_json_array(f: BinaryIO, name: str, prompt_field: str) -> Iterator[Row]:
     for index, (line, end, span, value, error) in enumerate(iter_json_array(f, name)):
         fields = None
         if error is None:
-            fields, error = _as_fields(value, prompt_field)
+            fields, error = _as_fields(value, prompt_field, span)
         yield Row(index, line, fields, error, span, end)
 
 
