@@ -89,3 +89,20 @@ def test_a_row_the_tokenizer_refuses_fails_alone(llm):
     for k in (0, 2):
         assert isinstance(built[k][1], Request)
         assert built[k][1].prompt["prompt_token_ids"] == llm.tokenizer(rows[k].fields["prompt"])["input_ids"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--logprobs", 100000, "--logprobs must be in [0, 512] (the vocabulary size), got 100000"),
+    ("--prompt-logprobs", 600, "--prompt-logprobs must be in [0, 512] (the vocabulary size), got 600"),
+    ("--allowed-token-ids", 999999, "--allowed-token-ids has token id 999999 outside the vocabulary [0, 512)"),
+    ("--stop-token-ids", 99999, "--stop-token-ids has token id 99999 outside the vocabulary [0, 512)"),
+    ("--logit-bias", '{"99999": 1}', "--logit-bias has token id 99999 outside the vocabulary [0, 512)"),
+])
+def test_flag_values_that_do_not_fit_the_vocabulary(flag, value, message, stories_path, tmp_path, capsys):
+    src = _input(tmp_path, {"prompt": "a"}, {"prompt": "b"})
+    dst = tmp_path / "out.jsonl"
+    for extra in ((), ("--on-error", "skip")):
+        rc, err = run_cli(capsys, *_base(stories_path, src, dst, flag, value, *extra))
+        assert rc == 2 and error_lines(err) == [f"pagedgen: error: {message} (a command-line value that does not fit "
+                                                f"the model {str(stories_path)!r})"], err
+        assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no output, sidecar or errors file

@@ -14,7 +14,7 @@ import time
 from typing import Iterator, Optional
 
 from pagedgen.cli import progress as progress_mod
-from pagedgen.cli import readers, resume, sidecar
+from pagedgen.cli import checks, readers, resume, sidecar
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
 from pagedgen.cli.prompts import PromptSpec, RequestBuilder
@@ -97,6 +97,7 @@ def _run(args) -> int:
                        "or pass a smaller --max-model-len") from exc
     if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
         raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
+    checks.check_params_fit_model(llm, params, args.model)
 
     car, done, scans = state
     if args.overwrite or car is None:
