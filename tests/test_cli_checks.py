@@ -106,3 +106,22 @@ def test_flag_values_that_do_not_fit_the_vocabulary(flag, value, message, storie
         assert rc == 2 and error_lines(err) == [f"pagedgen: error: {message} (a command-line value that does not fit "
                                                 f"the model {str(stories_path)!r})"], err
         assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no output, sidecar or errors file
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--output-field", "index"), "--index-field and --output-field name the same field 'index'"),
+    (("--index-field", "row", "--output-field", "row"), "--index-field and --output-field name the same field 'row'"),
+    (("--output-field", "prompt"), "--output-field and --prompt-field name the same field 'prompt'"),
+    (("--messages-field", "chat", "--index-field", "chat"), "--index-field and --messages-field name the same field 'chat'"),
+    (("--prompt-logprobs", 1, "--output-field", "prompt_logprobs"),
+     "--output-field and --prompt-logprobs name the same field 'prompt_logprobs'"),
+    (("--prompt-field", ""), "--prompt-field must be a non-empty field name, got ''"),
+    (("--output-field", " "), "--output-field must be a non-empty field name, got ' '"),
+    (("--index-field", ""), "--index-field must be a non-empty field name, got ''"),
+    (("--messages-field", ""), "--messages-field must be a non-empty field name, got ''"),
+])
+def test_field_names_are_checked_at_parsing(extra, message, tmp_path, capsys):
+    src = _input(tmp_path, {"prompt": "a"})
+    rc, err = run_cli(capsys, "--model", tmp_path / "no-model", "--input", src, "--output", tmp_path / "out.jsonl", *extra)
+    assert rc == 2 and len(error_lines(err)) == 1 and message in error_lines(err)[0], err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
