@@ -125,3 +125,33 @@ def test_field_names_are_checked_at_parsing(extra, message, tmp_path, capsys):
     rc, err = run_cli(capsys, "--model", tmp_path / "no-model", "--input", src, "--output", tmp_path / "out.jsonl", *extra)
     assert rc == 2 and len(error_lines(err)) == 1 and message in error_lines(err)[0], err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_a_missing_column_is_refused_before_the_model_loads(stories_path, tmp_path, capsys):
+    src, dst = tmp_path / "p.csv", tmp_path / "out.jsonl"
+    src.write_text("id,text\n1,Once upon\n2,The cat\n")
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--prompt-column", "txt"))
+    assert rc == 2 and error_lines(err) == [f"pagedgen: error: {src}: no column 'txt' (columns: id, text); use --prompt-column"]
+    assert "rows:" not in err and sorted(os.listdir(tmp_path)) == ["p.csv"]  # no summary, output or sidecar
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--prompt-column", "text"))  # the corrected command runs
+    assert rc == 0, err
+    assert [r["text"] for r in read_jsonl(dst)] == ["Once upon", "The cat"]
+    blank = tmp_path / "blank.csv"
+    blank.write_text("\n\n\n")
+    rc, err = run_cli(capsys, *_base(stories_path, blank, tmp_path / "b.jsonl"))
+    assert rc == 2 and f"{blank}: empty file (only blank lines): no header line" in err and not (tmp_path / "b.jsonl").exists()
+    late = tmp_path / "late.csv"  # blank lines before the header are skipped (line numbers stay the file's)
+    late.write_text("\nprompt\nOnce\n")
+    rc, err = run_cli(capsys, *_base(stories_path, late, tmp_path / "late.jsonl"))
+    assert rc == 0 and read_jsonl(tmp_path / "late.jsonl")[0]["prompt"] == "Once", err
+
+
+def test_a_missing_parquet_column_is_refused_before_the_model_loads(stories_path, tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": [1], "text": ["Once"]}), src)
+    rc, err = run_cli(capsys, *_base(stories_path, src, tmp_path / "out.jsonl", "--prompt-column", "txt"))
+    assert rc == 2 and error_lines(err) == [f"pagedgen: error: {src}: no column 'txt' (columns: id, text); use --prompt-column"]
+    assert sorted(os.listdir(tmp_path)) == ["p.parquet"]

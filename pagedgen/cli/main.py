@@ -77,6 +77,8 @@ def _run(args) -> int:
     out_sidecar, out_errors = sidecar.paths_for(args.output)
     _check_output(args, (args.output, out_sidecar, out_errors))
     spec = _prompt_spec(args, fmt)
+    with _UserErrors("cannot read --input: "):
+        readers.check_header(args.input, fmt, prompt_field=spec.prompt_field, required_column=spec.messages_field or spec.prompt_field)
     with _UserErrors(""):
         from pagedgen.model import loader
 

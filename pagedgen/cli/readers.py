@@ -212,8 +212,11 @@ def read_csv(f: BinaryIO, name: str, delimiter: str, required: Optional[str]) ->
     reader = csv.reader(feed, delimiter=delimiter, strict=True)
     try:
         header = next(reader)
+        while header == [] and not feed.error:  # blank lines before the header (their bytes stay in the first span)
+            header = next(reader)
     except StopIteration:
-        raise CLIError(f"{name}: empty file (a header line naming the columns is needed)") from None
+        blank = " (only blank lines)" if feed.lineno else ""
+        raise CLIError(f"{name}: empty file{blank}: no header line (a header line naming the columns is needed)") from None
     except csv.Error as exc:
         raise CLIError(f"{name}:1: the header line is not valid CSV ({exc})") from None
     if feed.error:
@@ -264,6 +267,19 @@ def import_pyarrow_parquet():
     except ImportError:
         raise CLIError("reading Parquet needs the pyarrow package: pip install pyarrow") from None
     return pq
+
+
+def check_header(path: str, fmt: str, *, prompt_field: str, required_column: Optional[str]) -> None:
+    """Read the header line (CSV/TSV) or the schema (Parquet) of ``path`` now: CLIError for an
+    empty file or a missing ``required_column``, before any work (``read_rows`` checks lazily, at
+    its first row). Other formats and stdin (which cannot be read twice) are not checked here."""
+    if fmt not in ("csv", "tsv", "parquet") or path == "-":
+        return
+    rows = read_rows(path, fmt, prompt_field=prompt_field, required_column=required_column)
+    try:
+        next(rows, None)  # the header, then the first row (a bad one is reported when the run reaches it)
+    finally:
+        rows.close()
 
 
 def read_rows(path: str, fmt: str, *, prompt_field: str, required_column: Optional[str], stream: Optional[BinaryIO] = None) -> Iterator[Row]:
