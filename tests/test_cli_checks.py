@@ -155,3 +155,18 @@ def test_a_missing_parquet_column_is_refused_before_the_model_loads(stories_path
     rc, err = run_cli(capsys, *_base(stories_path, src, tmp_path / "out.jsonl", "--prompt-column", "txt"))
     assert rc == 2 and error_lines(err) == [f"pagedgen: error: {src}: no column 'txt' (columns: id, text); use --prompt-column"]
     assert sorted(os.listdir(tmp_path)) == ["p.parquet"]
+
+
+def test_a_missing_column_on_stdin_is_refused_before_any_output(stories_path, tmp_path, capsys, monkeypatch):
+    import io
+
+    data = b"id,text\n1,Once upon\n"
+    dst = tmp_path / "out.jsonl"
+    for column, rc_want in (("txt", 2), ("text", 0)):
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(data))))
+        rc, err = run_cli(capsys, *_base(stories_path, "-", dst, "--input-format", "csv", "--prompt-column", column))
+        assert rc == rc_want, err
+        if rc_want == 2:
+            assert error_lines(err) == ["pagedgen: error: <stdin>: no column 'txt' (columns: id, text); use --prompt-column"]
+            assert not os.listdir(tmp_path)
+    assert [r["text"] for r in read_jsonl(dst)] == ["Once upon"]

@@ -221,8 +221,7 @@ def read_csv(f: BinaryIO, name: str, delimiter: str, required: Optional[str]) ->
         raise CLIError(f"{name}:1: the header line is not valid CSV ({exc})") from None
     if feed.error:
         raise CLIError(f"{name}:1: the header line is {feed.error}")
-    if required is not None and required not in header:
-        raise CLIError(f"{name}: no column {required!r} (columns: {', '.join(header)}); use --prompt-column")
+    _check_column(name, required, header)
     pending = feed.take()
     index = 0
     while True:
@@ -269,17 +268,41 @@ def import_pyarrow_parquet():
     return pq
 
 
+def _check_column(name: str, required: Optional[str], columns: list[str]) -> None:
+    if required is not None and required not in columns:
+        raise CLIError(f"{name}: no column {required!r} (columns: {', '.join(columns)}); use --prompt-column")
+
+
 def check_header(path: str, fmt: str, *, prompt_field: str, required_column: Optional[str]) -> None:
     """Read the header line (CSV/TSV) or the schema (Parquet) of ``path`` now: CLIError for an
     empty file or a missing ``required_column``, before any work (``read_rows`` checks lazily, at
-    its first row). Other formats and stdin (which cannot be read twice) are not checked here."""
-    if fmt not in ("csv", "tsv", "parquet") or path == "-":
+    its first row). Other formats are not checked here; stdin (which cannot be read twice) only
+    when the buffered start of it (``peek``) holds the whole header line."""
+    if fmt not in ("csv", "tsv", "parquet"):
+        return
+    if path == "-":
+        if fmt != "parquet":
+            _check_peeked_header(_peek(path, sys.stdin.buffer), "," if fmt == "csv" else "\t", required_column)
         return
     rows = read_rows(path, fmt, prompt_field=prompt_field, required_column=required_column)
     try:
         next(rows, None)  # the header, then the first row (a bad one is reported when the run reaches it)
     finally:
         rows.close()
+
+
+def _check_peeked_header(head: bytes, delimiter: str, required: Optional[str]) -> None:
+    """The column check of ``read_csv`` on the first bytes of stdin, when they hold its first
+    non-blank line whole (a header that does not parse here is left to ``read_csv``)."""
+    lines = [line for line in head.splitlines(keepends=True) if line.endswith(b"\n")]
+    first = next((line for line in lines if line.strip()), None)
+    if first is None:
+        return
+    try:
+        header = next(csv.reader([first.decode("utf-8-sig")], delimiter=delimiter, strict=True))
+    except (csv.Error, UnicodeDecodeError, StopIteration):
+        return
+    _check_column("<stdin>", required, header)
 
 
 def read_rows(path: str, fmt: str, *, prompt_field: str, required_column: Optional[str], stream: Optional[BinaryIO] = None) -> Iterator[Row]:
@@ -294,8 +317,7 @@ def read_rows(path: str, fmt: str, *, prompt_field: str, required_column: Option
             raise CLIError("Parquet cannot be read from stdin (it needs a seekable file); give its path")
         pq = import_pyarrow_parquet()
         columns = pq.ParquetFile(path).schema_arrow.names
-        if required_column is not None and required_column not in columns:
-            raise CLIError(f"{name}: no column {required_column!r} (columns: {', '.join(columns)}); use --prompt-column")
+        _check_column(name, required_column, columns)
         yield from read_parquet(path)
         return
     f = stream if stream is not None else open_binary(path)
