@@ -170,3 +170,13 @@ def test_a_missing_column_on_stdin_is_refused_before_any_output(stories_path, tm
             assert error_lines(err) == ["pagedgen: error: <stdin>: no column 'txt' (columns: id, text); use --prompt-column"]
             assert not os.listdir(tmp_path)
     assert [r["text"] for r in read_jsonl(dst)] == ["Once upon"]
+
+
+def test_row_messages_name_the_row_and_the_element(stories_path, tmp_path, capsys):
+    src = _input(tmp_path, {"prompt": "Once"}, {"prompt": [1, True, 3]}, {"prompt": [1, -5]}, {"prompt": [1, "x"]})
+    rc, err = run_cli(capsys, *_base(stories_path, src, tmp_path / "out.jsonl", "--on-error", "skip"))
+    assert rc == 0, err
+    errors = [r["error"] for r in read_jsonl(tmp_path / "out.errors.jsonl")]
+    assert errors == ["prompt[1] must be an int token id, got bool True",
+                      "row 2's prompt has token id -5 outside the vocabulary [0, 512)",
+                      'prompt[1] must be an int token id, got str \'x\'']

@@ -156,7 +156,10 @@ class RequestBuilder:
             if truncate is None:
                 return {"prompt": prompt}
             ids = self._nonempty(list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list):
+            for j, t in enumerate(prompt):
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise BadRow(f"{where}[{j}] must be an int token id, got {type(t).__name__} {t!r:.50}")
             ids = self._nonempty(list(prompt))  # token ids (checked against the vocabulary by the engine)
         else:
             raise BadRow(f"{where} must be a string or a list of token ids, got {type(prompt).__name__}")
