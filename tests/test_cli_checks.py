@@ -59,7 +59,7 @@ def test_lone_surrogates_are_bad_rows(stories_path, tmp_path, capsys):
     assert rc == 2 and "internal error" not in err
     assert error_lines(err) == [f"pagedgen: error: {src}: line 2: field 'x' holds a lone UTF-16 surrogate ('\\ud800', an "
                                 "unpaired \\ud800-\\udfff escape), which is not text and cannot be written as UTF-8 (stopped "
-                                f"there: 1 rows are in {str(dst)!r}; fix the row and rerun the same command to resume, or "
+                                f"there: 1 row is in {str(dst)!r}; fix the row and rerun the same command to resume, or "
                                 "pass --on-error skip)"]
     rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--on-error", "skip", "--overwrite"))
     assert rc == 0 and "internal error" not in err, err

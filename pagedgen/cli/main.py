@@ -306,7 +306,8 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     bar.close()
     _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None)
     total_done = done.count + stats.generated + stats.bad
-    kept = f"{rows_in_output + writer.rows_written:,} rows are in {args.output!r}"
+    in_output = rows_in_output + writer.rows_written
+    kept = f"{in_output:,} {'row is' if in_output == 1 else 'rows are'} in {args.output!r}"
     if outcome.bad_row is not None:
         row, reason = outcome.bad_row
         where = "<stdin>" if args.input == "-" else args.input
@@ -319,7 +320,7 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
         raise CLIError(f"{message} (stopped there: {kept}; rerun the same command to resume once the input is fixed)") from exc
     if outcome.signal is not None:
         name = signal.Signals(outcome.signal).name
-        _say(f"interrupted by {name}: {total_done:,} rows done ({stats.generated + stats.bad:,} in this run), "
+        _say(f"interrupted by {name}: {total_done:,} {'row' if total_done == 1 else 'rows'} done ({stats.generated + stats.bad:,} in this run), "
              f"{outcome.aborted_rows:,} unfinished rows dropped; run the same command again to resume")
         return 128 + outcome.signal
     return 0
