@@ -31,8 +31,11 @@ def test_output_that_is_not_a_regular_file_is_refused_and_kept(stories_path, tmp
     os.mkfifo(fifo)
     errors_fifo = tmp_path / "o2.errors.jsonl"
     os.mkfifo(errors_fifo)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "o3.pagedgen.json.tmp").symlink_to(victim)  # the sidecar's temporary file
     cases = [(link, "is a symbolic link"), (fifo, "is not a regular file"), (tmp_path / "o2.jsonl", "o2.errors.jsonl"),
-             ("-", "writing to stdout is not supported")]
+             (tmp_path / "o3.jsonl", "o3.pagedgen.json.tmp' is a symbolic link"), ("-", "writing to stdout is not supported")]
     monkeypatch.chdir(tmp_path)
     for out, why in cases:
         for extra in ((), ("--overwrite",)):
@@ -40,7 +43,7 @@ def test_output_that_is_not_a_regular_file_is_refused_and_kept(stories_path, tmp
             assert rc == 2 and len(error_lines(err)) == 1 and why in err, err
             assert "loading" not in err and "rows:" not in err
     assert link.is_symlink() and os.readlink(link) == str(target) and target.read_text() == ""
-    assert fifo.is_fifo() and errors_fifo.is_fifo() and not (tmp_path / "-").exists()
+    assert fifo.is_fifo() and errors_fifo.is_fifo() and not (tmp_path / "-").exists() and victim.read_text() == "keep me"
     assert not (tmp_path / "o2.jsonl").exists() and not (tmp_path / "link.pagedgen.json").exists()
     # an empty regular output without a sidecar is written in place (the same file, not removed)
     dst = tmp_path / "empty.jsonl"

@@ -75,7 +75,7 @@ def _run(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     fmt = _check_input(args)
     out_sidecar, out_errors = sidecar.paths_for(args.output)
-    _check_output(args, (args.output, out_sidecar, out_errors))
+    _check_output(args, (args.output, out_sidecar, out_errors, out_sidecar + ".tmp"))  # .tmp: Sidecar.save's
     spec = _prompt_spec(args, fmt)
     with _UserErrors("cannot read --input: "):
         readers.check_header(args.input, fmt, prompt_field=spec.prompt_field, required_column=spec.messages_field or spec.prompt_field)
