@@ -75,10 +75,18 @@ def test_scan_done_rows_and_repair_torn_tail(tmp_path):
     assert scan.torn_bytes == 4096
     out.write_bytes(good + b'{"index": 5, "x": \0\0\0}\n')
     assert resume.scan(str(out), "rows", resume.DoneSet()).good_bytes == len(good)
-    # ... but a bad line followed by good ones is not a torn write: refused
-    out.write_bytes(_line(0) + b"garbage\n" + _line(1))
-    with pytest.raises(CLIError, match=r"out.jsonl:2: not a row pagedgen writes, with finished rows after it"):
-        resume.scan(str(out), "rows", resume.DoneSet())
+    # ... but a bad line followed by other lines is not a torn write: refused, whatever follows it
+    for tail in (_line(1), b"more garbage\n", b'{"note": 2}\n'):
+        out.write_bytes(_line(0) + b"garbage\n" + tail)
+        with pytest.raises(CLIError, match=r"out.jsonl:2: not a row pagedgen writes, with more lines after it"):
+            resume.scan(str(out), "rows", resume.DoneSet())
+    # nor is a complete, valid JSON last line that is not a row: refused, never deleted
+    for tail in (b'{"note": "checked by hand"}\n', b'{"index": "x"}\n', b"[1, 2]\n"):
+        out.write_bytes(good + tail)
+        with pytest.raises(CLIError, match=r"out.jsonl:4: a complete line that is not a row pagedgen writes"):
+            resume.scan(str(out), "rows", resume.DoneSet())
+    out.write_bytes(good + b'{"note": "unfinished"}')  # valid JSON but no newline: a torn write
+    assert resume.scan(str(out), "rows", resume.DoneSet()).good_bytes == len(good)
     out.write_bytes(_line(0) + _line(0))
     with pytest.raises(CLIError, match="row 0 is written twice"):
         resume.scan(str(out), "rows", resume.DoneSet())
@@ -126,23 +134,28 @@ def test_input_prefix_check(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
     tracker = sidecar.InputTracker()
-    for i, line in enumerate(src.read_bytes().splitlines(keepends=True)[:2]):
+    for i, line in enumerate(src.read_bytes().splitlines(keepends=True)):
         tracker.feed(line, i + 1)
     car = sidecar.Sidecar(str(tmp_path / "s.json"), {"version": 1, "input": {"format": "jsonl", "bytes": 0, "rows": 0}})
-    car.update_input(tracker.state_before(1))  # the prefix before row 1 (a bad row, say)
-    assert car.input_rows == 1
-    car.update_input(tracker.state())
-    assert car.input_rows == 2
-    assert tracker.state_before(0) == {"bytes": 0, "rows": 0, "sha256": hashlib.sha256().hexdigest()}
+    car.update_input(tracker.state_through(0))  # row 0 written; rows 1-2 read ahead (a bad row, say) are not covered
+    assert car.input_rows == 1 and car.data["input"]["bytes"] == 16
+    car.update_input(tracker.state_through(1))
+    assert car.input_rows == 2 and tracker.state() == {"bytes": 48, "rows": 3, "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}
     with pytest.raises(KeyError):
-        tracker.state_before(5)
-    car.update_input(tracker.state_before(1))  # never shorter
+        tracker.state_through(0)  # forgotten: the prefix only grows
+    with pytest.raises(KeyError):
+        tracker.state_through(5)
+    car.update_input({"bytes": 16, "rows": 1, "sha256": "x"})  # never shorter
     assert car.input_rows == 2
+    later = sidecar.InputTracker(keep_from=2)  # a resumed run keeps the states of rows past the sidecar's prefix only
+    for i, line in enumerate(src.read_bytes().splitlines(keepends=True)):
+        later.feed(line, i + 1)
+    assert later.state_through(2) == {**tracker.state(), "ends_mid_line": False} and len(later._after) == 1
     car.check_input_file(str(src), "jsonl", "out.jsonl")
     src.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "CHANGED after the prefix"}\n{"more": 1}\n')
     car.check_input_file(str(src), "jsonl", "out.jsonl")
     src.write_bytes(b'{"prompt": "a"}\n{"prompt": "B"}\n{"prompt": "c"}\n')
-    with pytest.raises(CLIError, match=r"changed since .*first 32 bytes \(rows 0-1, .*\) differ"):
+    with pytest.raises(CLIError, match=r"changed since .*first 32 bytes \(rows 0-1; the output holds rows up to row 1\) differ"):
         car.check_input_file(str(src), "jsonl", "out.jsonl")
     src.write_bytes(b'{"prompt": "a"}\n')
     with pytest.raises(CLIError, match="are missing"):

@@ -3,6 +3,7 @@ run, summarise. Every error the user can cause ends as one ``pagedgen: error:`` 
 (``--debug`` shows the traceback instead); an interruption prints how to resume."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -17,6 +18,7 @@ from pagedgen.cli import progress as progress_mod
 from pagedgen.cli import checks, readers, resume, sidecar
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
+from pagedgen.cli.lock import OutputLock, lock_path
 from pagedgen.cli.prompts import PromptSpec, RequestBuilder
 from pagedgen.cli.runner import Outcome, RunSettings, StopSignals, run_rows
 from pagedgen.cli.writer import Appender, RowWriter, output_is_input
@@ -28,7 +30,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     after SIGINT/SIGTERM, 1 an internal error."""
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        with contextlib.ExitStack() as held:  # the output's lock, released on every way out
+            return _run(args, held)
     except CLIError as exc:
         if args.debug:
             raise
@@ -66,7 +69,7 @@ class _UserErrors:
         return False
 
 
-def _run(args) -> int:
+def _run(args, held: contextlib.ExitStack) -> int:
     from pagedgen.engine_args import EngineArgs
     from pagedgen.sampling_args import sampling_params_from_args
 
@@ -75,7 +78,8 @@ def _run(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     fmt = _check_input(args)
     out_sidecar, out_errors = sidecar.paths_for(args.output)
-    _check_output(args, (args.output, out_sidecar, out_errors, out_sidecar + ".tmp"))  # .tmp: Sidecar.save's
+    _check_output(args, (args.output, out_sidecar, out_errors, lock_path(args.output), out_sidecar + ".tmp"))  # .tmp: Sidecar.save's
+    held.enter_context(OutputLock(args.output))  # before the output, sidecar or errors file is read
     spec = _prompt_spec(args, fmt)
     with _UserErrors("cannot read --input: "):
         readers.check_header(args.input, fmt, prompt_field=spec.prompt_field, required_column=spec.messages_field or spec.prompt_field)
@@ -86,6 +90,7 @@ def _run(args) -> int:
         loader.check_model_folder(args.model)
         model_fp = sidecar.model_fingerprint(folders)
     fingerprint = _params_fingerprint(args, fmt, params, spec)
+    sidecar.check_owner(args.output, args.overwrite)
     state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
 
     try:
@@ -107,12 +112,14 @@ def _run(args) -> int:
             if os.path.exists(path) and (args.overwrite or path != args.output):
                 os.remove(path)
         car = sidecar.Sidecar(out_sidecar, {"version": sidecar.SIDECAR_VERSION, "created": int(time.time()),
+                                            "output": os.path.basename(args.output),
                                             "input": {"path": os.path.abspath(args.input) if args.input != "-" else "-",
                                                       "format": fmt, "bytes": 0, "rows": 0},
                                             "model": model_fp, "params": fingerprint})
         if fmt == "parquet":
             car.data["input"]["file_sha256"] = sidecar.hash_prefix(args.input)[0]
         scans = []
+    car.data["output"] = os.path.basename(args.output)  # an older sidecar has none
     for scan in scans:
         if scan.torn_bytes:
             resume.truncate_to(scan)
@@ -152,7 +159,7 @@ def _check_input(args) -> str:
 
 
 def _check_output(args, paths: tuple[str, ...]) -> None:
-    """CLIError if an output path (the output, its sidecar, its errors file) is the input, is a
+    """CLIError if an output path (the output, its sidecar, errors and lock files) is the input, is a
     symbolic link or something else than a regular file, or cannot be written (checked before any
     work: pagedgen never removes or replaces a path that is not a regular file it writes)."""
     out = args.output
@@ -264,17 +271,15 @@ def _remaining(rows: Iterator, done: resume.DoneSet, tracker: sidecar.InputTrack
 
 def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_output: int) -> int:
     max_in_flight = args.max_in_flight or 2 * llm.scheduler_config.max_num_seqs
-    tracker = sidecar.InputTracker()
+    tracker = sidecar.InputTracker(keep_from=car.input_rows, lines=fmt not in ("json", "parquet"))
     stats = progress_mod.RunStats()
     outcome = Outcome()
 
-    def verified() -> dict:
-        # after a bad row the prefix stops before it (rows read ahead after it too), so that fixing it keeps the prefix
-        return tracker.state_before(outcome.bad_row[0].index) if outcome.bad_row is not None else tracker.state()
-
     def before_write(top_index: int) -> None:
+        # the prefix ends with the highest row written, never with the rows read ahead (a bad row among
+        # them is not written: fixing it must keep the prefix valid)
         if top_index >= car.input_rows:
-            car.update_input(verified())
+            car.update_input(tracker.state_through(top_index))
 
     writer = RowWriter(Appender(args.output), Appender(out_errors), ordered=not args.unordered, max_buffered=args.reorder_buffer,
                        flush_rows=args.flush_rows, flush_seconds=args.flush_seconds, before_write=before_write)
@@ -296,7 +301,6 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
             run_rows(llm, remaining, builder, writer, spec, settings, stats, bar, signals, outcome)
         with _UserErrors(write_error):
             writer.close()
-            car.update_input(verified())
     except BaseException:
         bar.close()
         with _UserErrors(write_error):  # keep what finished (in order) before reporting

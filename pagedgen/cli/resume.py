@@ -4,9 +4,11 @@ Each output (and errors-file) line starts with the row's index (``{"index": 12, 
 OpenAI batch format, ``{"id": "batch_req_12", ...``), so the scan reads indices without parsing
 whole rows; lines in the last ``FULL_CHECK_BYTES`` of a file (where a power loss can leave a
 partly written line) are also parsed as JSON. A line is finished only when it ends in a newline:
-the writer writes whole lines, so anything after the last good line is a torn write and is cut
-off (``truncate_to``). A bad line *followed by good ones* is not something pagedgen writes: the run
-is refused rather than guessing.
+the writer writes whole lines, so a torn write is only ever the *last* line: one without a final
+newline, or one that is not valid JSON (zeros a power loss left), and that is cut off
+(``truncate_to``). Any other line that is not a row (a bad line with lines after it, or a complete,
+valid JSON last line that is not one of this run's rows) is not something pagedgen writes: the run
+is refused with its line number rather than deleting what someone else put there.
 """
 from __future__ import annotations
 
@@ -79,10 +81,13 @@ def scan(path: str, kind: str, done: DoneSet, index_field: str = "index") -> Sca
         return result
     pattern = index_pattern(kind, index_field)
     size = os.path.getsize(path)
-    first_bad = None  # (line number, offset) of the first line that is not a finished row
+    bad = None  # (line number, offset, line) of a line that is not a finished row: allowed only last
     offset = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
+            if bad is not None:
+                raise CLIError(f"{path}:{bad[0]}: not a row pagedgen writes, with more lines after it (the file was "
+                               f"edited or damaged): remove that line, or pass --overwrite to start again")
             start, offset = offset, offset + len(line)
             match = pattern.match(line) if line.endswith(b"\n") else None
             if match and start >= size - FULL_CHECK_BYTES:
@@ -91,20 +96,26 @@ def scan(path: str, kind: str, done: DoneSet, index_field: str = "index") -> Sca
                 except ValueError:
                     match = None
             if not match:
-                first_bad = first_bad or (lineno, start)
+                bad = (lineno, start, line)
                 continue
-            if first_bad is not None:
-                raise CLIError(
-                    f"{path}:{first_bad[0]}: not a row pagedgen writes, with finished rows after it (the file was "
-                    f"edited or damaged): remove that line, or pass --overwrite to start again"
-                )
             index = int(match.group(1))
             if not done.add(index):
                 raise CLIError(f"{path}:{lineno}: row {index} is written twice (the file was edited?): remove one, or pass --overwrite")
             result.rows += 1
-    result.good_bytes = first_bad[1] if first_bad else size
+    if bad is not None and bad[2].endswith(b"\n") and _is_json(bad[2]):
+        raise CLIError(f"{path}:{bad[0]}: a complete line that is not a row pagedgen writes (the file was edited or "
+                       f"appended to): remove that line, or pass --overwrite to start again")
+    result.good_bytes = bad[1] if bad else size
     result.torn_bytes = size - result.good_bytes
     return result
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def truncate_to(result: Scan) -> None:

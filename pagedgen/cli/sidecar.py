@@ -1,12 +1,15 @@
 """The sidecar file ``OUTPUT.pagedgen.json``: what an output file was made from, so that a rerun resumes
 only when the input, the model and the parameters are those of the run that started it.
 
-- **Input**: the SHA-256 of the input's first ``bytes`` bytes, which hold every row an output line
-  can come from (rows ``0 .. rows-1``). The runner hashes the bytes as it reads them (row spans,
-  see ``readers``) and rewrites the sidecar *before* any row past its ``rows`` is written, so the
-  check always covers every finished row. A rerun re-hashes that prefix (about 1 s per GB) and
-  compares: an input replaced, truncated or edited anywhere before the last row read is refused;
-  rows after it may change (a fixed bad row, appended rows). Parquet has no row byte ranges: its
+- **Input**: the SHA-256 of the input's first ``bytes`` bytes, rows ``0 .. rows-1``, where row
+  ``rows-1`` is the highest row in the output (or the errors file). The runner hashes the bytes as
+  it reads them (row spans, see ``readers``) and, *before* a row past ``rows`` is written, rewrites
+  the sidecar to end with that row, so the check always covers every finished row and never a row
+  read ahead but not written (a bad row the run stopped at, or rows after it). A rerun re-hashes that prefix (about 1 s per GB) and
+  compares: an input replaced, truncated or edited anywhere before the last row written is refused;
+  rows after it may change (a fixed bad row, appended rows). When that row was the file's last
+  line, without a newline (``ends_mid_line``: a file still being written), a file that now
+  continues that line is refused too, as it changes the row. Parquet has no row byte ranges: its
   whole file is hashed instead. From stdin the prefix is checked as the rows stream in.
 - **Model**: size and SHA-256 of config.json, the tokenizer files and the safetensors index; for
   weight files over 64 MiB the size and a hash of 16 evenly spaced 1 MiB samples (a fine-tune or
@@ -38,9 +41,54 @@ READ_CHUNK = 4 << 20
 
 
 def paths_for(output: str) -> tuple[str, str]:
-    """(sidecar, errors file) of ``output``: ``out.jsonl`` -> ``out.pagedgen.json``, ``out.errors.jsonl``."""
+    """(sidecar, errors file) of ``output``: ``out.jsonl`` -> ``out.pagedgen.json``, ``out.errors.jsonl``.
+    ``out`` has the same two (see ``check_owner``)."""
     base = output[: -len(".jsonl")] if output.endswith(".jsonl") else output
     return base + ".pagedgen.json", base + ".errors.jsonl"
+
+
+def _sibling(output: str) -> str:
+    """The other output name with the same sidecar and errors file (``out.jsonl`` <-> ``out``)."""
+    return output[: -len(".jsonl")] if output.endswith(".jsonl") else output + ".jsonl"
+
+
+def check_owner(output: str, overwrite: bool) -> None:
+    """Refuse to use a sidecar (and errors file) that belongs to another output.
+
+    ``out`` and ``out.jsonl`` share ``out.pagedgen.json`` and ``out.errors.jsonl``; the sidecar
+    records the name of the output it was written for (``"output"``; a sidecar of an older
+    version, which has none, belongs to the other name when only that one exists).
+
+    Raises:
+        CLIError: the sidecar belongs to the other output and that output exists (even with
+            ``overwrite``: its files are never deleted), or it belongs to the other output, which is
+            gone, and ``overwrite`` is not set.
+    """
+    path, errors = paths_for(output)
+    if not os.path.exists(path):
+        return
+    owner = _recorded_output(path)
+    sibling = _sibling(output)
+    if owner is None:  # an older sidecar: it belongs to whichever of the two outputs exists
+        owner = os.path.basename(sibling if os.path.exists(sibling) and not os.path.exists(output) else output)
+    if owner == os.path.basename(output):
+        return
+    other = os.path.join(os.path.dirname(output), owner)
+    shared = f"the sidecar {path!r} and errors file {errors!r} belong to --output {other!r} (outputs named with and without .jsonl share them)"
+    if os.path.exists(other):
+        raise CLIError(f"--output {output!r}: {shared}, which exists: choose another output name (its files are never replaced)")
+    if not overwrite:
+        raise CLIError(f"--output {output!r}: {shared}, which no longer exists: pass --overwrite to replace them, or choose "
+                       f"another output name")
+
+
+def _recorded_output(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable: Sidecar.load reports it
+    return data.get("output") if isinstance(data, dict) else None
 
 
 def hash_prefix(path: str, nbytes: Optional[int] = None) -> tuple[str, int]:
@@ -87,40 +135,58 @@ def model_fingerprint(folders: list[str]) -> dict:
 class InputTracker:
     """The running SHA-256 of the input's bytes, fed one row span at a time, in row order.
 
-    ``state()`` covers every row read so far; ``state_before(index)`` stops before row ``index``,
-    one of the last ``KEEP`` rows read (a run that stops at a bad row records that, so fixing the
-    row keeps the prefix valid; the runner reads a few rows ahead of the one it adds).
+    ``state()`` covers every row read so far; ``state_through(index)`` ends with row ``index``. The
+    sidecar records ``state_through`` the highest row written, never the rows read: the runner
+    reads rows ahead of the ones it adds (a bad row among them, and rows after it, are never
+    written), so the recorded prefix holds only rows up to the last one in the output and fixing
+    a bad row keeps it valid.
+
+    Args:
+        keep_from: the first row index whose state is kept (rows before it are covered by the
+            sidecar already); ``state_through`` forgets the rows before the one it is asked for,
+            so the states kept are those of the rows read but not yet written.
+        lines: the format is one row per line (JSONL, OpenAI, text, CSV/TSV): the state records
+            whether the row ended without a newline (``ends_mid_line``: the last line of a file,
+            perhaps still being written; see ``Sidecar.check_input_file``).
     """
 
-    KEEP = 1024  # rows whose prefix state is kept: more than the runner reads ahead (runner.READ_AHEAD)
-
-    def __init__(self) -> None:
+    def __init__(self, keep_from: int = 0, lines: bool = True) -> None:
         self._hash = hashlib.sha256()
         self.bytes = 0
         self.rows = 0
-        self._before: collections.deque = collections.deque(maxlen=self.KEEP)  # (row index, bytes, rows, hash)
+        self.keep_from = keep_from
+        self.lines = lines
+        self._after: collections.deque = collections.deque()  # (row index, bytes, hash, ends mid-line) after each row
 
     def feed(self, span: bytes, rows_after: int) -> None:
-        self._before.append((rows_after - 1, self.bytes, self.rows, self._hash.copy()))
         self._hash.update(span)
         self.bytes += len(span)
         self.rows = rows_after
+        if rows_after - 1 >= self.keep_from:
+            self._after.append((rows_after - 1, self.bytes, self._hash.copy(), self.lines and not span.endswith(b"\n")))
 
     def state(self) -> dict:
         return {"bytes": self.bytes, "rows": self.rows, "sha256": self._hash.hexdigest()}
 
-    def state_before(self, index: int) -> dict:
-        """The state before row ``index`` was fed. Raises KeyError if it is not among the last KEEP rows."""
-        for row, nbytes, rows, h in reversed(self._before):
-            if row == index:
-                return {"bytes": nbytes, "rows": rows, "sha256": h.hexdigest()}
-        raise KeyError(f"row {index} is not among the last {self.KEEP} rows read")
+    def state_through(self, index: int) -> dict:
+        """The state after row ``index`` was fed (rows ``0 .. index``); forgets the rows before it.
+
+        Raises:
+            KeyError: row ``index`` was not fed, or is before ``keep_from`` or an earlier call's row.
+        """
+        while self._after and self._after[0][0] < index:
+            self._after.popleft()
+        if not self._after or self._after[0][0] != index:
+            raise KeyError(f"the input state after row {index} is not kept")
+        _, nbytes, h, mid_line = self._after[0]
+        return {"bytes": nbytes, "rows": index + 1, "sha256": h.hexdigest(), "ends_mid_line": mid_line}
 
 
 class Sidecar:
     """The sidecar's contents (a dict) and its atomic save.
 
-    Keys: ``version``, ``input`` ({"path", "format", "bytes", "rows", "sha256"} or, for Parquet,
+    Keys: ``version``, ``output`` (the output file's name, without its folder; see ``check_owner``),
+    ``input`` ({"path", "format", "bytes", "rows", "sha256"} or, for Parquet,
     {"path", "format", "file_sha256", "rows"}), ``model`` (``model_fingerprint``), ``params``,
     ``created`` (Unix time of the first run, used for the OpenAI format's ``created``).
     """
@@ -159,7 +225,7 @@ class Sidecar:
         return self.data["input"].get("rows", 0)
 
     def update_input(self, state: dict) -> None:
-        """Record a longer verified input prefix (never a shorter one) and save."""
+        """Record a longer verified input prefix (never a shorter one: rows in the output stay in it) and save."""
         if state["rows"] > self.input_rows:
             self.data["input"].update(state)
             self.save()
@@ -190,9 +256,25 @@ class Sidecar:
         digest, got = hash_prefix(path, recorded["bytes"])
         if got < recorded["bytes"] or digest != recorded["sha256"]:
             raise CLIError(
-                f"{what}: its first {recorded['bytes']:,} bytes (rows 0-{recorded['rows'] - 1}, which rows already in "
-                f"the output came from) {'are missing' if got < recorded['bytes'] else 'differ'}; {hint}"
+                f"{what}: its first {recorded['bytes']:,} bytes (rows 0-{recorded['rows'] - 1}; the output holds "
+                f"rows up to row {recorded['rows'] - 1}) {'are missing' if got < recorded['bytes'] else 'differ'}; {hint}"
             )
+        if recorded.get("ends_mid_line") and not _line_ended(path, recorded["bytes"]):
+            raise CLIError(
+                f"{what}: row {recorded['rows'] - 1}, the one the output ends with, was the file's last line, without "
+                f"a newline, and the file now continues that line (the file was still being written?); {hint}"
+            )
+
+
+def _line_ended(path: str, nbytes: int) -> bool:
+    """Whether the line that ran to byte ``nbytes`` of ``path`` without a newline still reads the same:
+    the file ends there, or goes on with a line end (``\\n``, or ``\\r\\n`` after a byte other than
+    ``\\r``: the readers drop one ``\\r\\n`` or ``\\n``)."""
+    with open(path, "rb") as f:
+        f.seek(max(nbytes - 1, 0))
+        around = f.read(3 if nbytes else 2)
+    last, after = (around[:1], around[1:]) if nbytes else (b"", around)
+    return after == b"" or after.startswith(b"\n") or (after.startswith(b"\r\n") and last != b"\r")
 
 
 def fsync_dir(path: str) -> None:
