@@ -47,7 +47,7 @@ def test_cli_text_file_and_bad_input(stories_path, tmp_path, capsys):
     rc, err = run_cli(capsys, "--model", stories_path, "--input", bad, "--output", tmp_path / "x.jsonl")
     # the row before the bad one is generated and kept; the message names the line and says how to go on
     assert rc == 2 and f"{bad}: line 2: no field 'prompt' (fields: text); use --prompt-field" in err
-    assert "1 rows are in" in err and "--on-error skip" in err and "Traceback" not in err
+    assert "1 row is in" in err and "--on-error skip" in err and "Traceback" not in err
     assert len((tmp_path / "x.jsonl").read_text().splitlines()) == 1
     assert gc.get_freeze_count() == 0  # also when the run stops at a bad row
     rc, err = run_cli(capsys, "--model", stories_path, "--input", tmp_path / "missing.jsonl", "--output", tmp_path / "y.jsonl")

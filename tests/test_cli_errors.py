@@ -36,7 +36,7 @@ def test_bad_rows_stop_then_resume_after_the_fix(stories_path, tmp_path, capsys)
     rc, err = run_cli(capsys, *_base(stories_path, src, dst))
     assert rc == 2 and error_lines(err) == [
         f"pagedgen: error: {src}: line 3: not valid JSON (Unterminated string starting at: column 12) (stopped there: "
-        f"1 rows are in {str(dst)!r}; fix the row and rerun the same command to resume, or pass --on-error skip)"]
+        f"1 row is in {str(dst)!r}; fix the row and rerun the same command to resume, or pass --on-error skip)"]
     assert [r["index"] for r in read_jsonl(dst)] == [0]
     # fixing the bad line changes the input after the rows already done: the rerun resumes
     lines = src.read_text().splitlines()

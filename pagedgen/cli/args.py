@@ -33,6 +33,34 @@ class _Parser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        why = field_names_problem(ns)
+        if why:
+            self.error(why)
+        return ns, rest
+
+
+def field_names_problem(ns: argparse.Namespace) -> str | None:
+    """Why the field names of parsed flags ``ns`` cannot work, else None: an empty name, or an
+    output field (index, completions, prompt_logprobs) that is another output field or the input
+    field the prompt is read from (every row would be refused)."""
+    names = {"--prompt-field": ns.prompt_field, "--messages-field": ns.messages_field,
+             "--index-field": ns.index_field, "--output-field": ns.output_field}
+    for flag, name in names.items():
+        if name is not None and not name.strip():
+            return f"{flag} must be a non-empty field name, got {name!r}"
+    source = ("--messages-field", ns.messages_field) if ns.messages_field is not None else ("--prompt-field", ns.prompt_field)
+    added = [("--index-field", ns.index_field), ("--output-field", ns.output_field)]
+    if getattr(ns, "prompt_logprobs", None) is not None:
+        added.append(("--prompt-logprobs", "prompt_logprobs"))
+    for i, (flag, name) in enumerate(added):
+        for other_flag, other in added[i + 1:] + [source]:
+            if name == other:
+                return (f"{flag} and {other_flag} name the same field {name!r} (an output row holds both); "
+                        f"give them different names")
+    return None
+
 
 def _at_least(cast, low, what: str):
     """An argparse type: ``cast(text)``, refused below ``low`` with "expected <what>"."""

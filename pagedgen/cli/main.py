@@ -15,7 +15,7 @@ import time
 from typing import Iterator, Optional
 
 from pagedgen.cli import progress as progress_mod
-from pagedgen.cli import readers, resume, sidecar
+from pagedgen.cli import checks, readers, resume, sidecar
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
 from pagedgen.cli.lock import OutputLock, lock_path
@@ -78,9 +78,11 @@ def _run(args, held: contextlib.ExitStack) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     fmt = _check_input(args)
     out_sidecar, out_errors = sidecar.paths_for(args.output)
-    _check_output(args, (args.output, out_sidecar, out_errors, lock_path(args.output)))
+    _check_output(args, (args.output, out_sidecar, out_errors, lock_path(args.output), out_sidecar + ".tmp"))  # .tmp: Sidecar.save's
     held.enter_context(OutputLock(args.output))  # before the output, sidecar or errors file is read
     spec = _prompt_spec(args, fmt)
+    with _UserErrors("cannot read --input: "):
+        readers.check_header(args.input, fmt, prompt_field=spec.prompt_field, required_column=spec.messages_field or spec.prompt_field)
     with _UserErrors(""):
         from pagedgen.model import loader
 
@@ -102,11 +104,12 @@ def _run(args, held: contextlib.ExitStack) -> int:
                        "or pass a smaller --max-model-len") from exc
     if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
         raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
+    checks.check_params_fit_model(llm, params, args.model)
 
     car, done, scans = state
     if args.overwrite or car is None:
-        for path in (args.output, out_errors):
-            if os.path.exists(path):
+        for path in (args.output, out_errors):  # regular files (_check_output); an empty output is kept as it is
+            if os.path.exists(path) and (args.overwrite or path != args.output):
                 os.remove(path)
         car = sidecar.Sidecar(out_sidecar, {"version": sidecar.SIDECAR_VERSION, "created": int(time.time()),
                                             "output": os.path.basename(args.output),
@@ -156,12 +159,24 @@ def _check_input(args) -> str:
 
 
 def _check_output(args, paths: tuple[str, ...]) -> None:
-    """CLIError if an output path is the input, or cannot be written (checked before any work)."""
+    """CLIError if an output path (the output, its sidecar, errors and lock files) is the input, is a
+    symbolic link or something else than a regular file, or cannot be written (checked before any
+    work: pagedgen never removes or replaces a path that is not a regular file it writes)."""
+    out = args.output
+    if out == "-":
+        raise CLIError("--output -: writing to stdout is not supported (the output must be a file that a rerun can "
+                       "resume); give a file path")
     for path in paths:
         why = output_is_input(path, args.input)
         if why:
-            raise CLIError(f"--output {args.output!r}: {path!r} {why}; choose another output")
-    out = args.output
+            raise CLIError(f"--output {out!r}: {path!r} {why}; choose another output")
+        what = "--output" if path == out else f"--output {out!r}: {path!r}"
+        if os.path.islink(path):
+            raise CLIError(f"{what} is a symbolic link (to {os.readlink(path)!r}): pagedgen does not write through "
+                           f"links; give the real path of a regular file")
+        if os.path.exists(path) and not os.path.isfile(path) and not (path == out and os.path.isdir(path)):
+            kind = "a directory" if os.path.isdir(path) else "not a regular file (a device, FIFO or socket)"
+            raise CLIError(f"{what} exists and is {kind}; choose another output path")
     folder = os.path.dirname(os.path.abspath(out))
     problem = None
     if os.path.isdir(out):
@@ -295,7 +310,8 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     bar.close()
     _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None)
     total_done = done.count + stats.generated + stats.bad
-    kept = f"{rows_in_output + writer.rows_written:,} rows are in {args.output!r}"
+    in_output = rows_in_output + writer.rows_written
+    kept = f"{in_output:,} {'row is' if in_output == 1 else 'rows are'} in {args.output!r}"
     if outcome.bad_row is not None:
         row, reason = outcome.bad_row
         where = "<stdin>" if args.input == "-" else args.input
@@ -308,7 +324,7 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
         raise CLIError(f"{message} (stopped there: {kept}; rerun the same command to resume once the input is fixed)") from exc
     if outcome.signal is not None:
         name = signal.Signals(outcome.signal).name
-        _say(f"interrupted by {name}: {total_done:,} rows done ({stats.generated + stats.bad:,} in this run), "
+        _say(f"interrupted by {name}: {total_done:,} {'row' if total_done == 1 else 'rows'} done ({stats.generated + stats.bad:,} in this run), "
              f"{outcome.aborted_rows:,} unfinished rows dropped; run the same command again to resume")
         return 128 + outcome.signal
     return 0

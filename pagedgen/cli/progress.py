@@ -112,7 +112,7 @@ def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str]) -
     s, t = stats, max(stats.elapsed, 1e-9)
     total = s.already_done + s.generated + s.bad
     lines = [
-        f"pagedgen: {total:,} rows: {s.generated:,} generated, {s.already_done:,} skipped as already done, {s.bad:,} bad"
+        f"pagedgen: {total:,} {'row' if total == 1 else 'rows'}: {s.generated:,} generated, {s.already_done:,} skipped as already done, {s.bad:,} bad"
         f"{' (in the errors file)' if s.bad else ''}; {s.prompt_tokens:,} prompt and {s.output_tokens:,} output tokens in {t:.1f} s "
         f"({s.output_tokens / t:,.0f} output tok/s, {(s.prompt_tokens + s.output_tokens) / t:,.0f} tok/s in all)",
     ]

@@ -6,7 +6,8 @@ as ``LLM.chat`` does), or, in the OpenAI batch format, the request body's ``prom
 with the body's sampling fields over the command line's. Text is tokenized with special tokens, as
 ``LLM.generate`` does, and, like ``LLM.generate``, many rows in one tokenizer call
 (``RequestBuilder.build_many``: one call per row costs several times as much, 170 vs 32 µs a row of
-stories260K's tokenizer on 2 cores); text is cut to its last ``--truncate-prompt-tokens`` tokens
+stories260K's tokenizer on 2 cores; if the tokenizer refuses one text, one call per row, so that
+only that row fails); text is cut to its last ``--truncate-prompt-tokens`` tokens
 when asked (vLLM's ``SamplingParams.truncate_prompt_tokens``; pagedgen's SamplingParams has no such
 field, so the command line cuts before adding the request). A rendered chat is tokenized here
 without special tokens (the template writes BOS).
@@ -112,14 +113,26 @@ class RequestBuilder:
                 built.append((row, exc.reason))
         texts = [i for i, (_, r) in enumerate(built) if isinstance(r, Request) and "prompt" in r.prompt]
         if texts:
-            encoded = self.tokenizer([built[i][1].prompt["prompt"] for i in texts], add_special_tokens=True)["input_ids"]
+            try:
+                encoded = self.tokenizer([built[i][1].prompt["prompt"] for i in texts], add_special_tokens=True)["input_ids"]
+            except Exception:  # one row the tokenizer refuses fails the whole call: then one call per row
+                encoded = [self._encode_one(built[i][1].prompt["prompt"]) for i in texts]
             for i, ids in zip(texts, encoded):
                 row, request = built[i]
                 try:
+                    if isinstance(ids, str):
+                        raise BadRow(ids)
                     request.prompt = {"prompt_token_ids": self._nonempty(list(ids))}
                 except BadRow as exc:
                     built[i] = (row, exc.reason)
         return built
+
+    def _encode_one(self, text: str):
+        """The token ids of ``text`` (with special tokens), or why the tokenizer refused it."""
+        try:
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        except Exception as exc:  # the tokenizer's own errors (TypeError, ValueError, Rust exceptions)
+            return f"the tokenizer cannot tokenize the prompt ({type(exc).__name__}: {str(exc)[:200]!a})"
 
     def _with(self, overrides: dict) -> SamplingParams:
         if not overrides:
@@ -143,7 +156,10 @@ class RequestBuilder:
             if truncate is None:
                 return {"prompt": prompt}
             ids = self._nonempty(list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list):
+            for j, t in enumerate(prompt):
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise BadRow(f"{where}[{j}] must be an int token id, got {type(t).__name__} {t!r:.50}")
             ids = self._nonempty(list(prompt))  # token ids (checked against the vocabulary by the engine)
         else:
             raise BadRow(f"{where} must be a string or a list of token ids, got {type(prompt).__name__}")

@@ -3,7 +3,8 @@ however big the file), numbering them 0, 1, 2, ... and remembering the file line
 
 Formats (``--input-format``, default from the file name and its first line):
 
-- ``jsonl``: one JSON object per line (or a JSON string: the prompt). Blank lines are not rows.
+- ``jsonl``: one JSON object per line (or a JSON string: the prompt). Blank lines are not rows. A
+  value holding a lone UTF-16 surrogate (``"\\ud800"``: not text, not writable as UTF-8) is a bad row.
 - ``openai``: JSON lines in the OpenAI batch input format (``custom_id``, ``method``, ``url``, ``body``).
 - ``csv`` / ``tsv``: a header line, then one record per row, parsed by Python's ``csv`` module (quoted
   fields may hold commas and newlines). Blank lines are not rows.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Optional
@@ -129,12 +131,34 @@ def read_json_lines(f: BinaryIO, prompt_field: str) -> Iterator[Row]:
             except json.JSONDecodeError as exc:
                 error = f"not valid JSON ({exc.msg}: column {exc.colno})"
             else:
-                fields, error = _as_fields(value, prompt_field)
+                fields, error = _as_fields(value, prompt_field, raw)
         yield Row(index, lineno, fields, error, span)
         index += 1
 
 
-def _as_fields(value, prompt_field: str) -> tuple[Optional[dict], Optional[str]]:
+# a JSON escape of a UTF-16 surrogate: json.loads makes a lone one a str that UTF-8 cannot encode
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _unwritable(value, span: bytes) -> Optional[str]:
+    """Why a parsed JSON value cannot be written back as UTF-8 (it holds a lone surrogate, from a
+    ``\\ud800``-style escape), else None. Only a span with such an escape is checked in full."""
+    if not _SURROGATE_ESCAPE.search(span):
+        return None
+    for key, item in (value.items() if isinstance(value, dict) else [(None, value)]):
+        try:
+            json.dumps([key, item], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = f"field {key!a}" if isinstance(value, dict) else "the value"
+            return (f"{where} holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!a}, an unpaired "
+                    f"\\ud800-\\udfff escape), which is not text and cannot be written as UTF-8")
+    return None
+
+
+def _as_fields(value, prompt_field: str, span: bytes = b"") -> tuple[Optional[dict], Optional[str]]:
+    why = _unwritable(value, span)
+    if why is not None:
+        return None, why
     if isinstance(value, dict):
         return value, None
     if isinstance(value, str):
@@ -147,7 +171,7 @@ def read_json_array(f: BinaryIO, name: str, prompt_field: str) -> Iterator[Row]:
     for index, (line, end, span, value, error) in enumerate(iter_json_array(f, name)):
         fields = None
         if error is None:
-            fields, error = _as_fields(value, prompt_field)
+            fields, error = _as_fields(value, prompt_field, span)
         yield Row(index, line, fields, error, span, end)
 
 
@@ -188,14 +212,16 @@ def read_csv(f: BinaryIO, name: str, delimiter: str, required: Optional[str]) ->
     reader = csv.reader(feed, delimiter=delimiter, strict=True)
     try:
         header = next(reader)
+        while header == [] and not feed.error:  # blank lines before the header (their bytes stay in the first span)
+            header = next(reader)
     except StopIteration:
-        raise CLIError(f"{name}: empty file (a header line naming the columns is needed)") from None
+        blank = " (only blank lines)" if feed.lineno else ""
+        raise CLIError(f"{name}: empty file{blank}: no header line (a header line naming the columns is needed)") from None
     except csv.Error as exc:
         raise CLIError(f"{name}:1: the header line is not valid CSV ({exc})") from None
     if feed.error:
         raise CLIError(f"{name}:1: the header line is {feed.error}")
-    if required is not None and required not in header:
-        raise CLIError(f"{name}: no column {required!r} (columns: {', '.join(header)}); use --prompt-column")
+    _check_column(name, required, header)
     pending = feed.take()
     index = 0
     while True:
@@ -242,6 +268,43 @@ def import_pyarrow_parquet():
     return pq
 
 
+def _check_column(name: str, required: Optional[str], columns: list[str]) -> None:
+    if required is not None and required not in columns:
+        raise CLIError(f"{name}: no column {required!r} (columns: {', '.join(columns)}); use --prompt-column")
+
+
+def check_header(path: str, fmt: str, *, prompt_field: str, required_column: Optional[str]) -> None:
+    """Read the header line (CSV/TSV) or the schema (Parquet) of ``path`` now: CLIError for an
+    empty file or a missing ``required_column``, before any work (``read_rows`` checks lazily, at
+    its first row). Other formats are not checked here; stdin (which cannot be read twice) only
+    when the buffered start of it (``peek``) holds the whole header line."""
+    if fmt not in ("csv", "tsv", "parquet"):
+        return
+    if path == "-":
+        if fmt != "parquet":
+            _check_peeked_header(_peek(path, sys.stdin.buffer), "," if fmt == "csv" else "\t", required_column)
+        return
+    rows = read_rows(path, fmt, prompt_field=prompt_field, required_column=required_column)
+    try:
+        next(rows, None)  # the header, then the first row (a bad one is reported when the run reaches it)
+    finally:
+        rows.close()
+
+
+def _check_peeked_header(head: bytes, delimiter: str, required: Optional[str]) -> None:
+    """The column check of ``read_csv`` on the first bytes of stdin, when they hold its first
+    non-blank line whole (a header that does not parse here is left to ``read_csv``)."""
+    lines = [line for line in head.splitlines(keepends=True) if line.endswith(b"\n")]
+    first = next((line for line in lines if line.strip()), None)
+    if first is None:
+        return
+    try:
+        header = next(csv.reader([first.decode("utf-8-sig")], delimiter=delimiter, strict=True))
+    except (csv.Error, UnicodeDecodeError, StopIteration):
+        return
+    _check_column("<stdin>", required, header)
+
+
 def read_rows(path: str, fmt: str, *, prompt_field: str, required_column: Optional[str], stream: Optional[BinaryIO] = None) -> Iterator[Row]:
     """The rows of ``path`` (``-``: ``stream`` or stdin) in format ``fmt`` (one of FORMATS).
 
@@ -254,8 +317,7 @@ def read_rows(path: str, fmt: str, *, prompt_field: str, required_column: Option
             raise CLIError("Parquet cannot be read from stdin (it needs a seekable file); give its path")
         pq = import_pyarrow_parquet()
         columns = pq.ParquetFile(path).schema_arrow.names
-        if required_column is not None and required_column not in columns:
-            raise CLIError(f"{name}: no column {required_column!r} (columns: {', '.join(columns)}); use --prompt-column")
+        _check_column(name, required_column, columns)
         yield from read_parquet(path)
         return
     f = stream if stream is not None else open_binary(path)

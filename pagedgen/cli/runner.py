@@ -139,7 +139,7 @@ def _admit(engine, row: Row, request: Request, in_flight: dict) -> Optional[str]
     try:
         engine.add_request(str(row.index), request.prompt, request.params)
     except (ValueError, TypeError) as exc:  # the engine's validation of the request
-        reason = one_line(exc)
+        reason = one_line(exc).replace(f"request {str(row.index)!r} ", f"row {row.index}'s ", 1)  # the CLI's term
         if "max_model_len" in reason and "prompt" in reason:
             reason += " (pass --truncate-prompt-tokens N to keep its last N tokens)"
         return reason
