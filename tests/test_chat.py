@@ -1,7 +1,10 @@
 """LLM.chat renders conversations with a chat template and generates like LLM.generate on the
 rendered prompt; stories260K's tokenizer has no template, which is a clear error."""
+import os
+
 import pytest
 
+from conftest import ROOT
 from pagedgen import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,3 +70,15 @@ def test_bad_chat_template(llm, template, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(CONV, GREEDY, chat_template=template, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_example_chat_template_file_renders_like_the_template_above(stories_path):
+    """docs/cli.md's chat examples use examples/chat_template.jinja: it renders as TEMPLATE does."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    with open(os.path.join(ROOT, "examples", "chat_template.jinja"), encoding="utf-8") as f:
+        from_file = f.read()
+    for gen in (True, False):
+        want = tok.apply_chat_template(CONV, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=gen)
+        assert tok.apply_chat_template(CONV, chat_template=from_file, tokenize=False, add_generation_prompt=gen) == want
