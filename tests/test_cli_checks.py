@@ -148,6 +148,11 @@ def test_a_missing_column_is_refused_before_the_model_loads(stories_path, tmp_pa
     blank.write_text("\n\n\n")
     rc, err = run_cli(capsys, *_base(stories_path, blank, tmp_path / "b.jsonl"))
     assert rc == 2 and f"{blank}: empty file (only blank lines): no header line" in err and not (tmp_path / "b.jsonl").exists()
+    twice = tmp_path / "twice.csv"  # a repeated column name would drop one value of every row
+    twice.write_text("id,prompt,prompt\n1,Once,upon\n")
+    rc, err = run_cli(capsys, *_base(stories_path, twice, tmp_path / "t.jsonl"))
+    assert rc == 2 and f"{twice}: the header names column 'prompt' more than once (columns: id, prompt, prompt)" in err
+    assert not (tmp_path / "t.jsonl").exists()
     late = tmp_path / "late.csv"  # blank lines before the header are skipped (line numbers stay the file's)
     late.write_text("\nprompt\nOnce\n")
     rc, err = run_cli(capsys, *_base(stories_path, late, tmp_path / "late.jsonl"))

@@ -269,6 +269,10 @@ def import_pyarrow_parquet():
 
 
 def _check_column(name: str, required: Optional[str], columns: list[str]) -> None:
+    repeated = [c for i, c in enumerate(columns) if c in columns[:i]]
+    if repeated:  # rows become {column: value}: one of the two values would be dropped without a word
+        raise CLIError(f"{name}: the header names column {repeated[0]!r} more than once (columns: {', '.join(columns)}); "
+                       "give every column its own name, or one of its values in each row would be lost")
     if required is not None and required not in columns:
         raise CLIError(f"{name}: no column {required!r} (columns: {', '.join(columns)}); use --prompt-column")
 
