@@ -18,8 +18,9 @@ For a workload of requests i with prompt p_i tokens and m_i output tokens (exact
 
 with c the shape's count per token row (layers × uses per layer) and F(N, K; M) the FLOP/s measured
 here at M rows for the run's dtype (median of several timed runs), the best of the matmul paths
-available for it (``matmul_paths``: ``F.linear`` in the dtype, and for bf16/fp16 also a multiply
-in fp32 with fp32 weights kept, which is ~8x faster on CPUs without AVX-512 BF16 or AMX). The path
+available for it (``matmul_paths``: ``F.linear`` in the dtype, for bf16/fp16 also a multiply
+in fp32 with fp32 weights kept, which is ~8x faster on CPUs without AVX-512 BF16 or AMX, and on x86
+CPUs oneDNN's inner product on prepacked fp32 weights, 1.2-4x ``F.linear`` at 4-64 rows). The path
 each shape's figure came from is reported with it. M_decode is
 the decode batch (min(max_num_seqs, requests)); M_prefill a prefill chunk (min(step token budget,
 P, 1,024): FLOP/s barely change past 1,024 rows). The last output token of a request is never fed back, so
@@ -191,26 +192,36 @@ def _median_flops(fn, flops: float, sync, runs: int, min_seconds: float, budget_
     return statistics.median(rates)
 
 
-def matmul_paths(dtype: str) -> list[str]:
+def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
     """The ways a [M, K] x [N, K]^T product in ``dtype`` can run here (``PATHS``). In bf16/fp16 on a
     CPU without fast bf16 GEMMs (no AVX-512 BF16 / AMX: torch's own reduced-precision kernel is a dot
     product per output element) an engine can keep fp32 copies of the weights and multiply in fp32;
-    the roofline takes, per shape, the best path, so that no engine beats it by picking another."""
-    return ["F.linear", "fp32 weights"] if dtype in ("bfloat16", "float16") else ["F.linear"]
+    on an x86 CPU with oneDNN it can also prepack fp32 weights for oneDNN's inner product (pagedgen
+    and vLLM's CPU backend do). The roofline takes, per shape, the best path, so that no engine
+    beats it by picking another."""
+    from pagedgen.layers.linear import onednn_prepack_supported
+
+    paths = ["F.linear", "fp32 weights"] if dtype in ("bfloat16", "float16") else ["F.linear"]
+    return paths + ["oneDNN prepacked"] if device == "cpu" and onednn_prepack_supported() else paths
 
 
 PATHS = {
     "F.linear": "F.linear(x, W) in the run's dtype",
     "fp32 weights": "F.linear(x.float(), W32).to(dtype) with an fp32 copy W32 of the weights kept (conversions timed)",
+    "oneDNN prepacked": "oneDNN's inner product on fp32 weights prepacked once (pagedgen.layers.linear.prepack), x converted to fp32 and back",
 }
 
 
 def _path_fn(path: str, x, w, w32):
     import torch.nn.functional as F
 
+    from pagedgen.layers.linear import linear
+
     if path == "F.linear":
         return lambda: F.linear(x, w)
-    return lambda: F.linear(x.float(), w32).to(x.dtype)
+    if path == "fp32 weights":
+        return lambda: F.linear(x.float(), w32).to(x.dtype)
+    return lambda: linear(x, w32)  # w32 prepacked: pagedgen's own call, conversions included
 
 
 def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
@@ -228,20 +239,23 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
     import torch
 
     dt = getattr(torch, dtype)
-    paths = paths or matmul_paths(dtype)
+    from pagedgen.layers.linear import prepack
+
+    paths = paths or matmul_paths(dtype, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(0)
     by_path: dict[str, dict] = {p: {} for p in paths}
     for s in shapes:
         w = torch.randn(s["n"], s["k"], generator=gen).to(device=device, dtype=dt)  # [N, K]
         w32 = w.float() if "fp32 weights" in paths else None  # [N, K] float32, made once as an engine would
+        packed = prepack(w.float()) if "oneDNN prepacked" in paths else None  # [N, K] oneDNN layout
         decode_ms = {m_decode} | set(m_grid or ())
         for m in sorted(decode_ms if s["lm_head"] else decode_ms | {m_prefill}):
             x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
             for path in paths:
-                by_path[path][(s["n"], s["k"], m)] = _median_flops(_path_fn(path, x, w, w32), 2 * m * s["n"] * s["k"], sync,
-                                                                   runs, min_seconds, budget_seconds)
-        del w32
+                fn = _path_fn(path, x, w, packed if path == "oneDNN prepacked" else w32)
+                by_path[path][(s["n"], s["k"], m)] = _median_flops(fn, 2 * m * s["n"] * s["k"], sync, runs, min_seconds, budget_seconds)
+        del w32, packed
     keys = list(by_path[paths[0]])
     best_path = {key: max(paths, key=lambda p: by_path[p][key]) for key in keys}
     linear = {key: by_path[best_path[key]][key] for key in keys}

@@ -82,8 +82,12 @@ def test_linear_rows_independent(shape, dtype):
         w_c, b_c = w.to(config.weight_dtype), bias.to(config.weight_dtype)
         # past MAX_ROWS on the small shapes (the row blocks), on the fp32 GEMM only (bf16's is invariant as it is)
         batches = BATCHES + [LONG] if n_out * k <= 512 * 64 and config.weight_dtype == torch.float32 else BATCHES
-        for b in (None, b_c):
-            placements(row, lambda n: torch.randn(n, k, generator=g).to(dtype), lambda x: lin.linear(x, w_c, b, config), batches)
+        weights = [w_c]
+        if config.weight_dtype == torch.float32 and lin.onednn_prepack_available():
+            weights.append(lin.prepack(w_c))  # oneDNN's path, taken by weights of >= PREPACK_MIN_NUMEL
+        for weight in weights:
+            for b in (None, b_c):
+                placements(row, lambda n: torch.randn(n, k, generator=g).to(dtype), lambda x: lin.linear(x, weight, b, config), batches)
 
 
 def test_linear_keeps_the_activation_dtype_and_rounds_once():
@@ -122,15 +126,65 @@ def test_prepare_matmuls_keeps_a_tied_embedding_and_counts_the_bytes():
     assert lin.prepare_matmuls(model, lin.MatmulConfig(torch.float32)) == 0  # already in that dtype
 
 
-def test_choose_matmul():
+def test_choose_matmul(monkeypatch):
     cpu = torch.device("cpu")
-    assert lin.choose_matmul(torch.float32, cpu, True) == lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, lin.choose_matmul(torch.float32, cpu, True).reason)
+    chosen = lin.choose_matmul(torch.float32, cpu, True)
+    packed = lin.PREPACK_MIN_NUMEL if lin.onednn_prepack_available() else 0
+    assert chosen == lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, chosen.reason, packed)
     assert not lin.choose_matmul(torch.float32, cpu, False).batch_invariant
     bf16 = lin.choose_matmul(torch.bfloat16, cpu, True)
     assert bf16.weight_dtype == (torch.bfloat16 if lin.native_reduced_precision(torch.bfloat16) else torch.float32)
     with pytest.raises(ValueError, match="batch_invariant=True is available on the CPU only"):
         lin.choose_matmul(torch.bfloat16, torch.device("cuda"), True)
     assert lin.choose_matmul(torch.bfloat16, torch.device("cuda"), False).weight_dtype == torch.bfloat16
+    assert lin.choose_matmul(torch.float32, torch.device("cuda"), False).prepack_min_numel == 0
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "mkl")
+    assert lin.choose_matmul(torch.float32, cpu, True).prepack_min_numel == 0
+    assert lin.choose_matmul(torch.bfloat16, cpu, False).prepack_min_numel == 0
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "blas")
+    with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('onednn', 'mkl'\), got 'blas'"):
+        lin.choose_matmul(torch.float32, cpu, True)
+
+
+needs_onednn = pytest.mark.skipif(not lin.onednn_prepack_available(), reason="no oneDNN prepacking on this CPU")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prepacked_linear_matches_f_linear(dtype):
+    g = gen(5)
+    w, bias = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    packed = lin.prepack(w)
+    assert packed.is_mkldnn and packed.shape == (96, 80) and packed.dtype == torch.float32
+    config = lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, prepack_min_numel=1)
+    for m in (0, 1, 5, 40):
+        x = torch.randn(m, 80, generator=g).to(dtype)
+        for b in (None, bias):
+            ref = F.linear(x.float(), w, b)
+            y = lin.linear(x, packed, b, config)
+            assert y.dtype == dtype and y.shape == (m, 96)
+            torch.testing.assert_close(y, ref.to(dtype), rtol=1e-5, atol=1e-5)
+    x = torch.randn(80, 7, generator=g).t()  # non-contiguous rows
+    torch.testing.assert_close(lin.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prepack needs a 2-D float32 weight"):
+        lin.prepack(w.to(torch.bfloat16))
+
+
+@needs_onednn
+def test_prepare_matmuls_prepacks_large_weights_only():
+    embed = VocabParallelEmbedding(512, 64)
+    embed.weight = torch.nn.Parameter(torch.randn(512, 64), requires_grad=False)
+    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(512, 64, tie_to=embed), small=lin.ReplicatedLinear(64, 8, bias=True)))
+    model["small"].weight = torch.nn.Parameter(torch.randn(8, 64), requires_grad=False)
+    model["small"].bias = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+    before, x = embed.weight.clone(), torch.randn(3, 64)
+    config = lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, prepack_min_numel=512 * 64)
+    extra = lin.prepare_matmuls(model, config)
+    assert extra == 512 * 64 * 4  # the head's own packed matrix; the embedding keeps its dense one
+    assert model["head"].weight.is_mkldnn and not model["head"].tied
+    assert not model["embed"].weight.is_mkldnn and torch.equal(model["embed"].weight, before)
+    assert not model["small"].weight.is_mkldnn and not model["small"].bias.is_mkldnn  # under the threshold
+    torch.testing.assert_close(model["head"](x), F.linear(x, before), rtol=1e-5, atol=1e-5)
 
 
 # ---- embeddings, the other families' norms and activations ------------------------------------------

@@ -42,9 +42,23 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   same way): every GEMM then runs at an M where the measured kernels give each row the same bits
   whatever the other rows and the row's position (M in [16, 1024] on the machines measured; the
   tests check it on the machine they run on, ``tests/test_batch_invariance_ops.py``).
+- **Prepacked float32 weights (oneDNN).** On an x86 CPU with oneDNN, every float32 weight of at
+  least ``prepack_min_numel`` elements is reordered once, after loading, into oneDNN's blocked
+  layout for the inner product (``torch.ops.mkldnn._reorder_linear_weight``, the packing torch's
+  inductor uses), and ``linear`` runs it with ``torch.ops.mkldnn._linear_pointwise``; the dense
+  copy is dropped. Measured on the AMD EPYC AVX2 kind with 2 threads (docs/benchmarks.md "Matmul
+  choices"): 1.2-4.2x MKL's ``F.linear`` at 4-64 rows on the random-135m/1b shapes, about even
+  at 256-1,024 rows. Smaller weights stay with MKL: oneDNN's call costs ~30-40 us whatever the
+  size, more than a whole GEMM of stories260K. This is vLLM's CPU path too
+  (``vllm/model_executor/layers/utils.py``, ``dispatch_cpu_unquantized_gemm``). A prepacked GEMM
+  gives each row the same bits at every M from 1 to 1,100 and at any position, with 1 and 2
+  threads (measured), so it runs unpadded; ``min_rows`` applies to the MKL path only. Off with
+  ``PAGEDGEN_CPU_MATMUL=mkl`` (read when an LLM is built), which gives MKL to every weight.
 """
 from __future__ import annotations
 
+import os
+import platform
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
@@ -66,15 +80,19 @@ class MatmulConfig:
     Attributes:
         weight_dtype: the dtype the weights are kept in; when it differs from the activations'
             dtype, ``linear`` converts the activations to it and the result back.
-        min_rows: GEMMs of fewer rows are padded with zero rows up to this many (0: never).
+        min_rows: GEMMs of dense weights with fewer rows are padded with zero rows up to this many
+            (0: never); prepacked weights run unpadded.
         max_rows: GEMMs of more rows run in blocks of at most this many (0: never split).
         reason: why this path was chosen, for logs and docs.
+        prepack_min_numel: float32 weights of at least this many elements are prepacked for
+            oneDNN by ``prepare_matmuls`` (0: none are).
     """
 
     weight_dtype: torch.dtype
     min_rows: int = 0
     max_rows: int = 0
     reason: str = ""
+    prepack_min_numel: int = 0
 
     @property
     def batch_invariant(self) -> bool:
@@ -86,6 +104,42 @@ class MatmulConfig:
 #: M >= 12 give each row the same bits, checked up to M = 1024 (benchmarks/matmul_choices.py --part bits);
 #: larger M run as blocks of MAX_ROWS, so no GEMM leaves the checked range.
 MIN_ROWS, MAX_ROWS = 16, 1024
+
+#: float32 weights of at least this many elements are prepacked for oneDNN (module docstring): from
+#: here oneDNN's faster kernels pay for its fixed call cost (random-135m: q/k/v 553k, down 885k,
+#: gate/up 1.8M elements and the lm_head are packed, o_proj 332k is not; stories260K: none).
+PREPACK_MIN_NUMEL = 1 << 19
+#: the batch size oneDNN packs the weights for (any M runs; measured no faster with 1 or 64)
+PREPACK_ROWS = 16
+MATMUL_BACKENDS = ("onednn", "mkl")
+
+
+def onednn_prepack_supported() -> bool:
+    """True when this torch can prepack float32 weights for oneDNN's inner product on this CPU (x86
+    with oneDNN and at least AVX2), whatever ``PAGEDGEN_CPU_MATMUL`` says."""
+    return (torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and platform.machine().lower() in ("x86_64", "amd64"))
+
+
+def onednn_prepack_available() -> bool:
+    """True when float32 weights are to be prepacked for oneDNN here: supported, and
+    ``PAGEDGEN_CPU_MATMUL`` is unset or "onednn" ("mkl" turns it off).
+
+    Raises:
+        ValueError: ``PAGEDGEN_CPU_MATMUL`` is neither "onednn" nor "mkl".
+    """
+    backend = os.environ.get("PAGEDGEN_CPU_MATMUL", "onednn")
+    if backend not in MATMUL_BACKENDS:
+        raise ValueError(f"PAGEDGEN_CPU_MATMUL must be one of {MATMUL_BACKENDS}, got {backend!r}")
+    return backend == "onednn" and onednn_prepack_supported()
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 weight -> the same matrix in oneDNN's blocked inner-product layout (an
+    opaque ``is_mkldnn`` tensor of shape [N, K]), for ``linear``."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError(f"prepack needs a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PREPACK_ROWS)
 
 
 def native_reduced_precision(dtype: torch.dtype) -> bool:
@@ -110,7 +164,8 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
             rows (CPU only).
 
     Raises:
-        ValueError: ``batch_invariant`` on a device other than the CPU (no such mode there yet).
+        ValueError: ``batch_invariant`` on a device other than the CPU (no such mode there yet);
+            an unknown ``PAGEDGEN_CPU_MATMUL``.
     """
     device = torch.device(device)
     rows = dict(min_rows=MIN_ROWS, max_rows=MAX_ROWS) if batch_invariant else {}
@@ -118,10 +173,19 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         if batch_invariant:
             raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
+    packed = dict(prepack_min_numel=PREPACK_MIN_NUMEL) if onednn_prepack_available() else {}
+    float32_gemm = "oneDNN prepacked weights, small ones MKL" if packed else "MKL"
     if dtype in (torch.bfloat16, torch.float16) and not native_reduced_precision(dtype):
         name = str(dtype).removeprefix("torch.")
-        return MatmulConfig(torch.float32, reason=f"no oneDNN {name} on this CPU: {name} matmuls computed in float32 (MKL)", **rows)
+        return MatmulConfig(torch.float32, reason=f"no oneDNN {name} on this CPU: {name} matmuls computed in float32 ({float32_gemm})", **rows, **packed)
+    if dtype == torch.float32:
+        return MatmulConfig(dtype, reason=f"float32 GEMM ({float32_gemm})", **rows, **packed)
     return MatmulConfig(dtype, reason="the model dtype's own GEMM", **rows)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """[m, K] float32 rows times a ``prepack``-ed [N, K] weight -> [m, N] float32 (oneDNN)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
 def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], min_rows: int) -> torch.Tensor:
@@ -132,13 +196,20 @@ def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return F.linear(F.pad(x, (0, 0, 0, min_rows - m)), weight, bias)[:m]  # via [min_rows, K]
 
 
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], min_rows: int) -> torch.Tensor:
+    """One GEMM block: oneDNN for a prepacked weight (row bits independent of M as it is), else
+    MKL padded to ``min_rows``."""
+    return _onednn_linear(x, weight, bias) if weight.is_mkldnn else _padded_linear(x, weight, bias, min_rows)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, config: Optional[MatmulConfig] = None) -> torch.Tensor:
     """``y = x @ weight.T + bias``: the one function every matmul of a model goes through.
 
     Args:
         x: [T, in_features] activations (model dtype).
         weight: [out_features, in_features], the model dtype or ``config.weight_dtype`` (then x is
-            converted to it and the result back to x's dtype, rounded once).
+            converted to it and the result back to x's dtype, rounded once); dense, or float32
+            ``prepack``-ed for oneDNN.
         bias: [out_features] or None, the weight's dtype.
         config: the model's MatmulConfig (None: a plain ``F.linear``, no row padding).
 
@@ -149,11 +220,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if weight.dtype != out_dtype:
         x = x.to(weight.dtype)
     if config is None or not config.batch_invariant or x.shape[0] == 0:
-        y = F.linear(x, weight, bias)
+        y = _gemm(x, weight, bias, 0)
     elif config.max_rows and x.shape[0] > config.max_rows:
-        y = torch.cat([_padded_linear(part, weight, bias, config.min_rows) for part in x.split(config.max_rows)])
+        y = torch.cat([_gemm(part, weight, bias, config.min_rows) for part in x.split(config.max_rows)])
     else:
-        y = _padded_linear(x, weight, bias, config.min_rows)
+        y = _gemm(x, weight, bias, config.min_rows)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
@@ -167,19 +238,25 @@ def _matmul_modules(model: nn.Module) -> Iterator[nn.Module]:
 
 def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
     """Apply ``config`` to every linear layer and lm_head of a loaded ``model``: weights and biases
-    converted to ``config.weight_dtype`` one at a time (the old copy freed; an lm_head tied to its
-    embedding gets its own copy and the embedding keeps its matrix), and ``module.matmul = config``.
-    Returns the bytes the weights took in addition (0 when their dtype is kept)."""
+    converted to ``config.weight_dtype`` one at a time (the old copy freed), weights of at least
+    ``config.prepack_min_numel`` elements prepacked for oneDNN (the dense copy freed), and
+    ``module.matmul = config``. An lm_head tied to its embedding that is converted or packed gets
+    its own matrix; the embedding keeps its own. Returns the bytes the weights took in addition
+    (0 when they are kept as they are)."""
     extra = 0
     for module in _matmul_modules(model):
         module.matmul = config
         for name in ("weight", "bias"):
             p = getattr(module, name)
-            if p is None or p.dtype == config.weight_dtype:
+            if p is None:
+                continue
+            pack = name == "weight" and 0 < config.prepack_min_numel <= p.numel() and config.weight_dtype == torch.float32
+            if p.dtype == config.weight_dtype and not pack:
                 continue
             shared = getattr(module, "tied", False) and name == "weight"
             extra += p.numel() * (torch.finfo(config.weight_dtype).bits // 8 - (0 if shared else p.element_size()))
-            new = nn.Parameter(p.detach().to(config.weight_dtype), requires_grad=False)
+            new = p.detach().to(config.weight_dtype)
+            new = nn.Parameter(prepack(new) if pack else new, requires_grad=False)
             if shared:
                 module.tied = False  # its own matrix now; the embedding keeps the model-dtype one
             setattr(module, name, new)
