@@ -184,6 +184,12 @@ class SamplingParams:
         """True when presence, frequency or repetition penalties change the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def changes_logits(self) -> bool:
+        """True when penalties, logit bias, min_tokens or allowed_token_ids change the logits
+        before sampling (the sampler's steps 2-3)."""
+        return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.allowed_token_ids)
+
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

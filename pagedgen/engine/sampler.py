@@ -17,13 +17,14 @@ per sampled token, and every step of the pipeline is row-wise: its tokens do not
 else shares the batch, on the batch order, or on preemption. Others share the engine's generator.
 
 Fast path: when every row is greedy and no row asks for logprobs, penalties, logit bias,
-allowed_token_ids or min_tokens, a step is one argmax; deciding that looks only at the distinct
-SamplingParams.
+allowed_token_ids or min_tokens, a step is one argmax; deciding that reads one flag per sequence
+(``Sequence.plain_greedy``, computed once when the sequence is made).
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Optional, Sequence as Seq
 
 import torch
@@ -32,6 +33,8 @@ from pagedgen.engine import logits_processors as lp
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sequence import Sequence
 from pagedgen.outputs import Logprob
+
+_PLAIN_GREEDY = attrgetter("plain_greedy")
 
 
 def make_generator(seed: Optional[int], index: int = 0) -> Optional[torch.Generator]:
@@ -46,11 +49,6 @@ def make_generator(seed: Optional[int], index: int = 0) -> Optional[torch.Genera
         digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
         seed = int.from_bytes(digest, "little")
     return torch.Generator().manual_seed(seed)
-
-
-def _processed(p) -> bool:
-    """True when step 2 or 3 changes this request's logits."""
-    return bool(p.has_penalties or p.logit_bias or p.min_tokens or p.allowed_token_ids)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -82,13 +80,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
         """logits: [num_seqs, vocab] on the CPU (float32 or the model's bf16/fp16), row i for seqs[i].
         The fast path takes the argmax in the logits' own dtype; every other path works in float32."""
+        if all(map(_PLAIN_GREEDY, seqs)):  # the fast path: one argmax
+            return SamplerOutput(greedy_ids(logits).tolist())
         params = [s.sampling_params for s in seqs]
         kinds = {id(p): p for p in params}.values()
-        if all(p.greedy and p.logprobs is None and not _processed(p) for p in kinds):  # the fast path: one argmax
-            return SamplerOutput(greedy_ids(logits).tolist())
         all_greedy = all(p.greedy for p in kinds)
         want_logprobs = any(p.logprobs is not None for p in kinds)
-        processed = any(_processed(p) for p in kinds)
+        processed = any(p.changes_logits for p in kinds)
         logits = logits.float()  # [num_seqs, vocab] float32 (no copy when it is already)
 
         raw_logprobs = None

@@ -76,12 +76,15 @@ class Sequence:
     # that may end the sequence (stop tokens, EOS unless ignore_eos) and the length it ends at
     _stop_ids: frozenset = field(init=False, repr=False)
     _max_len: int = field(init=False, repr=False)
+    # the sampler's fast path (one argmax): greedy, no logprobs, nothing that changes the logits
+    plain_greedy: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         params = self.sampling_params
         self._stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         limit = self.max_model_len
         self._max_len = limit if params.max_tokens is None else min(limit, self.num_prompt_tokens + params.max_tokens)
+        self.plain_greedy = params.greedy and params.logprobs is None and not params.changes_logits
 
     def fork(self, seq_id: int, index: int, generator=None, detokenizer=None) -> "Sequence":
         """A copy of this sequence's state under a new id (the block manager forks its blocks)."""
