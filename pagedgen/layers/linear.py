@@ -136,7 +136,11 @@ def onednn_prepack_available() -> bool:
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] float32 weight -> the same matrix in oneDNN's blocked inner-product layout (an
-    opaque ``is_mkldnn`` tensor of shape [N, K]), for ``linear``."""
+    opaque ``is_mkldnn`` tensor of shape [N, K], 4 bytes per element), for ``linear``.
+
+    Raises:
+        ValueError: ``weight`` is not a 2-D float32 tensor.
+    """
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise ValueError(f"prepack needs a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PREPACK_ROWS)
