@@ -213,6 +213,7 @@ PATHS = {
 
 
 def _path_fn(path: str, x, w, w32):
+    """The timed call of ``path``; ``w32``: the fp32 copy, or for "oneDNN prepacked" the packed one."""
     import torch.nn.functional as F
 
     from pagedgen.layers.linear import linear
@@ -221,7 +222,7 @@ def _path_fn(path: str, x, w, w32):
         return lambda: F.linear(x, w)
     if path == "fp32 weights":
         return lambda: F.linear(x.float(), w32).to(x.dtype)
-    return lambda: linear(x, w32)  # w32 prepacked: pagedgen's own call, conversions included
+    return lambda: linear(x, w32)  # pagedgen's own call on the packed weight, conversions included
 
 
 def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
@@ -238,9 +239,9 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
     """
     import torch
 
-    dt = getattr(torch, dtype)
     from pagedgen.layers.linear import prepack
 
+    dt = getattr(torch, dtype)
     paths = paths or matmul_paths(dtype, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(0)
