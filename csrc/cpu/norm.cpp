@@ -4,9 +4,9 @@
 // Numerics are transformers' LlamaRMSNorm step by step: statistics in float32 (squares, their mean
 // as sum / hidden, rsqrt as 1 / sqrt), the normalised row rounded to the model dtype, then multiplied
 // by the weight in the model dtype. The sum of squares adds them in the order of torch's own CPU sum
-// (torch_order_sum below), so the result is bitwise the reference's in every dtype whenever torch
-// runs its reduction with the vector width of this build (its default on the same machine; else the
-// two agree to an ulp or two).
+// (torch_order_sum_of_squares below, with the vector width torch's sum is measured to use here:
+// torch_sum_lanes), so the result is bitwise the reference's in every dtype (unless torch's sum
+// matches neither order, as on a DEFAULT-capability build; then the two agree to an ulp or two).
 //
 // Every dtype runs the same vector code (csrc/cpu/vec.h): bf16/fp16 rows are converted to float
 // kLanes elements at a time and rounded back on the store, with no per-element scalar conversion.
@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "vec.h"
 
@@ -76,16 +77,12 @@ inline Acc torch_row_sum(const Item& item, int64_t size) {
   return chain;
 }
 
-// Lanes of torch's Vectorized<float> on this build's instruction set (its generic fallback has 8).
-constexpr int kTorchLanes = kLanes >= 16 ? 16 : 8;
-
 // sum_i x[i]^2 (each square rounded to float) in the order of torch's CPU sum of a contiguous float
-// row (cascade_sum): rows of at least kTorchLanes elements as vectors (vectorized_inner_sum: the
-// vectors' torch_row_sum, then the scalar tail from 0, then the lanes one by one); shorter rows
-// element by element (scalar_inner_sum).
-template <typename scalar_t>
+// row (cascade_sum) whose vectors have V lanes: rows of at least V elements as vectors
+// (vectorized_inner_sum: the vectors' torch_row_sum, then the scalar tail from 0, then the lanes one
+// by one); shorter rows element by element (scalar_inner_sum).
+template <int V, typename scalar_t>
 inline float torch_order_sum_of_squares(const scalar_t* x, int64_t n) {
-  constexpr int V = kTorchLanes;
   const auto square = [&](int64_t e) {
     const float v = static_cast<float>(x[e]);
     return v * v;
@@ -102,10 +99,43 @@ inline float torch_order_sum_of_squares(const scalar_t* x, int64_t n) {
   return sum;
 }
 
+// The lanes of the vectors torch's own CPU sum uses here: 16 or 8. It is not always this build's
+// width: torch's AVX-512 build of the sum kernel reduces with 8-lane vectors on some machines
+// (measured on a Sapphire Rapids Xeon, torch 2.14.1) and with 16 on others. So it is measured once,
+// on first use: the sum of squares of a fixed 1,000-element row by torch (as the reference computes
+// it: pow(2) then sum over the row) against this file's sum in each order. A torch that matches
+// neither (a DEFAULT-capability build) gets this build's width; the two then agree to an ulp or two.
+int torch_sum_lanes() {
+  static const int lanes = [] {
+    constexpr int64_t n = 1000;
+    std::vector<float> row(n);
+    uint32_t state = 12345u;
+    for (auto& v : row) {  // values spread over six binades, so that each order rounds differently
+      state = state * 1664525u + 1013904223u;
+      v = std::ldexp(static_cast<float>(state >> 8) / 16777216.0f, static_cast<int>(state % 6));
+    }
+    const float expected = at::from_blob(row.data(), {1, n}, at::kFloat).pow(2).sum(-1).item<float>();
+#if defined(__AVX512F__)
+    if (torch_order_sum_of_squares<16>(row.data(), n) == expected) return 16;
+#endif
+    if (torch_order_sum_of_squares<8>(row.data(), n) == expected) return 8;
+    return kLanes >= 16 ? 16 : 8;
+  }();
+  return lanes;
+}
+
+template <typename scalar_t>
+inline float sum_of_squares(const scalar_t* x, int64_t n, int lanes) {
+#if defined(__AVX512F__)
+  if (lanes == 16) return torch_order_sum_of_squares<16>(x, n);
+#endif
+  return torch_order_sum_of_squares<8>(x, n);
+}
+
 // out[0:n] = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x as float. out may be x.
 template <typename scalar_t>
-inline void norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t n, float eps) {
-  const float sum = torch_order_sum_of_squares(x, n);
+inline void norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t n, float eps, int lanes) {
+  const float sum = sum_of_squares(x, n, lanes);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
   int64_t i = 0;
   const auto normed = [&](const Vec<W>& xv, const Vec<W>& wv) { return wv * round_to<scalar_t, W>(xv * inv); };
@@ -138,6 +168,7 @@ void rms_norm_cpu(const at::Tensor& out,     // [num_tokens, hidden]
               " ", out.sizes());
   const int64_t rows = input.size(0), n = input.size(1);
   if (rows == 0 || n == 0) return;
+  const int lanes = torch_sum_lanes();
   dispatch_float_types(input.scalar_type(), "rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
     const scalar_t* x = input.const_data_ptr<scalar_t>();
@@ -145,7 +176,7 @@ void rms_norm_cpu(const at::Tensor& out,     // [num_tokens, hidden]
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t xs = input.stride(0), os = out.stride(0);
     at::parallel_for(0, rows, std::max<int64_t>(1, kRowsGrain / n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) norm_row(x + r * xs, w, o + r * os, n, static_cast<float>(epsilon));
+      for (int64_t r = begin; r < end; ++r) norm_row(x + r * xs, w, o + r * os, n, static_cast<float>(epsilon), lanes);
     });
   });
 }
@@ -161,6 +192,7 @@ void fused_add_rms_norm_cpu(const at::Tensor& input,     // [num_tokens, hidden]
               residual.scalar_type(), " ", residual.sizes());
   const int64_t rows = input.size(0), n = input.size(1);
   if (rows == 0 || n == 0) return;
+  const int lanes = torch_sum_lanes();
   dispatch_float_types(input.scalar_type(), "fused_add_rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
     scalar_t* x = input.data_ptr<scalar_t>();
@@ -172,7 +204,7 @@ void fused_add_rms_norm_cpu(const at::Tensor& input,     // [num_tokens, hidden]
         scalar_t* xr = x + r * xs;
         scalar_t* rr = res + r * rs;
         add_row(rr, xr, n);  // the row stays in L1 for the norm's two passes
-        norm_row(rr, w, xr, n, static_cast<float>(epsilon));
+        norm_row(rr, w, xr, n, static_cast<float>(epsilon), lanes);
       }
     });
   });
