@@ -90,6 +90,36 @@ def test_linear_rows_independent(shape, dtype):
                 placements(row, lambda n: torch.randn(n, k, generator=g).to(dtype), lambda x: lin.linear(x, weight, b, config), batches)
 
 
+# [N, K] of the benchmark models: random-135m (SmolLM-135M: qkv, o, gate_up, down, lm_head) and
+# random-1b (TinyLlama-1.1B: qkv, down), where the GEMM libraries change kernels with M
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (2560, 2048), (2048, 5632)]
+EVERY_ROW_BATCHES = [2, 3, 5, 8, 12, 16, 17, 31, 32, 33, 40, 57, 58, 64, 100, 300, 1100]
+
+
+def native_dtypes() -> list[torch.dtype]:
+    return [torch.float32] + [d for d in (torch.bfloat16, torch.float16) if lin.native_reduced_precision(d)] + (
+        [torch.bfloat16] if not lin.native_reduced_precision(torch.bfloat16) else [])
+
+
+@pytest.mark.parametrize("dtype", native_dtypes(), ids=str)
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_every_row_as_alone_at_model_shapes(shape, dtype):
+    """Every row of batches of 2-1,100 rows has the bits it has alone, with the weight prepared as
+    an LLM prepares it (prepacked or not, the row blocks of the chosen config)."""
+    n_out, k = shape
+    g = gen(n_out + k)
+    layer = lin.ReplicatedLinear(k, n_out, bias=True)
+    layer.weight = torch.nn.Parameter((torch.randn(n_out, k, generator=g) * 0.05).to(dtype), requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(n_out, generator=g).to(dtype), requires_grad=False)
+    lin.prepare_matmuls(layer, lin.choose_matmul(dtype, torch.device("cpu"), batch_invariant=True))
+    x = torch.randn(max(EVERY_ROW_BATCHES), k, generator=g).to(dtype)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
+    for m in EVERY_ROW_BATCHES:
+        y = layer(x[:m])[:64]
+        differ = (bits(y) != bits(alone[:m])).any(-1).nonzero().flatten().tolist()
+        assert not differ, f"batch of {m} rows: rows {differ[:8]} differ from the row alone"
+
+
 def test_linear_keeps_the_activation_dtype_and_rounds_once():
     g = gen(3)
     x, w = torch.randn(5, 64, generator=g).to(torch.bfloat16), torch.randn(32, 64, generator=g)
@@ -129,11 +159,22 @@ def test_prepare_matmuls_keeps_a_tied_embedding_and_counts_the_bytes():
 def test_choose_matmul(monkeypatch):
     cpu = torch.device("cpu")
     chosen = lin.choose_matmul(torch.float32, cpu, True)
-    packed = lin.PREPACK_MIN_NUMEL if lin.onednn_prepack_available() else 0
-    assert chosen == lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, chosen.reason, packed)
+    onednn = lin.onednn_prepack_available()
+    packed = dict(prepack_min_numel=lin.PREPACK_MIN_NUMEL, packed_min_rows=lin.PACKED_MIN_ROWS, packed_max_rows=lin.MAX_ROWS) if onednn else {}
+    assert chosen == lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, chosen.reason, long_k_max_rows=lin.LONG_K_MAX_ROWS, **packed)
+    assert chosen.row_blocks(torch.empty(8, lin.LONG_K + 1)) == (lin.MIN_ROWS, lin.LONG_K_MAX_ROWS)
+    assert chosen.row_blocks(torch.empty(8, lin.LONG_K)) == (lin.MIN_ROWS, lin.MAX_ROWS)
     assert not lin.choose_matmul(torch.float32, cpu, False).batch_invariant
     bf16 = lin.choose_matmul(torch.bfloat16, cpu, True)
-    assert bf16.weight_dtype == (torch.bfloat16 if lin.native_reduced_precision(torch.bfloat16) else torch.float32)
+    if lin.native_reduced_precision(torch.bfloat16):
+        rows = dict(min_rows=1, max_rows=lin.BF16_MAX_ROWS, packed_min_rows=1, packed_max_rows=lin.BF16_MAX_ROWS)
+        assert bf16 == lin.MatmulConfig(torch.bfloat16, reason=bf16.reason, prepack_min_numel=lin.PREPACK_MIN_NUMEL_BF16 if onednn else 0, **rows)
+        assert bf16.batch_invariant and not lin.choose_matmul(torch.bfloat16, cpu, False).batch_invariant
+    else:
+        assert bf16.weight_dtype == torch.float32 and bf16.min_rows == lin.MIN_ROWS
+    if lin.native_reduced_precision(torch.float16):
+        fp16 = lin.choose_matmul(torch.float16, cpu, True)
+        assert (fp16.weight_dtype, fp16.min_rows, fp16.max_rows, fp16.prepack_min_numel) == (torch.float16, lin.FP16_MIN_ROWS, lin.MAX_ROWS, 0)
     with pytest.raises(ValueError, match="batch_invariant=True is available on the CPU only"):
         lin.choose_matmul(torch.bfloat16, torch.device("cuda"), True)
     assert lin.choose_matmul(torch.bfloat16, torch.device("cuda"), False).weight_dtype == torch.bfloat16
@@ -166,8 +207,24 @@ def test_prepacked_linear_matches_f_linear(dtype):
             torch.testing.assert_close(y, ref.to(dtype), rtol=1e-5, atol=1e-5)
     x = torch.randn(80, 7, generator=g).t()  # non-contiguous rows
     torch.testing.assert_close(lin.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="prepack needs a 2-D float32 weight"):
-        lin.prepack(w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="prepack needs a 2-D float32 or bfloat16 weight"):
+        lin.prepack(w.to(torch.float16))
+
+
+@needs_onednn
+@pytest.mark.skipif(not lin.native_reduced_precision(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+def test_bf16_weights_are_prepacked_where_onednn_has_bf16():
+    g = gen(6)
+    layer = lin.ReplicatedLinear(80, 96, bias=True)
+    w, bias = torch.randn(96, 80, generator=g).to(torch.bfloat16), torch.randn(96, generator=g).to(torch.bfloat16)
+    layer.weight, layer.bias = (torch.nn.Parameter(t, requires_grad=False) for t in (w, bias))
+    assert lin.prepare_matmuls(layer, lin.choose_matmul(torch.bfloat16, torch.device("cpu"), True)) == 0  # same bytes
+    assert layer.weight.is_mkldnn and layer.weight.dtype == torch.bfloat16 and not layer.bias.is_mkldnn
+    for m in (0, 1, 5, 40, 77):  # 77: blocks of BF16_MAX_ROWS
+        x = torch.randn(m, 80, generator=g).to(torch.bfloat16)
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 96)
+        torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1.6e-2, atol=1e-2)
 
 
 @needs_onednn

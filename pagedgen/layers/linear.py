@@ -35,13 +35,17 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   Elsewhere (float32 models, oneDNN bf16 CPUs, GPUs) the weights stay in the model dtype. The
   choice is by capability only, never by a timing probe: a timing could choose differently from
   one run to the next, and the two paths give different bits.
-- **Batch invariance** (``min_rows``/``max_rows``). MKL's sgemm picks its kernel by the number of
-  rows M (a gemv at M = 1, other kernels at M = 2-3, and with 2 threads at 5-7 and 9-11), so the
-  same row gets other bits in a smaller batch. With ``min_rows`` the rows are padded with zeros up
-  to ``min_rows`` and with ``max_rows`` cut into blocks of at most that many (each block padded the
-  same way): every GEMM then runs at an M where the measured kernels give each row the same bits
-  whatever the other rows and the row's position (M in [16, 1024] on the machines measured; the
-  tests check it on the machine they run on, ``tests/test_batch_invariance_ops.py``).
+- **Batch invariance** (``MatmulConfig.row_blocks``). GEMM libraries pick their kernel by the
+  number of rows M, so the same row can get other bits in a batch of another size. MKL's sgemm
+  uses a gemv at M = 1, other kernels at M = 2-3 (and with 2 threads at 5-7 and 9-11) on the AVX2
+  AMD EPYC, and on a Sapphire Rapids Xeon changes kernel from M = 58-1,024 when K > 1,024; oneDNN's
+  bf16 GEMM on AMX changes kernel at M = 33; oneDNN's prepacked float32 GEMM runs one row alone
+  differently for some K. So in batch-invariant mode every GEMM runs in blocks whose sizes were
+  measured to give each row the same bits whatever the other rows and the row's position: MKL at
+  least ``MIN_ROWS`` rows (zero rows added) and at most ``MAX_ROWS`` (``LONG_K_MAX_ROWS`` when K >
+  ``LONG_K``), prepacked float32 at least ``PACKED_MIN_ROWS``, oneDNN bf16 at most
+  ``BF16_MAX_ROWS``, fp16 at least ``FP16_MIN_ROWS``. The tests check every row of batches up to 1,100 rows against the row alone
+  at the model shapes, on the machine they run on (``tests/test_batch_invariance_ops.py``).
 - **Prepacked float32 weights (oneDNN).** On an x86 CPU with oneDNN, every float32 weight of at
   least ``prepack_min_numel`` elements is reordered once, after loading, into oneDNN's blocked
   layout for the inner product (``torch.ops.mkldnn._reorder_linear_weight``, the packing torch's
@@ -51,9 +55,14 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   at 256-1,024 rows. Smaller weights stay with MKL: oneDNN's call costs ~30-40 us whatever the
   size, more than a whole GEMM of stories260K. This is vLLM's CPU path too
   (``vllm/model_executor/layers/utils.py``, ``dispatch_cpu_unquantized_gemm``). A prepacked GEMM
-  gives each row the same bits at every M from 1 to 1,100 and at any position, with 1 and 2
-  threads (measured), so it runs unpadded; ``min_rows`` applies to the MKL path only. Off with
-  ``PAGEDGEN_CPU_MATMUL=mkl`` (read when an LLM is built), which gives MKL to every weight.
+  gives each row the same bits at every M from 2 to 1,100 and at any position (AVX2 EPYC and the
+  Xeon, 1 and 2 threads; the AVX2 EPYC also at M = 1). Off with ``PAGEDGEN_CPU_MATMUL=mkl`` (read
+  when an LLM is built), which gives MKL to every float32 weight and the dense GEMM to bf16 ones.
+- **Prepacked bf16 weights (oneDNN, AMX / AVX-512 BF16).** On a CPU with oneDNN bf16 every bf16
+  weight is prepacked the same way (``PREPACK_MIN_NUMEL_BF16``): measured on the Xeon with AMX,
+  1.1-2.6x the dense bf16 ``F.linear`` at 1-256 rows on the random-135m shapes, never slower.
+  vLLM's CPU backend prepacks its bf16 weights for oneDNN too. fp16 weights stay dense (oneDNN's
+  prepacked fp16 GEMM was slower than the dense one there).
 """
 from __future__ import annotations
 
@@ -84,8 +93,11 @@ class MatmulConfig:
             (0: never); prepacked weights run unpadded.
         max_rows: GEMMs of more rows run in blocks of at most this many (0: never split).
         reason: why this path was chosen, for logs and docs.
-        prepack_min_numel: float32 weights of at least this many elements are prepacked for
-            oneDNN by ``prepare_matmuls`` (0: none are).
+        prepack_min_numel: weights of at least this many elements are prepacked for oneDNN by
+            ``prepare_matmuls`` (0: none are).
+        packed_min_rows, packed_max_rows: ``min_rows``/``max_rows`` for prepacked weights.
+        long_k_max_rows: ``max_rows`` for dense weights of more than ``LONG_K`` input features
+            (0: ``max_rows``).
     """
 
     weight_dtype: torch.dtype
@@ -93,22 +105,54 @@ class MatmulConfig:
     max_rows: int = 0
     reason: str = ""
     prepack_min_numel: int = 0
+    packed_min_rows: int = 0
+    packed_max_rows: int = 0
+    long_k_max_rows: int = 0
 
     @property
     def batch_invariant(self) -> bool:
         return self.min_rows > 0
 
+    def row_blocks(self, weight: torch.Tensor) -> tuple[int, int]:
+        """(min_rows, max_rows) for a GEMM with ``weight`` [out_features, in_features]."""
+        if weight.is_mkldnn:
+            return self.packed_min_rows, self.packed_max_rows
+        if self.long_k_max_rows and weight.shape[1] > LONG_K:
+            return self.min_rows, self.long_k_max_rows
+        return self.min_rows, self.max_rows
 
-#: the rows of every GEMM in batch-invariant mode: at least MIN_ROWS (zero rows added), blocks of
+
+#: the rows of every MKL GEMM in batch-invariant mode: at least MIN_ROWS (zero rows added), blocks of
 #: at most MAX_ROWS. Measured on MKL sgemm (AVX2 AMD EPYC, 1 and 2 threads): M in {4, 8} and every
 #: M >= 12 give each row the same bits, checked up to M = 1024 (benchmarks/matmul_choices.py --part bits);
 #: larger M run as blocks of MAX_ROWS, so no GEMM leaves the checked range.
 MIN_ROWS, MAX_ROWS = 16, 1024
+#: MKL GEMMs of more than LONG_K input features run in blocks of at most LONG_K_MAX_ROWS rows: on a
+#: Sapphire Rapids Xeon (AVX-512, AMX; 2 threads) sgemm changes its kernel at M = 58 for K = 1,536,
+#: at M = 300 for K = 2,048 and at M = 1,024 for K = 5,632 (row bits change), and kept every row's
+#: bits for M in [16, 57] at each; K <= 1,024 kept them up to M = 1,100.
+LONG_K, LONG_K_MAX_ROWS = 1024, 32
+#: prepacked float32 weights (oneDNN) in batch-invariant mode: at least 2 rows (one row alone runs a
+#: gemv with other bits for some K on the Xeon, e.g. K = 1,536), blocks of at most MAX_ROWS.
+PACKED_MIN_ROWS = 2
+#: oneDNN's bf16 GEMM (dense or prepacked) in batch-invariant mode: blocks of at most this many rows.
+#: On the Xeon with AMX it gives a row the same bits at every M from 1 to 32 and any position, and
+#: other bits for some rows from M = 33 (another kernel); no padding is needed.
+BF16_MAX_ROWS = 32
+#: torch's fp16 GEMM on a CPU with oneDNN fp16, in batch-invariant mode: at least this many rows
+#: (on the Xeon one row alone takes another kernel; M from 2 to 300 kept every row's bits), blocks
+#: of at most MAX_ROWS.
+FP16_MIN_ROWS = 2
 
 #: float32 weights of at least this many elements are prepacked for oneDNN (module docstring): from
 #: here oneDNN's faster kernels pay for its fixed call cost (random-135m: q/k/v 553k, down 885k,
 #: gate/up 1.8M elements and the lm_head are packed, o_proj 332k is not; stories260K: none).
 PREPACK_MIN_NUMEL = 1 << 19
+#: bf16 weights on a CPU with oneDNN bf16 are all prepacked: on the Xeon with AMX the packed GEMM
+#: was as fast or faster than the dense one at every measured shape (64 x 128 up to 576 x 49,152)
+#: and M (1-256): 1.1-2.6x at the random-135m shapes (docs/benchmarks.md "Matmul choices").
+PREPACK_MIN_NUMEL_BF16 = 1
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 #: the batch size oneDNN packs the weights for (any M runs; measured no faster with 1 or 64)
 PREPACK_ROWS = 16
 MATMUL_BACKENDS = ("onednn", "mkl")
@@ -135,14 +179,15 @@ def onednn_prepack_available() -> bool:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float32 weight -> the same matrix in oneDNN's blocked inner-product layout (an
-    opaque ``is_mkldnn`` tensor of shape [N, K], 4 bytes per element), for ``linear``.
+    """[N, K] float32 or bfloat16 weight -> the same matrix in oneDNN's blocked inner-product
+    layout (an opaque ``is_mkldnn`` tensor of shape [N, K] and the same dtype and element size),
+    for ``linear``. bf16 needs a CPU with oneDNN bf16 (``native_reduced_precision``).
 
     Raises:
-        ValueError: ``weight`` is not a 2-D float32 tensor.
+        ValueError: ``weight`` is not a 2-D float32 or bfloat16 tensor.
     """
-    if weight.dtype != torch.float32 or weight.dim() != 2:
-        raise ValueError(f"prepack needs a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+    if weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
+        raise ValueError(f"prepack needs a 2-D float32 or bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PREPACK_ROWS)
 
 
@@ -172,38 +217,41 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
             an unknown ``PAGEDGEN_CPU_MATMUL``.
     """
     device = torch.device(device)
-    rows = dict(min_rows=MIN_ROWS, max_rows=MAX_ROWS) if batch_invariant else {}
     if device.type != "cpu":
         if batch_invariant:
             raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
-    packed = dict(prepack_min_numel=PREPACK_MIN_NUMEL) if onednn_prepack_available() else {}
+    onednn = onednn_prepack_available()
+    if dtype in (torch.bfloat16, torch.float16) and native_reduced_precision(dtype):
+        lo, hi = (1, BF16_MAX_ROWS) if dtype == torch.bfloat16 else (FP16_MIN_ROWS, MAX_ROWS)
+        rows = dict(min_rows=lo, max_rows=hi, packed_min_rows=lo, packed_max_rows=hi) if batch_invariant else {}
+        if dtype == torch.bfloat16 and onednn:
+            return MatmulConfig(dtype, reason="oneDNN bf16 GEMM, prepacked weights", prepack_min_numel=PREPACK_MIN_NUMEL_BF16, **rows)
+        return MatmulConfig(dtype, reason="the model dtype's own GEMM", **rows)
+    rows = dict(min_rows=MIN_ROWS, max_rows=MAX_ROWS, long_k_max_rows=LONG_K_MAX_ROWS) if batch_invariant else {}
+    packed = dict(prepack_min_numel=PREPACK_MIN_NUMEL) if onednn else {}
+    if packed and batch_invariant:
+        packed.update(packed_min_rows=PACKED_MIN_ROWS, packed_max_rows=MAX_ROWS)
     float32_gemm = "oneDNN prepacked weights, small ones MKL" if packed else "MKL"
-    if dtype in (torch.bfloat16, torch.float16) and not native_reduced_precision(dtype):
+    if dtype in (torch.bfloat16, torch.float16):
         name = str(dtype).removeprefix("torch.")
         return MatmulConfig(torch.float32, reason=f"no oneDNN {name} on this CPU: {name} matmuls computed in float32 ({float32_gemm})", **rows, **packed)
-    if dtype == torch.float32:
-        return MatmulConfig(dtype, reason=f"float32 GEMM ({float32_gemm})", **rows, **packed)
-    return MatmulConfig(dtype, reason="the model dtype's own GEMM", **rows)
+    return MatmulConfig(dtype, reason=f"float32 GEMM ({float32_gemm})", **rows, **packed)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """[m, K] float32 rows times a ``prepack``-ed [N, K] weight -> [m, N] float32 (oneDNN)."""
+    """[m, K] rows times a ``prepack``-ed [N, K] weight of their dtype -> [m, N] (oneDNN)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
-def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], min_rows: int) -> torch.Tensor:
-    """F.linear of [m, K] rows run as a GEMM of at least ``min_rows`` rows (zero rows added)."""
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], min_rows: int) -> torch.Tensor:
+    """One GEMM block of [m, K] rows, run with at least ``min_rows`` rows (zero rows added): oneDNN
+    for a prepacked weight, else ``F.linear`` (MKL, or oneDNN's bf16)."""
+    run = _onednn_linear if weight.is_mkldnn else F.linear
     m = x.shape[0]
     if m >= min_rows:
-        return F.linear(x, weight, bias)
-    return F.linear(F.pad(x, (0, 0, 0, min_rows - m)), weight, bias)[:m]  # via [min_rows, K]
-
-
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], min_rows: int) -> torch.Tensor:
-    """One GEMM block: oneDNN for a prepacked weight (row bits independent of M as it is), else
-    MKL padded to ``min_rows``."""
-    return _onednn_linear(x, weight, bias) if weight.is_mkldnn else _padded_linear(x, weight, bias, min_rows)
+        return run(x, weight, bias)
+    return run(F.pad(x, (0, 0, 0, min_rows - m)), weight, bias)[:m]  # via [min_rows, K]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, config: Optional[MatmulConfig] = None) -> torch.Tensor:
@@ -212,8 +260,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Args:
         x: [T, in_features] activations (model dtype).
         weight: [out_features, in_features], the model dtype or ``config.weight_dtype`` (then x is
-            converted to it and the result back to x's dtype, rounded once); dense, or float32
-            ``prepack``-ed for oneDNN.
+            converted to it and the result back to x's dtype, rounded once); dense, or
+            ``prepack``-ed for oneDNN (float32, or bf16 on a CPU with oneDNN bf16).
         bias: [out_features] or None, the weight's dtype.
         config: the model's MatmulConfig (None: a plain ``F.linear``, no row padding).
 
@@ -225,10 +273,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         x = x.to(weight.dtype)
     if config is None or not config.batch_invariant or x.shape[0] == 0:
         y = _gemm(x, weight, bias, 0)
-    elif config.max_rows and x.shape[0] > config.max_rows:
-        y = torch.cat([_gemm(part, weight, bias, config.min_rows) for part in x.split(config.max_rows)])
     else:
-        y = _gemm(x, weight, bias, config.min_rows)
+        min_rows, max_rows = config.row_blocks(weight)
+        if max_rows and x.shape[0] > max_rows:
+            y = torch.cat([_gemm(part, weight, bias, min_rows) for part in x.split(max_rows)])
+        else:
+            y = _gemm(x, weight, bias, min_rows)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
@@ -254,7 +304,7 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
             p = getattr(module, name)
             if p is None:
                 continue
-            pack = name == "weight" and 0 < config.prepack_min_numel <= p.numel() and config.weight_dtype == torch.float32
+            pack = name == "weight" and 0 < config.prepack_min_numel <= p.numel() and config.weight_dtype in PACKABLE_DTYPES
             if p.dtype == config.weight_dtype and not pack:
                 continue
             shared = getattr(module, "tied", False) and name == "weight"
