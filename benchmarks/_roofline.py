@@ -197,23 +197,31 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
     CPU without fast bf16 GEMMs (no AVX-512 BF16 / AMX: torch's own reduced-precision kernel is a dot
     product per output element) an engine can keep fp32 copies of the weights and multiply in fp32;
     on an x86 CPU with oneDNN it can also prepack fp32 weights for oneDNN's inner product (pagedgen
-    and vLLM's CPU backend do). The roofline takes, per shape, the best path, so that no engine
-    beats it by picking another."""
-    from pagedgen.layers.linear import onednn_prepack_supported
+    and vLLM's CPU backend do), and on a CPU with oneDNN bf16 (AMX, AVX-512 BF16) prepack the bf16
+    weights themselves. The roofline takes, per shape, the best path, so that no engine beats it by
+    picking another."""
+    import torch
+
+    from pagedgen.layers.linear import native_reduced_precision, onednn_prepack_supported
 
     paths = ["F.linear", "fp32 weights"] if dtype in ("bfloat16", "float16") else ["F.linear"]
-    return paths + ["oneDNN prepacked"] if device == "cpu" and onednn_prepack_supported() else paths
+    if device != "cpu" or not onednn_prepack_supported():
+        return paths
+    paths = paths + ["oneDNN prepacked"]
+    return paths + ["oneDNN prepacked bf16"] if dtype == "bfloat16" and native_reduced_precision(torch.bfloat16) else paths
 
 
 PATHS = {
     "F.linear": "F.linear(x, W) in the run's dtype",
     "fp32 weights": "F.linear(x.float(), W32).to(dtype) with an fp32 copy W32 of the weights kept (conversions timed)",
     "oneDNN prepacked": "oneDNN's inner product on fp32 weights prepacked once (pagedgen.layers.linear.prepack), x converted to fp32 and back",
+    "oneDNN prepacked bf16": "oneDNN's inner product on the bf16 weights prepacked once (pagedgen.layers.linear.prepack)",
 }
 
 
 def _path_fn(path: str, x, w, w32):
-    """The timed call of ``path``; ``w32``: the fp32 copy, or for "oneDNN prepacked" the packed one."""
+    """The timed call of ``path``; ``w32``: the fp32 copy, or for "oneDNN prepacked" (bf16) the
+    packed fp32 (bf16) weight."""
     import torch.nn.functional as F
 
     from pagedgen.layers.linear import linear
@@ -250,13 +258,14 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
         w = torch.randn(s["n"], s["k"], generator=gen).to(device=device, dtype=dt)  # [N, K]
         w32 = w.float() if "fp32 weights" in paths else None  # [N, K] float32, made once as an engine would
         packed = prepack(w.float()) if "oneDNN prepacked" in paths else None  # [N, K] oneDNN layout
+        packed16 = prepack(w) if "oneDNN prepacked bf16" in paths else None  # [N, K] bf16, oneDNN layout
         decode_ms = {m_decode} | set(m_grid or ())
         for m in sorted(decode_ms if s["lm_head"] else decode_ms | {m_prefill}):
             x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
             for path in paths:
-                fn = _path_fn(path, x, w, packed if path == "oneDNN prepacked" else w32)
+                fn = _path_fn(path, x, w, {"oneDNN prepacked": packed, "oneDNN prepacked bf16": packed16}.get(path, w32))
                 by_path[path][(s["n"], s["k"], m)] = _median_flops(fn, 2 * m * s["n"] * s["k"], sync, runs, min_seconds, budget_seconds)
-        del w32, packed
+        del w32, packed, packed16
     keys = list(by_path[paths[0]])
     best_path = {key: max(paths, key=lambda p: by_path[p][key]) for key in keys}
     linear = {key: by_path[best_path[key]][key] for key in keys}
