@@ -43,6 +43,8 @@ def run_pagedgen(job: dict) -> dict:
                   max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_num_batched_tokens"], seed=job["seed"])
     if job["device"] != "cpu":
         kwargs["device"] = job["device"]
+    if "batch_invariant" in opts:  # throughput.py --batch-invariant
+        kwargs["batch_invariant"] = opts["batch_invariant"] and job["device"] == "cpu"
     llm = LLM(job["model"], **kwargs)
     prompts, max_tokens = _job.token_ids(job), job["max_tokens"]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]

@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-threads-bind", default=f"0-{(os.cpu_count() or 1) - 1}",
                     help="VLLM_CPU_OMP_THREADS_BIND (default: all cores)")
     ap.add_argument("--roofline-runs", type=int, default=7, help="timed runs per GEMM shape; the median counts")
+    ap.add_argument("--batch-invariant", default="on", choices=["on", "off"],
+                    help="pagedgen's LLM(batch_invariant=...) (default on, LLM's own default on the CPU; off: GEMMs unblocked, as vLLM runs them)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 8 prompts, max_tokens 4-8, static batch 8, 3 runs per GEMM shape (overrides those flags)")
@@ -164,7 +166,8 @@ def row_options(args, info: dict, tokenizer, kv_blocks: int) -> dict:
     for system in args.systems:
         if system == "pagedgen":
             rows["pagedgen"] = ("pagedgen", dict(num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, max_num_seqs=args.max_num_seqs,
-                                                 max_num_batched_tokens=args.max_num_batched_tokens))
+                                                 max_num_batched_tokens=args.max_num_batched_tokens,
+                                                 batch_invariant=args.batch_invariant == "on"))
         elif system == "vllm":
             rows["vllm"] = ("vllm", dict(max_model_len=min(VLLM_MAX_MODEL_LEN, info["max_model_len"]), enforce_eager=True,
                                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
@@ -223,7 +226,7 @@ def plan(args, su: Setup, say) -> None:
     if su.folded:
         say(f"  {su.folded:,} prompt token ids past the vocabulary ({cfg['vocab_size']}) folded into it (id % vocab)")
     say(f"systems: {', '.join(su.rows)}; repeats {args.repeats} (interleaved); max_num_seqs {args.max_num_seqs}; "
-        f"KV cache {su.kv_blocks} blocks of {BLOCK_SIZE} tokens (pagedgen, generate_batch)")
+        f"KV cache {su.kv_blocks} blocks of {BLOCK_SIZE} tokens (pagedgen, generate_batch); pagedgen batch-invariant {args.batch_invariant}")
     for system in dict.fromkeys(s for s, _ in su.rows.values()):
         say(f"  {system}: {_launch.describe(system, args.vllm_venv, su.vllm_env if system == 'vllm' else {})}")
 

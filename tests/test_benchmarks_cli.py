@@ -53,8 +53,9 @@ def dry_run(*args: str, env: dict | None = None) -> str:
         (("--model", "random-135m", "--num-prompts", "64"), (GPT2_TOKENIZER, TINYSTORIES), "random-135m (bfloat16, max_model_len 2048)"),
         # the issue-9 ShareGPT workload: 128 first turns cut to 1,024 GPT-2 tokens, output lengths cut to 512
         (("--model", "random-135m", "--workload", "sharegpt"), (GPT2_TOKENIZER, SHAREGPT), "total 24,437"),
+        (("--batch-invariant", "off"), (STORIES, TINYSTORIES), "pagedgen batch-invariant off"),
     ],
-    ids=["stories260K", "random-135m", "sharegpt"],
+    ids=["stories260K", "random-135m", "sharegpt", "batch-invariant-off"],
 )
 def test_dry_run(args, needs, expect):
     need(*needs)
