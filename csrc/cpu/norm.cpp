@@ -101,7 +101,7 @@ inline float torch_order_sum_of_squares(const scalar_t* x, int64_t n) {
 
 // The lanes of the vectors torch's own CPU sum uses here: 16 or 8. It is not always this build's
 // width: torch's AVX-512 build of the sum kernel reduces with 8-lane vectors on some machines
-// (measured on a Sapphire Rapids Xeon, torch 2.14.1) and with 16 on others. So it is measured once,
+// (measured on a Xeon with AMX, torch 2.14.1) and with 16 on others. So it is measured once,
 // on first use: the sum of squares of a fixed 1,000-element row by torch (as the reference computes
 // it: pow(2) then sum over the row) against this file's sum in each order. A torch that matches
 // neither (a DEFAULT-capability build) gets this build's width; the two then agree to an ulp or two.

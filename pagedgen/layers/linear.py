@@ -38,14 +38,15 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
 - **Batch invariance** (``MatmulConfig.row_blocks``). GEMM libraries pick their kernel by the
   number of rows M, so the same row can get other bits in a batch of another size. MKL's sgemm
   uses a gemv at M = 1, other kernels at M = 2-3 (and with 2 threads at 5-7 and 9-11) on the AVX2
-  AMD EPYC, and on a Sapphire Rapids Xeon changes kernel from M = 58-1,024 when K > 1,024; oneDNN's
+  AMD EPYC, and on a Xeon with AMX changes kernel from M = 58-1,024 when K > 1,024; oneDNN's
   bf16 GEMM on AMX changes kernel at M = 33; oneDNN's prepacked float32 GEMM runs one row alone
   differently for some K. So in batch-invariant mode every GEMM runs in blocks whose sizes were
   measured to give each row the same bits whatever the other rows and the row's position: MKL at
   least ``MIN_ROWS`` rows (zero rows added) and at most ``MAX_ROWS`` (``LONG_K_MAX_ROWS`` when K >
   ``LONG_K``), prepacked float32 at least ``PACKED_MIN_ROWS``, oneDNN bf16 at most
-  ``BF16_MAX_ROWS``, fp16 at least ``FP16_MIN_ROWS``. The tests check every row of batches up to 1,100 rows against the row alone
-  at the model shapes, on the machine they run on (``tests/test_batch_invariance_ops.py``).
+  ``BF16_MAX_ROWS``, fp16 at least ``FP16_MIN_ROWS``. The tests check every row of batches of up
+  to 1,100 rows against the row alone at the model shapes, on the machine they run on
+  (``tests/test_batch_invariance_ops.py``).
 - **Prepacked float32 weights (oneDNN).** On an x86 CPU with oneDNN, every float32 weight of at
   least ``prepack_min_numel`` elements is reordered once, after loading, into oneDNN's blocked
   layout for the inner product (``torch.ops.mkldnn._reorder_linear_weight``, the packing torch's
@@ -128,7 +129,7 @@ class MatmulConfig:
 #: larger M run as blocks of MAX_ROWS, so no GEMM leaves the checked range.
 MIN_ROWS, MAX_ROWS = 16, 1024
 #: MKL GEMMs of more than LONG_K input features run in blocks of at most LONG_K_MAX_ROWS rows: on a
-#: Sapphire Rapids Xeon (AVX-512, AMX; 2 threads) sgemm changes its kernel at M = 58 for K = 1,536,
+#: Xeon with AMX (AVX-512, AMX-BF16; 2 threads) sgemm changes its kernel at M = 58 for K = 1,536,
 #: at M = 300 for K = 2,048 and at M = 1,024 for K = 5,632 (row bits change), and kept every row's
 #: bits for M in [16, 57] at each; K <= 1,024 kept them up to M = 1,100.
 LONG_K, LONG_K_MAX_ROWS = 1024, 32
