@@ -207,8 +207,12 @@ def test_prepacked_linear_matches_f_linear(dtype):
             torch.testing.assert_close(y, ref.to(dtype), rtol=1e-5, atol=1e-5)
     x = torch.randn(80, 7, generator=g).t()  # non-contiguous rows
     torch.testing.assert_close(lin.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="prepack needs a 2-D float32 or bfloat16 weight"):
+    with pytest.raises(ValueError, match="prepack needs a non-empty 2-D float32 or bfloat16 weight"):
         lin.prepack(w.to(torch.float16))
+    with pytest.raises(ValueError, match=r"got torch.float32 \(0, 80\)"):
+        lin.prepack(w[:0])
+    with pytest.raises(TypeError, match="prepack needs a torch.Tensor weight, got list"):
+        lin.prepack([[1.0]])
 
 
 @needs_onednn

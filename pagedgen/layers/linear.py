@@ -185,10 +185,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     for ``linear``. bf16 needs a CPU with oneDNN bf16 (``native_reduced_precision``).
 
     Raises:
-        ValueError: ``weight`` is not a 2-D float32 or bfloat16 tensor.
+        TypeError: ``weight`` is not a tensor.
+        ValueError: ``weight`` is not a 2-D float32 or bfloat16 tensor with at least one element.
     """
-    if weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
-        raise ValueError(f"prepack needs a 2-D float32 or bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"prepack needs a torch.Tensor weight, got {type(weight).__name__}")
+    if weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2 or weight.numel() == 0:
+        raise ValueError(f"prepack needs a non-empty 2-D float32 or bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PREPACK_ROWS)
 
 
