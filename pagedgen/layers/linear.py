@@ -61,7 +61,7 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   when an LLM is built), which gives MKL to every float32 weight and the dense GEMM to bf16 ones.
 - **Prepacked bf16 weights (oneDNN, AMX / AVX-512 BF16).** On a CPU with oneDNN bf16 every bf16
   weight is prepacked the same way (``PREPACK_MIN_NUMEL_BF16``): measured on the Xeon with AMX,
-  1.1-2.6x the dense bf16 ``F.linear`` at 1-256 rows on the random-135m shapes, never slower.
+  1.1-3.1x the dense bf16 ``F.linear`` at 1-256 rows on the random-135m shapes, never slower.
   vLLM's CPU backend prepacks its bf16 weights for oneDNN too. fp16 weights stay dense (oneDNN's
   prepacked fp16 GEMM was slower than the dense one there).
 """
@@ -151,7 +151,7 @@ FP16_MIN_ROWS = 2
 PREPACK_MIN_NUMEL = 1 << 19
 #: bf16 weights on a CPU with oneDNN bf16 are all prepacked: on the Xeon with AMX the packed GEMM
 #: was as fast or faster than the dense one at every measured shape (64 x 128 up to 576 x 49,152)
-#: and M (1-256): 1.1-2.6x at the random-135m shapes (docs/benchmarks.md "Matmul choices").
+#: and M (1-256): 1.1-3.1x at the random-135m shapes (docs/benchmarks.md "Matmul choices").
 PREPACK_MIN_NUMEL_BF16 = 1
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 #: the batch size oneDNN packs the weights for (any M runs; measured no faster with 1 or 64)
