@@ -80,7 +80,7 @@ def test_linear_rows_independent(shape, dtype):
     row = torch.randn(k, generator=g).to(dtype)
     for config in matmul_configs(dtype):
         w_c, b_c = w.to(config.weight_dtype), bias.to(config.weight_dtype)
-        # past MAX_ROWS on the small shapes (the row blocks), on the fp32 GEMM only (bf16's is invariant as it is)
+        # past MAX_ROWS on the small shapes (the row blocks), on the fp32 GEMM only (bf16's blocks: the test below)
         batches = BATCHES + [LONG] if n_out * k <= 512 * 64 and config.weight_dtype == torch.float32 else BATCHES
         weights = [w_c]
         if config.weight_dtype == torch.float32 and lin.onednn_prepack_available():
@@ -96,12 +96,11 @@ MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), 
 EVERY_ROW_BATCHES = [2, 3, 5, 8, 12, 16, 17, 31, 32, 33, 40, 57, 58, 64, 100, 300, 1100]
 
 
-def native_dtypes() -> list[torch.dtype]:
-    return [torch.float32] + [d for d in (torch.bfloat16, torch.float16) if lin.native_reduced_precision(d)] + (
-        [torch.bfloat16] if not lin.native_reduced_precision(torch.bfloat16) else [])
+# fp16 only where it has a GEMM of its own (elsewhere it takes bf16's float32 path)
+EVERY_ROW_DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if lin.native_reduced_precision(torch.float16) else [])
 
 
-@pytest.mark.parametrize("dtype", native_dtypes(), ids=str)
+@pytest.mark.parametrize("dtype", EVERY_ROW_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_linear_every_row_as_alone_at_model_shapes(shape, dtype):
     """Every row of batches of 2-1,100 rows has the bits it has alone, with the weight prepared as

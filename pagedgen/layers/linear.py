@@ -91,7 +91,7 @@ class MatmulConfig:
         weight_dtype: the dtype the weights are kept in; when it differs from the activations'
             dtype, ``linear`` converts the activations to it and the result back.
         min_rows: GEMMs of dense weights with fewer rows are padded with zero rows up to this many
-            (0: never); prepacked weights run unpadded.
+            (0: never; > 0 is what makes the config batch-invariant).
         max_rows: GEMMs of more rows run in blocks of at most this many (0: never split).
         reason: why this path was chosen, for logs and docs.
         prepack_min_numel: weights of at least this many elements are prepacked for oneDNN by
