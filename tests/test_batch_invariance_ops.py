@@ -166,7 +166,9 @@ def test_choose_matmul(monkeypatch):
     assert not lin.choose_matmul(torch.float32, cpu, False).batch_invariant
     bf16 = lin.choose_matmul(torch.bfloat16, cpu, True)
     if lin.native_reduced_precision(torch.bfloat16):
-        rows = dict(min_rows=1, max_rows=lin.BF16_MAX_ROWS, packed_min_rows=1, packed_max_rows=lin.BF16_MAX_ROWS)
+        lo, hi = lin.bf16_row_blocks()
+        assert (lo, hi) == (lin.BF16_MIN_ROWS, lin.BF16_MAX_ROWS if lin.amx_available() else lin.MAX_ROWS)
+        rows = dict(min_rows=lo, max_rows=hi, packed_min_rows=lo, packed_max_rows=hi)
         assert bf16 == lin.MatmulConfig(torch.bfloat16, reason=bf16.reason, prepack_min_numel=lin.PREPACK_MIN_NUMEL_BF16 if onednn else 0, **rows)
         assert bf16.batch_invariant and not lin.choose_matmul(torch.bfloat16, cpu, False).batch_invariant
     else:
@@ -223,7 +225,7 @@ def test_bf16_weights_are_prepacked_where_onednn_has_bf16():
     layer.weight, layer.bias = (torch.nn.Parameter(t, requires_grad=False) for t in (w, bias))
     assert lin.prepare_matmuls(layer, lin.choose_matmul(torch.bfloat16, torch.device("cpu"), True)) == 0  # same bytes
     assert layer.weight.is_mkldnn and layer.weight.dtype == torch.bfloat16 and not layer.bias.is_mkldnn
-    for m in (0, 1, 5, 40, 77):  # 77: blocks of BF16_MAX_ROWS
+    for m in (0, 1, 5, 40, 77):  # 1: padded to BF16_MIN_ROWS; 77: blocks of BF16_MAX_ROWS with AMX
         x = torch.randn(m, 80, generator=g).to(torch.bfloat16)
         y = layer(x)
         assert y.dtype == torch.bfloat16 and y.shape == (m, 96)

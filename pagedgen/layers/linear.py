@@ -39,12 +39,14 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   number of rows M, so the same row can get other bits in a batch of another size. MKL's sgemm
   uses a gemv at M = 1, other kernels at M = 2-3 (and with 2 threads at 5-7 and 9-11) on the AVX2
   AMD EPYC, and on a Xeon with AMX changes kernel from M = 58-1,024 when K > 1,024; oneDNN's
-  bf16 GEMM on AMX changes kernel at M = 33; oneDNN's prepacked float32 GEMM runs one row alone
-  differently for some K. So in batch-invariant mode every GEMM runs in blocks whose sizes were
-  measured to give each row the same bits whatever the other rows and the row's position: MKL at
-  least ``MIN_ROWS`` rows (zero rows added) and at most ``MAX_ROWS`` (``LONG_K_MAX_ROWS`` when K >
-  ``LONG_K``), prepacked float32 at least ``PACKED_MIN_ROWS``, oneDNN bf16 at most
-  ``BF16_MAX_ROWS``, fp16 at least ``FP16_MIN_ROWS``. The tests check every row of batches of up
+  bf16 GEMM on AMX changes kernel at M = 33, and on AVX-512 BF16 without AMX runs one row alone
+  differently when K > 576; oneDNN's prepacked float32 GEMM runs one row alone differently for
+  some K. So in batch-invariant mode every GEMM runs in blocks whose sizes were measured to give
+  each row the same bits whatever the other rows and the row's position: MKL at least
+  ``MIN_ROWS`` rows (zero rows added) and at most ``MAX_ROWS`` (``LONG_K_MAX_ROWS`` when K >
+  ``LONG_K``), prepacked float32 at least ``PACKED_MIN_ROWS``, oneDNN bf16 at least
+  ``BF16_MIN_ROWS`` and at most ``BF16_MAX_ROWS`` with AMX (``MAX_ROWS`` without), fp16 at least
+  ``FP16_MIN_ROWS``. The tests check every row of batches of up
   to 1,100 rows against the row alone at the model shapes, on the machine they run on
   (``tests/test_batch_invariance_ops.py``).
 - **Prepacked float32 weights (oneDNN).** On an x86 CPU with oneDNN, every float32 weight of at
@@ -136,10 +138,13 @@ LONG_K, LONG_K_MAX_ROWS = 1024, 32
 #: prepacked float32 weights (oneDNN) in batch-invariant mode: at least 2 rows (one row alone runs a
 #: gemv with other bits for some K on the Xeon, e.g. K = 1,536), blocks of at most MAX_ROWS.
 PACKED_MIN_ROWS = 2
-#: oneDNN's bf16 GEMM (dense or prepacked) in batch-invariant mode: blocks of at most this many rows.
-#: On the Xeon with AMX it gives a row the same bits at every M from 1 to 32 and any position, and
-#: other bits for some rows from M = 33 (another kernel); no padding is needed.
-BF16_MAX_ROWS = 32
+#: oneDNN's bf16 GEMM (dense or prepacked) in batch-invariant mode: at least BF16_MIN_ROWS rows, blocks
+#: of at most BF16_MAX_ROWS on a CPU with AMX, else MAX_ROWS (``bf16_row_blocks``). On the AMD EPYC with
+#: AVX-512 BF16 and no AMX (Zen 4), one row alone gets other bits for some outputs when K > 576
+#: (K = 1,536, 2,048, 5,632) and every M from 2 to 1,100 agrees at every position (1 and 2 threads,
+#: random-135m and random-1b shapes); on the Xeon with AMX every M from 1 to 32 agrees and some rows
+#: change from M = 33 (another kernel).
+BF16_MIN_ROWS, BF16_MAX_ROWS = 2, 32
 #: torch's fp16 GEMM on a CPU with oneDNN fp16, in batch-invariant mode: at least this many rows
 #: (on the Xeon one row alone takes another kernel; M from 2 to 300 kept every row's bits), blocks
 #: of at most MAX_ROWS.
@@ -207,6 +212,19 @@ def native_reduced_precision(dtype: torch.dtype) -> bool:
     return True
 
 
+def amx_available() -> bool:
+    """True when this CPU has AMX tiles that torch's oneDNN uses (``torch.cpu._is_amx_tile_supported``;
+    False where this torch cannot tell)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def bf16_row_blocks() -> tuple[int, int]:
+    """(min_rows, max_rows) of oneDNN's bf16 GEMM in batch-invariant mode on this CPU: blocks of at
+    most BF16_MAX_ROWS with AMX (its kernel changes at 33 rows), else MAX_ROWS; at least BF16_MIN_ROWS."""
+    return BF16_MIN_ROWS, BF16_MAX_ROWS if amx_available() else MAX_ROWS
+
+
 def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> MatmulConfig:
     """The matmul path of a model of ``dtype`` on ``device`` (the one place the choice is made).
 
@@ -227,7 +245,7 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
     onednn = onednn_prepack_available()
     if dtype in (torch.bfloat16, torch.float16) and native_reduced_precision(dtype):
-        lo, hi = (1, BF16_MAX_ROWS) if dtype == torch.bfloat16 else (FP16_MIN_ROWS, MAX_ROWS)
+        lo, hi = bf16_row_blocks() if dtype == torch.bfloat16 else (FP16_MIN_ROWS, MAX_ROWS)
         rows = dict(min_rows=lo, max_rows=hi, packed_min_rows=lo, packed_max_rows=hi) if batch_invariant else {}
         if dtype == torch.bfloat16 and onednn:
             return MatmulConfig(dtype, reason="oneDNN bf16 GEMM, prepacked weights", prepack_min_numel=PREPACK_MIN_NUMEL_BF16, **rows)
