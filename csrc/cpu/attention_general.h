@@ -60,6 +60,8 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   float* part = kt + kTile * D;       // [2 * kLanes * kTile] score_transposed_rows' lane chains
   const float* krows[kTile];  // slot j: the tile's K row of token (tile start + j), as float
   const float* vrows[kTile];
+  const scalar_t* kraw[kTile];  // slot j: the same rows in the cache (bf16/fp16 decode rows read in place)
+  const scalar_t* vraw[kTile];
   int64_t slots[kTile];
 
   for (int k = 0; k < K; ++k) {
@@ -83,6 +85,12 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   // inner loops of the current one (TilePrefetch); a prefill block re-reads each tile for all its
   // rows, and the walker's prefetch of the next block's rows is enough.
   const bool decode = R == 1;
+  // bf16/fp16 decode rows with a compile-time head size read K/V in place, converted to float as the
+  // score and accumulate loops load them (exact, so the same bits as converting first): one pass over
+  // each row instead of a conversion pass, a store and a reload. The transposed-tile score path (many
+  // query heads per KV head) and small heads take float rows.
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  const bool raw = !kFloat && decode && kHeadSize > 16 && RG < kTransposedPairs;
   int64_t ring[kDecodeAhead + 1][kTile];  // decode: slots of the item's tile i in ring[i % (kDecodeAhead + 1)]
   const int64_t first_t0 = lo / kTile * kTile;
   int64_t read_t0 = first_t0;  // decode: the next tile whose slots to read from the block table
@@ -123,15 +131,21 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         }
       }
     }
-    // fp32 decode reads K/V in the score and accumulate loops; bf16/fp16 in the conversion loop
-    const bool hook_math = decode && std::is_same_v<scalar_t, float>;
+    // fp32 and in-place decode read K/V in the score and accumulate loops; other bf16/fp16 decode
+    // rows in the conversion loop
+    const bool hook_math = decode && (kFloat || raw);
     for (int k = 0; k < K; ++k) {
       const int64_t col = (kv_begin + k) * D;  // this KV head's first element in a token's row
       for (int j = ua; j < ub; ++j) {
-        if constexpr (!std::is_same_v<scalar_t, float>) {
+        const int64_t row = cur[j] * row_stride + col;
+        if (raw) {
+          kraw[j] = p.key_cache + row;
+          vraw[j] = p.value_cache + row;
+          continue;
+        }
+        if constexpr (!kFloat) {
           if (decode) hook();
         }
-        const int64_t row = cur[j] * row_stride + col;
         if constexpr (std::is_same_v<scalar_t, float>) {
           if (R == 1) {  // a decode row of fp32: read in place
             krows[j] = p.key_cache + row;
@@ -181,13 +195,13 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         }
         // scores, softmax and V accumulation of the run's (row, head) pairs [h0, h1), with `hk` called
         // from the token loops
-        const auto run = [&](auto hk) {
+        const auto run = [&](auto hk, auto* const* ks, auto* const* vs) {
           const int h0 = i0 * G, h1 = i1 * G;
           if (scored) {
           } else if constexpr (kHeadSize > 0 && kHeadSize <= 16) {
             score_transposed<kHeadSize>(qk + h0 * D, h1 - h0, kt, ja, jb, sc + h0 * kTile);  // sc[h, j] = q[h] . k[j]
           } else if constexpr (kHeadSize > 0) {
-            score_rows<kHeadSize>(qk + h0 * D, h1 - h0, krows, ja, jb, sc + h0 * kTile, hk);
+            score_rows<kHeadSize>(qk + h0 * D, h1 - h0, ks, ja, jb, sc + h0 * kTile, hk);
           } else {
             score_rows_runtime(qk + h0 * D, h1 - h0, D, krows, ja, jb, sc + h0 * kTile, hk);
           }
@@ -199,24 +213,26 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
           if constexpr (kHeadSize > 16) {
             if constexpr (accumulate_chains<kHeadSize>() == 1) {
               for (; h + 2 <= h1; h += 2) {
-                accumulate_pair<kHeadSize>(ak + h * D, ak + (h + 1) * D, sc + h * kTile, sc + (h + 1) * kTile, vrows,
+                accumulate_pair<kHeadSize>(ak + h * D, ak + (h + 1) * D, sc + h * kTile, sc + (h + 1) * kTile, vs,
                                            ja, jb, hk);
               }
             }
           }
           for (; h < h1; ++h) {
             if constexpr (kHeadSize > 0) {
-              accumulate_tile<kHeadSize>(ak + h * D, sc + h * kTile, vrows, ja, jb, hk);
+              accumulate_tile<kHeadSize>(ak + h * D, sc + h * kTile, vs, ja, jb, hk);
             } else {
               accumulate_tile_runtime(ak + h * D, D, sc + h * kTile, vrows, ja, jb, hk);
             }
           }
         };
         if (ja < jb) {
-          if (hook_math) {
-            run(hook);
+          if (raw) {
+            if constexpr (kHeadSize > 16) run(hook, kraw, vraw);
+          } else if (hook_math) {
+            run(hook, krows, vrows);
           } else {
-            run(NoHook{});
+            run(NoHook{}, krows, vrows);
           }
         }
         i0 = i1;

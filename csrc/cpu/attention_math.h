@@ -123,9 +123,10 @@ inline void score_transposed(const float* q, int G, const float* kt, int ja, int
 // ---- scores, larger heads: one dot product per (head, token) ----------------------------------------
 
 // The dot product of one (head, token) pair: q[0:W] * k[0:W], then fused multiply-adds of the next
-// W-lane slices in order, then the fixed hsum tree.
-template <int kD>
-inline float dot_row(const float* q, const float* k) {
+// W-lane slices in order, then the fixed hsum tree. k: float, or the cache's bf16/fp16 read in place
+// (converted to float exactly on load: the same bits).
+template <int kD, typename kv_t = float>
+inline float dot_row(const float* q, const kv_t* k) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   Vec<W> dot = load<W>(q) * load<W>(k);
   for (int v = 1; v < NV; ++v) dot = fmadd<W>(load<W>(q + v * W), load<W>(k + v * W), dot);
@@ -178,9 +179,9 @@ inline void hsum_many(const Vec<W>* a, int n, float* out) {
 
 // sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb). Register blocks of two heads
 // by four tokens (each K slice loaded once for both heads; eight independent chains), each pair still
-// dot_row's sequence of operations; then hsum_many.
-template <int kD, typename Hook = NoHook>
-inline void score_rows(const float* q, int G, const float* const* k, int ja, int jb, float* sc, Hook hook = {}) {
+// dot_row's sequence of operations; then hsum_many. k: rows as float, or in the cache's dtype.
+template <int kD, typename Hook = NoHook, typename kv_t = float>
+inline void score_rows(const float* q, int G, const kv_t* const* k, int ja, int jb, float* sc, Hook hook = {}) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   int h = 0;
   for (; h + 2 <= G; h += 2) {
@@ -348,9 +349,10 @@ constexpr int accumulate_chains() {
   return NV >= 4 ? 1 : 4 / NV;
 }
 
-// acc[0:kD] += sum_j w[j] * v[j] over the slots [ja, jb) of a tile.
-template <int kD, typename Hook = NoHook>
-inline void accumulate_tile(float* acc, const float* w, const float* const* v, int ja, int jb, Hook hook = {}) {
+// acc[0:kD] += sum_j w[j] * v[j] over the slots [ja, jb) of a tile (v: rows as float, or in the
+// cache's dtype).
+template <int kD, typename Hook = NoHook, typename kv_t = float>
+inline void accumulate_tile(float* acc, const float* w, const kv_t* const* v, int ja, int jb, Hook hook = {}) {
   constexpr int W = head_lanes<kD>(), NV = kD / W, U = accumulate_chains<kD>();
   Vec<W> a[U][NV] = {};
   int j = ja;
@@ -375,8 +377,8 @@ inline void accumulate_tile(float* acc, const float* w, const float* const* v, i
 // accumulate_tile for two heads with the same slots (U = 1 only: one chain per element), each V
 // slice loaded once for both: acc0 += sum_j w0[j] * v[j], acc1 += sum_j w1[j] * v[j], in chunks of
 // four vectors (eight accumulator registers), every element still one chain over the tokens.
-template <int kD, typename Hook = NoHook>
-inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const float* w1, const float* const* v, int ja,
+template <int kD, typename Hook = NoHook, typename kv_t = float>
+inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const float* w1, const kv_t* const* v, int ja,
                             int jb, Hook hook = {}) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   static_assert(accumulate_chains<kD>() == 1 && NV % 4 == 0, "accumulate_pair: heads of whole 4-register chunks");
