@@ -188,6 +188,14 @@ def test_choose_matmul(monkeypatch):
         lin.choose_matmul(torch.float32, cpu, True)
 
 
+def test_bf16_row_blocks_without_an_amx_probe_take_the_amx_blocks(monkeypatch):
+    """A torch that cannot tell whether the CPU has AMX gets the 32-row blocks, which were
+    batch-invariant on every CPU measured (the 1,024-row ones only without AMX)."""
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert lin.amx_available()
+    assert lin.bf16_row_blocks() == (lin.BF16_MIN_ROWS, lin.BF16_MAX_ROWS)
+
+
 needs_onednn = pytest.mark.skipif(not lin.onednn_prepack_available(), reason="no oneDNN prepacking on this CPU")
 
 

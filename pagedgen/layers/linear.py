@@ -213,10 +213,11 @@ def native_reduced_precision(dtype: torch.dtype) -> bool:
 
 
 def amx_available() -> bool:
-    """True when this CPU has AMX tiles that torch's oneDNN uses (``torch.cpu._is_amx_tile_supported``;
-    False where this torch cannot tell)."""
+    """True when this CPU has AMX tiles that torch's oneDNN uses (``torch.cpu._is_amx_tile_supported``).
+    Where this torch cannot tell, True: the AMX row blocks (at most 32 rows) are batch-invariant on
+    every CPU measured, the larger ones only without AMX."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
+    return bool(probe()) if probe is not None else True
 
 
 def bf16_row_blocks() -> tuple[int, int]:
