@@ -146,7 +146,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         if constexpr (!kFloat) {
           if (decode) hook();
         }
-        if constexpr (std::is_same_v<scalar_t, float>) {
+        if constexpr (kFloat) {
           if (R == 1) {  // a decode row of fp32: read in place
             krows[j] = p.key_cache + row;
             vrows[j] = p.value_cache + row;
