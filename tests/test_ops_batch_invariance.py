@@ -149,6 +149,7 @@ ATTENTION_CASES = [  # dtype, num_heads, num_kv_heads, head_size, block_size, wi
     (torch.float16, 4, 4, 128, 5, 0),
     (torch.bfloat16, 6, 2, 16, 8, 40),
     (torch.float32, 4, 1, 20, 16, 0),    # a run-time head size
+    (torch.bfloat16, 32, 2, 128, 16, 24),  # 16 query heads per KV head (bf16 scores of many pairs), a window
 ]
 
 

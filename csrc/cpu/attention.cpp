@@ -33,7 +33,8 @@
 //   * Online softmax (Milakov & Gimelshein 2018, as in FlashAttention): per-thread scratch is
 //     O(rows * heads * (head_size + tile)) floats whatever the context length, a buffer per thread
 //     kept across calls. No allocation, no ATen call per item.
-//   * float32 accumulation and softmax whatever the cache dtype.
+//   * float32 accumulation and softmax whatever the cache dtype; bf16 caches on AVX512-BF16 builds
+//     score with vdpbf16ps from the bf16 query and K as stored (score_rows_bf16, attention_math.h).
 //
 // Strides: query and out are read/written through all three of their strides (they may be views of a
 // larger qkv or output tensor; no copy is made), block_tables through both of its strides.

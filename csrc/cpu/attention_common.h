@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace pagedgen::cpu {
@@ -127,8 +128,8 @@ struct TilePrefetch {
   }
   bool one() {
     if (t >= n) return false;
-    __builtin_prefetch(key + line, 0, 3);
-    __builtin_prefetch(value + line, 0, 3);
+    __builtin_prefetch(key + line, 0, 2);  // to L2: two tiles ahead would not fit L1 (measured)
+    __builtin_prefetch(value + line, 0, 2);
     line += 64;
     if (line >= line_end) {
       ++t;
@@ -176,6 +177,22 @@ void load_query(const Params<scalar_t>& p, int64_t row, int64_t h0, int heads, i
     }
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.0f;
+  }
+}
+
+// The 16-bit words of query heads [h0, h0 + heads) of `row` as the model gave them (unscaled):
+// q[h * D + d]. The operand of the bf16 score path (score_rows_bf16); scalar_t is 16 bits wide.
+template <typename scalar_t>
+void load_query_bits(const Params<scalar_t>& p, int64_t row, int64_t h0, int heads, int D, uint16_t* q) {
+  static_assert(sizeof(scalar_t) == sizeof(uint16_t), "load_query_bits: a 16-bit dtype");
+  const scalar_t* query = p.query + row * p.q_s0 + h0 * p.q_s1;
+  for (int h = 0; h < heads; ++h) {
+    const scalar_t* src = query + h * p.q_s1;
+    if (p.q_s2 == 1) {
+      std::memcpy(q + h * D, src, D * sizeof(uint16_t));
+    } else {
+      for (int d = 0; d < D; ++d) std::memcpy(q + h * D + d, src + d * p.q_s2, sizeof(uint16_t));
+    }
   }
 }
 

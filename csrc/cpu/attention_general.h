@@ -5,7 +5,8 @@
 // Decode and prefill are one loop: a decode item is a block of one row, a prefill item a block of up
 // to R consecutive rows of a prompt chunk. The item walks the tiles of kTile tokens (aligned to
 // absolute positions) that any of its rows needs, reads each tile's K/V rows once through the block
-// table (converted to float once for bf16/fp16: the cost shared by all R x group (row, head) pairs),
+// table (converted to float once for bf16/fp16: the cost shared by all R x group (row, head) pairs;
+// with AVX512-BF16, bf16 K is never converted: score_rows_bf16 reads it as stored),
 // and then runs, for each row, the per-row inner loops of attention_math.h over the slots that row
 // attends to in the tile (causal within the chunk, the cached prefix before it, the sliding window).
 // Rows whose slot ranges in a tile are equal (a whole tile of an earlier prefix or chunk) share one
@@ -26,7 +27,8 @@ namespace pagedgen::cpu {
 // Floats of per-thread scratch of the general path for blocks of up to R rows and KV heads at a time.
 inline int64_t general_scratch_floats(int64_t R, int64_t kv_heads, int64_t group, int64_t head_size) {
   const int64_t heads = R * kv_heads * group;
-  return 2 * heads * head_size + R * group * kTile + 2 * heads + 3 * kTile * head_size + 2 * kLanes * kTile + 16;
+  return 2 * heads * head_size + R * group * kTile + 2 * heads + 3 * kTile * head_size + 2 * kLanes * kTile +
+         (heads * head_size + 1) / 2 + 32;  // + the bf16 bits of the queries (bf16 scores)
 }
 
 // Tiles ahead of the current one whose K/V rows a decode item prefetches (one tile of fp32 head
@@ -46,6 +48,9 @@ constexpr int kTransposedPairs = 16;
 template <typename scalar_t, int kHeadSize>
 bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch,
                  const RowBlock* then = nullptr) {
+  // bf16 with AVX512-BF16 and a head of whole 32-element slices: every row's scores from the bf16
+  // query and the cache's K directly (score_rows_bf16); K is never converted.
+  constexpr bool kDot = std::is_same_v<scalar_t, c10::BFloat16> && bf16_dot_head<kHeadSize>();
   const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(p.head_size);
   const int G = static_cast<int>(p.group), R = b.rows, K = static_cast<int>(kv_end - kv_begin);
   const int RG = R * G;  // (row, query head) pairs of one KV head
@@ -58,6 +63,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   float* vbuf = kbuf + kTile * D;     // [kTile, D] the tile's V rows as float
   float* kt = vbuf + kTile * D;       // [D, kTile] the tile's K rows transposed (heads <= 16 floats, or many pairs)
   float* part = kt + kTile * D;       // [2 * kLanes * kTile] score_transposed_rows' lane chains
+  uint16_t* qbits = reinterpret_cast<uint16_t*>(part + 2 * kLanes * kTile);  // [K, R, G, D] bf16 queries (kDot)
   const float* krows[kTile];  // slot j: the tile's K row of token (tile start + j), as float
   const float* vrows[kTile];
   const scalar_t* kraw[kTile];  // slot j: the same rows in the cache (bf16/fp16 decode rows read in place)
@@ -68,6 +74,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
     for (int i = 0; i < R; ++i) {
       const int64_t at = (k * R + i) * G;
       load_query(p, b.row + i, (kv_begin + k) * G, G, D, q + at * D, m + at, l + at);
+      if constexpr (kDot) load_query_bits(p, b.row + i, (kv_begin + k) * G, G, D, qbits + at * D);
     }
   }
   std::fill(acc, acc + K * RG * D, 0.0f);
@@ -138,6 +145,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
       const int64_t col = (kv_begin + k) * D;  // this KV head's first element in a token's row
       for (int j = ua; j < ub; ++j) {
         const int64_t row = cur[j] * row_stride + col;
+        if constexpr (kDot) kraw[j] = p.key_cache + row;
         if (raw) {
           kraw[j] = p.key_cache + row;
           vraw[j] = p.value_cache + row;
@@ -156,9 +164,11 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         // as float into kbuf/vbuf: converted (bf16/fp16), or copied for a block of rows that reads
         // them many times (in the cache, rows lie num_kv_heads * head_size apart, which maps them to
         // few L1 sets)
-        to_float(p.key_cache + row, kbuf + j * D, D);
+        if constexpr (!kDot) {
+          to_float(p.key_cache + row, kbuf + j * D, D);
+          krows[j] = kbuf + j * D;
+        }
         to_float(p.value_cache + row, vbuf + j * D, D);
-        krows[j] = kbuf + j * D;
         vrows[j] = vbuf + j * D;
       }
       if constexpr (kHeadSize > 0 && kHeadSize <= 16) transpose_tile<kHeadSize>(krows, ua, ub, kt);
@@ -169,7 +179,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
       // Many pairs (a prefill block): the scores of all rows that attend to the tile, for the whole
       // tile, from its transpose (the same bits as score_rows).
       bool scored = false;
-      if constexpr (kHeadSize > 16 && kHeadSize % kLanes == 0) {
+      if constexpr (!kDot && kHeadSize > 16 && kHeadSize % kLanes == 0) {
         if (RG >= kTransposedPairs) {
           int i_first = 0, i_last = R;  // rows [i_first, i_last) attend to some slot of the tile
           while (i_first < R && b.pos + i_first < t0) ++i_first;
@@ -198,6 +208,10 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         const auto run = [&](auto hk, auto* const* ks, auto* const* vs) {
           const int h0 = i0 * G, h1 = i1 * G;
           if (scored) {
+          } else if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+            score_rows_bf16<kHeadSize>(qbits + (k * RG + h0) * D, h1 - h0, kraw, ja, jb, sc + h0 * kTile, p.scale, hk);
+#endif
           } else if constexpr (kHeadSize > 0 && kHeadSize <= 16) {
             score_transposed<kHeadSize>(qk + h0 * D, h1 - h0, kt, ja, jb, sc + h0 * kTile);  // sc[h, j] = q[h] . k[j]
           } else if constexpr (kHeadSize > 0) {
@@ -209,21 +223,10 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
             const float alpha = softmax_tile(sc + h * kTile, ja, jb, mk[h], lk[h]);  // scores -> weights
             rescale(ak + h * D, D, alpha);
           }
-          int h = h0;  // acc[h] += sum_j w[h, j] * v[j]
-          if constexpr (kHeadSize > 16) {
-            if constexpr (accumulate_chains<kHeadSize>() == 1) {
-              for (; h + 2 <= h1; h += 2) {
-                accumulate_pair<kHeadSize>(ak + h * D, ak + (h + 1) * D, sc + h * kTile, sc + (h + 1) * kTile, vs,
-                                           ja, jb, hk);
-              }
-            }
-          }
-          for (; h < h1; ++h) {
-            if constexpr (kHeadSize > 0) {
-              accumulate_tile<kHeadSize>(ak + h * D, sc + h * kTile, vs, ja, jb, hk);
-            } else {
-              accumulate_tile_runtime(ak + h * D, D, sc + h * kTile, vrows, ja, jb, hk);
-            }
+          if constexpr (kHeadSize > 0) {  // acc[h] += sum_j w[h, j] * v[j]
+            accumulate_heads<kHeadSize>(ak + h0 * D, h1 - h0, sc + h0 * kTile, vs, ja, jb, hk);
+          } else {
+            for (int h = h0; h < h1; ++h) accumulate_tile_runtime(ak + h * D, D, sc + h * kTile, vrows, ja, jb, hk);
           }
         };
         if (ja < jb) {

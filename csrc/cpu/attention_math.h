@@ -177,67 +177,139 @@ inline void hsum_many(const Vec<W>* a, int n, float* out) {
   for (int i = 0; i < n; ++i) out[i] = hsum<W>(a[i]);
 }
 
-// sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb). Register blocks of two heads
-// by four tokens (each K slice loaded once for both heads; eight independent chains), each pair still
-// dot_row's sequence of operations; then hsum_many. k: rows as float, or in the cache's dtype.
-template <int kD, typename Hook = NoHook, typename kv_t = float>
-inline void score_rows(const float* q, int G, const kv_t* const* k, int ja, int jb, float* sc, Hook hook = {}) {
+// Heads per register block of score_rows and accumulate_heads: with 32 vector registers (AVX-512)
+// up to four heads share each K/V slice they load (16 accumulators), with 16 (AVX2) two.
+constexpr int kMaxHeadBlock = kLanes >= 16 ? 4 : 2;
+
+// sc[b, j] = dot_row(q[b], k[j]) for HB heads and the slots [ja, jb): register blocks of HB heads by
+// four tokens (each K slice loaded, and converted, once for the HB heads; 4 * HB independent chains),
+// each pair still dot_row's sequence of operations; then hsum_many. q: [HB, kD]; sc: [HB, kTile].
+template <int kD, int HB, typename Hook, typename kv_t>
+inline void score_block(const float* q, const kv_t* const* k, int ja, int jb, float* sc, Hook& hook) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
-  int h = 0;
-  for (; h + 2 <= G; h += 2) {
-    const float* q0 = q + h * kD;
-    const float* q1 = q0 + kD;
-    float* s0 = sc + h * kTile;
-    float* s1 = s0 + kTile;
-    int j = ja;
-    for (; j + 4 <= jb; j += 4) {
-      hook();
-      Vec<W> d[8];  // d[t]: head h, token j + t; d[4 + t]: head h + 1
-      {
-        const Vec<W> a = load<W>(q0), b = load<W>(q1);
-        for (int t = 0; t < 4; ++t) {
-          const Vec<W> kv = load<W>(k[j + t]);
-          d[t] = a * kv;
-          d[4 + t] = b * kv;
-        }
-      }
-      for (int v = 1; v < NV; ++v) {
-        const Vec<W> a = load<W>(q0 + v * W), b = load<W>(q1 + v * W);
-        for (int t = 0; t < 4; ++t) {
-          const Vec<W> kv = load<W>(k[j + t] + v * W);
-          d[t] = fmadd<W>(a, kv, d[t]);
-          d[4 + t] = fmadd<W>(b, kv, d[4 + t]);
-        }
-      }
-      float r[8];
-      hsum_many<W>(d, 8, r);
+  int j = ja;
+  for (; j + 4 <= jb; j += 4) {
+    hook();
+    Vec<W> d[4 * HB];  // d[4 * b + t]: head b, token j + t
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      Vec<W> a[HB];
+#pragma GCC unroll 16
+      for (int b = 0; b < HB; ++b) a[b] = load<W>(q + b * kD + v * W);
+#pragma GCC unroll 16
       for (int t = 0; t < 4; ++t) {
-        s0[j + t] = r[t];
-        s1[j + t] = r[4 + t];
+        Vec<W> kv = load<W>(k[j + t] + v * W);
+        register_value<W>(kv);  // loaded once for all HB heads
+#pragma GCC unroll 16
+        for (int b = 0; b < HB; ++b) d[4 * b + t] = v == 0 ? a[b] * kv : fmadd<W>(a[b], kv, d[4 * b + t]);
       }
     }
-    for (; j < jb; ++j) {
-      s0[j] = dot_row<kD>(q0, k[j]);
-      s1[j] = dot_row<kD>(q1, k[j]);
+    float r[4 * HB];
+    hsum_many<W>(d, 4 * HB, r);
+#pragma GCC unroll 16
+    for (int b = 0; b < HB; ++b) {
+#pragma GCC unroll 16
+      for (int t = 0; t < 4; ++t) sc[b * kTile + j + t] = r[4 * b + t];
     }
   }
-  for (; h < G; ++h) {  // a last single head: four tokens at a time
-    const float* qh = q + h * kD;
-    float* sh = sc + h * kTile;
-    int j = ja;
-    for (; j + 4 <= jb; j += 4) {
-      hook();
-      Vec<W> d[4];
-      for (int t = 0; t < 4; ++t) d[t] = load<W>(qh) * load<W>(k[j + t]);
-      for (int v = 1; v < NV; ++v) {
-        const Vec<W> qv = load<W>(qh + v * W);
-        for (int t = 0; t < 4; ++t) d[t] = fmadd<W>(qv, load<W>(k[j + t] + v * W), d[t]);
-      }
-      hsum_many<W>(d, 4, sh + j);
-    }
-    for (; j < jb; ++j) sh[j] = dot_row<kD>(qh, k[j]);
+  for (; j < jb; ++j) {
+#pragma GCC unroll 16
+    for (int b = 0; b < HB; ++b) sc[b * kTile + j] = dot_row<kD>(q + b * kD, k[j]);
   }
 }
+
+// sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb), in blocks of up to
+// kMaxHeadBlock heads (score_block). k: rows as float, or in the cache's dtype.
+template <int kD, typename Hook = NoHook, typename kv_t = float>
+inline void score_rows(const float* q, int G, const kv_t* const* k, int ja, int jb, float* sc, Hook hook = {}) {
+  int h = 0;
+  if constexpr (kMaxHeadBlock >= 4) {
+    for (; h + 4 <= G; h += 4) score_block<kD, 4>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
+    if (h + 3 <= G) {
+      score_block<kD, 3>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
+      h += 3;
+    }
+  }
+  for (; h + 2 <= G; h += 2) score_block<kD, 2>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
+  if (h < G) score_block<kD, 1>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
+}
+
+// ---- scores from bf16 q and K with AVX512-BF16's dot-product instruction --------------------------
+//
+// vdpbf16ps adds to each float lane i the two products q[2i] k[2i] + q[2i + 1] k[2i + 1] of a
+// 32-element bf16 slice (the products exact, as bf16 x bf16 fits a float; the sums rounded to float,
+// denormal inputs and outputs flushed to zero). A score is then hsum<16> of one chain of those over
+// the head's slices, times the scale: from the query as the model gave it (bf16; the float path's
+// pre-scaled float copy rounds differently) and K as stored, with no conversion of K and half the
+// instructions of the float path's fused multiply-adds. Every bf16 row (prefill and decode, any
+// batch) takes this path when the build has the instruction and the head is whole slices, so a
+// row's scores are still one function of its query and context.
+#if defined(__AVX512BF16__)
+template <int kD>
+constexpr bool bf16_dot_head() {
+  return kD >= 32 && kD % 32 == 0;
+}
+
+// sc[b, j] = scale * hsum<16>(dp(... dp(0, q[b][0:32], k[j][0:32]) ..., q[b][kD-32:], k[j][kD-32:]))
+// for HB heads and the slots [ja, jb), register blocks of HB heads by four tokens (each K slice
+// loaded once for the HB heads). q: [HB, kD] bf16 bits; k: the tile's rows in the cache; sc: [HB, kTile].
+template <int kD, int HB, typename Hook>
+inline void score_block_bf16(const uint16_t* q, const c10::BFloat16* const* k, int ja, int jb, float* sc,
+                             float scale, Hook& hook) {
+  constexpr int NV = kD / 32;
+  const auto slice = [](const void* at) { return (__m512bh)_mm512_loadu_si512(at); };
+  int j = ja;
+  for (; j + 4 <= jb; j += 4) {
+    hook();
+    __m512 d[4 * HB];  // d[4 * b + t]: head b, token j + t
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      __m512bh a[HB];
+#pragma GCC unroll 16
+      for (int b = 0; b < HB; ++b) a[b] = slice(q + b * kD + v * 32);
+#pragma GCC unroll 16
+      for (int t = 0; t < 4; ++t) {
+        const __m512bh kv = slice(k[j + t] + v * 32);
+#pragma GCC unroll 16
+        for (int b = 0; b < HB; ++b) d[4 * b + t] = _mm512_dpbf16_ps(v == 0 ? _mm512_setzero_ps() : d[4 * b + t], a[b], kv);
+      }
+    }
+    float r[4 * HB];
+    hsum_many<16>(reinterpret_cast<const Vec<16>*>(d), 4 * HB, r);
+#pragma GCC unroll 16
+    for (int b = 0; b < HB; ++b) {
+#pragma GCC unroll 16
+      for (int t = 0; t < 4; ++t) sc[b * kTile + j + t] = r[4 * b + t] * scale;
+    }
+  }
+  for (; j < jb; ++j) {
+    for (int b = 0; b < HB; ++b) {
+      __m512 d = _mm512_setzero_ps();
+      for (int v = 0; v < NV; ++v) d = _mm512_dpbf16_ps(d, slice(q + b * kD + v * 32), slice(k[j] + v * 32));
+      sc[b * kTile + j] = hsum<16>(reinterpret_cast<const Vec<16>&>(d)) * scale;
+    }
+  }
+}
+
+// score_block_bf16 for the G heads, in blocks of up to kMaxHeadBlock heads (as score_rows).
+template <int kD, typename Hook = NoHook>
+inline void score_rows_bf16(const uint16_t* q, int G, const c10::BFloat16* const* k, int ja, int jb, float* sc,
+                            float scale, Hook hook = {}) {
+  int h = 0;
+  for (; h + 4 <= G; h += 4) score_block_bf16<kD, 4>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
+  if (h + 3 <= G) {
+    score_block_bf16<kD, 3>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
+    h += 3;
+  }
+  for (; h + 2 <= G; h += 2) score_block_bf16<kD, 2>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
+  if (h < G) score_block_bf16<kD, 1>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
+}
+#else
+template <int kD>
+constexpr bool bf16_dot_head() {
+  return false;
+}
+#endif
 
 // ---- scores, larger heads, many (row, head) pairs: on a transposed tile, the same bits -------------
 //
@@ -374,31 +446,57 @@ inline void accumulate_tile(float* acc, const float* w, const kv_t* const* v, in
   }
 }
 
-// accumulate_tile for two heads with the same slots (U = 1 only: one chain per element), each V
-// slice loaded once for both: acc0 += sum_j w0[j] * v[j], acc1 += sum_j w1[j] * v[j], in chunks of
-// four vectors (eight accumulator registers), every element still one chain over the tokens.
-template <int kD, typename Hook = NoHook, typename kv_t = float>
-inline void accumulate_pair(float* acc0, float* acc1, const float* w0, const float* w1, const kv_t* const* v, int ja,
-                            int jb, Hook hook = {}) {
+// accumulate_tile for HB heads with the same slots (U = 1 only: one chain per element), each V
+// slice loaded (and converted) once for all of them: acc[b] += sum_j w[b, j] * v[j], in chunks of
+// four vectors (4 * HB accumulator registers), every element still one chain over the tokens, then
+// added to acc: accumulate_tile's bits. acc: [HB, kD]; w: [HB, kTile].
+template <int kD, int HB, typename Hook, typename kv_t>
+inline void accumulate_block(float* acc, const float* w, const kv_t* const* v, int ja, int jb, Hook& hook) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
-  static_assert(accumulate_chains<kD>() == 1 && NV % 4 == 0, "accumulate_pair: heads of whole 4-register chunks");
+  static_assert(accumulate_chains<kD>() == 1 && NV % 4 == 0, "accumulate_block: heads of whole 4-register chunks");
   for (int c = 0; c < NV; c += 4) {
-    Vec<W> a0[4] = {}, a1[4] = {};
+    Vec<W> a[HB][4] = {};
     for (int j = ja; j < jb; ++j) {
       hook();
-      const Vec<W> x0 = splat<W>(w0[j]), x1 = splat<W>(w1[j]);
+      Vec<W> x[HB];
+#pragma GCC unroll 16
+      for (int b = 0; b < HB; ++b) x[b] = splat<W>(w[b * kTile + j]);
+#pragma GCC unroll 16
       for (int i = 0; i < 4; ++i) {
-        Vec<W> x = load<W>(v[j] + (c + i) * W);
-        register_value<W>(x);  // loaded once for both heads
-        a0[i] = fmadd<W>(x0, x, a0[i]);
-        a1[i] = fmadd<W>(x1, x, a1[i]);
+        Vec<W> y = load<W>(v[j] + (c + i) * W);
+        register_value<W>(y);  // loaded once for all HB heads
+#pragma GCC unroll 16
+        for (int b = 0; b < HB; ++b) a[b][i] = fmadd<W>(x[b], y, a[b][i]);
       }
     }
-    for (int i = 0; i < 4; ++i) {
-      store<W>(acc0 + (c + i) * W, load<W>(acc0 + (c + i) * W) + a0[i]);
-      store<W>(acc1 + (c + i) * W, load<W>(acc1 + (c + i) * W) + a1[i]);
+#pragma GCC unroll 16
+    for (int b = 0; b < HB; ++b) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 4; ++i) {
+        float* o = acc + b * kD + (c + i) * W;
+        store<W>(o, load<W>(o) + a[b][i]);
+      }
     }
   }
+}
+
+// acc[h] += sum_j w[h, j] * v[j] for the G heads and the slots [ja, jb): blocks of up to
+// kMaxHeadBlock heads that share each V slice (accumulate_block) where the head is whole 4-register
+// chunks, else accumulate_tile head by head; the same bits either way. acc: [G, kD]; w: [G, kTile].
+template <int kD, typename Hook = NoHook, typename kv_t = float>
+inline void accumulate_heads(float* acc, int G, const float* w, const kv_t* const* v, int ja, int jb, Hook hook = {}) {
+  int h = 0;
+  if constexpr (accumulate_chains<kD>() == 1 && (kD / head_lanes<kD>()) % 4 == 0) {
+    if constexpr (kMaxHeadBlock >= 4) {
+      for (; h + 4 <= G; h += 4) accumulate_block<kD, 4>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
+      if (h + 3 <= G) {
+        accumulate_block<kD, 3>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
+        h += 3;
+      }
+    }
+    for (; h + 2 <= G; h += 2) accumulate_block<kD, 2>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
+  }
+  for (; h < G; ++h) accumulate_tile<kD>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
 }
 
 // ---- any other head size: run-time bounds, the same structure ---------------------------------------
