@@ -145,9 +145,8 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
       const int64_t col = (kv_begin + k) * D;  // this KV head's first element in a token's row
       for (int j = ua; j < ub; ++j) {
         const int64_t row = cur[j] * row_stride + col;
-        if constexpr (kDot) kraw[j] = p.key_cache + row;
+        if (kDot || raw) kraw[j] = p.key_cache + row;
         if (raw) {
-          kraw[j] = p.key_cache + row;
           vraw[j] = p.value_cache + row;
           continue;
         }

@@ -181,6 +181,25 @@ inline void hsum_many(const Vec<W>* a, int n, float* out) {
 // up to four heads share each K/V slice they load (16 accumulators), with 16 (AVX2) two.
 constexpr int kMaxHeadBlock = kLanes >= 16 ? 4 : 2;
 
+// Calls f(std::integral_constant<int, HB>{}, h) for consecutive blocks [h, h + HB) that cover the
+// heads [0, G): blocks of four and then one of three where kMaxBlock allows, then pairs, then single
+// heads.
+template <int kMaxBlock, typename F>
+inline void for_head_blocks(int G, F&& f) {
+  int h = 0;
+  if constexpr (kMaxBlock >= 4) {
+    for (; h + 4 <= G; h += 4) f(std::integral_constant<int, 4>{}, h);
+    if (h + 3 <= G) {
+      f(std::integral_constant<int, 3>{}, h);
+      h += 3;
+    }
+  }
+  if constexpr (kMaxBlock >= 2) {
+    for (; h + 2 <= G; h += 2) f(std::integral_constant<int, 2>{}, h);
+  }
+  for (; h < G; ++h) f(std::integral_constant<int, 1>{}, h);
+}
+
 // sc[b, j] = dot_row(q[b], k[j]) for HB heads and the slots [ja, jb): register blocks of HB heads by
 // four tokens (each K slice loaded, and converted, once for the HB heads; 4 * HB independent chains),
 // each pair still dot_row's sequence of operations; then hsum_many. q: [HB, kD]; sc: [HB, kTile].
@@ -222,16 +241,9 @@ inline void score_block(const float* q, const kv_t* const* k, int ja, int jb, fl
 // kMaxHeadBlock heads (score_block). k: rows as float, or in the cache's dtype.
 template <int kD, typename Hook = NoHook, typename kv_t = float>
 inline void score_rows(const float* q, int G, const kv_t* const* k, int ja, int jb, float* sc, Hook hook = {}) {
-  int h = 0;
-  if constexpr (kMaxHeadBlock >= 4) {
-    for (; h + 4 <= G; h += 4) score_block<kD, 4>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
-    if (h + 3 <= G) {
-      score_block<kD, 3>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
-      h += 3;
-    }
-  }
-  for (; h + 2 <= G; h += 2) score_block<kD, 2>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
-  if (h < G) score_block<kD, 1>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
+  for_head_blocks<kMaxHeadBlock>(G, [&](auto hb, int h) {
+    score_block<kD, decltype(hb)::value>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
+  });
 }
 
 // ---- scores from bf16 q and K with AVX512-BF16's dot-product instruction --------------------------
@@ -295,14 +307,9 @@ inline void score_block_bf16(const uint16_t* q, const c10::BFloat16* const* k, i
 template <int kD, typename Hook = NoHook>
 inline void score_rows_bf16(const uint16_t* q, int G, const c10::BFloat16* const* k, int ja, int jb, float* sc,
                             float scale, Hook hook = {}) {
-  int h = 0;
-  for (; h + 4 <= G; h += 4) score_block_bf16<kD, 4>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
-  if (h + 3 <= G) {
-    score_block_bf16<kD, 3>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
-    h += 3;
-  }
-  for (; h + 2 <= G; h += 2) score_block_bf16<kD, 2>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
-  if (h < G) score_block_bf16<kD, 1>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
+  for_head_blocks<kMaxHeadBlock>(G, [&](auto hb, int h) {
+    score_block_bf16<kD, decltype(hb)::value>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
+  });
 }
 #else
 template <int kD>
@@ -485,18 +492,15 @@ inline void accumulate_block(float* acc, const float* w, const kv_t* const* v, i
 // chunks, else accumulate_tile head by head; the same bits either way. acc: [G, kD]; w: [G, kTile].
 template <int kD, typename Hook = NoHook, typename kv_t = float>
 inline void accumulate_heads(float* acc, int G, const float* w, const kv_t* const* v, int ja, int jb, Hook hook = {}) {
-  int h = 0;
-  if constexpr (accumulate_chains<kD>() == 1 && (kD / head_lanes<kD>()) % 4 == 0) {
-    if constexpr (kMaxHeadBlock >= 4) {
-      for (; h + 4 <= G; h += 4) accumulate_block<kD, 4>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
-      if (h + 3 <= G) {
-        accumulate_block<kD, 3>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
-        h += 3;
-      }
+  constexpr bool kBlocks = accumulate_chains<kD>() == 1 && (kD / head_lanes<kD>()) % 4 == 0;
+  for_head_blocks<kBlocks ? kMaxHeadBlock : 1>(G, [&](auto hb, int h) {
+    constexpr int HB = decltype(hb)::value;
+    if constexpr (HB == 1) {
+      accumulate_tile<kD>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
+    } else {
+      accumulate_block<kD, HB>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
     }
-    for (; h + 2 <= G; h += 2) accumulate_block<kD, 2>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
-  }
-  for (; h < G; ++h) accumulate_tile<kD>(acc + h * kD, w + h * kTile, v, ja, jb, hook);
+  });
 }
 
 // ---- any other head size: run-time bounds, the same structure ---------------------------------------
