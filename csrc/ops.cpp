@@ -43,6 +43,10 @@ TORCH_LIBRARY(pagedgen, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   // out [num_tokens, d] = silu(input[:, :d]) * input[:, d:].
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+
+  // The sampler's greedy tokens: out [num_rows] int64 = logits.max(dim=-1).indices of logits
+  // [num_rows, vocab] (the first maximal index; NaN counts as the maximum). A CPU kernel only.
+  m.def("argmax(Tensor(a!) out, Tensor logits) -> ()");
 }
 
 // A bare module init so that `import pagedgen._C` loads the library (and runs the registrations).

@@ -123,6 +123,23 @@ def test_silu_and_mul_rows_independent(d, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 32000, 13])
+def test_argmax_rows_independent(vocab, dtype):
+    """The sampler's greedy argmax: a row's token, ties included, whatever the other rows."""
+    g = gen(vocab)
+    row = torch.randint(-2, 3, (vocab,), generator=g).to(dtype)  # many tied maxima
+
+    def run(x):
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        OPS.argmax(out, x)
+        return out
+
+    placements = in_batches(row, lambda n: (torch.randn(n, vocab, generator=g) * 4).to(dtype), run)
+    for where, out in placements:
+        assert torch.equal(out, placements[0][1]), where
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache_rows_independent(dtype):
     """A token's cache slot receives the same bits whatever the other tokens of the call."""
     g = gen(5)

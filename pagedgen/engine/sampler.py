@@ -29,6 +29,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
+from pagedgen import ops
 from pagedgen.engine import logits_processors as lp
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sequence import Sequence
@@ -52,10 +53,13 @@ def make_generator(seed: Optional[int], index: int = 0) -> Optional[torch.Genera
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim: [N, vocab] -> [N] int64. ``max(dim).indices`` returns the same ids as
-    ``argmax`` (the first maximal index on ties, NaN counting as the maximum) and is about twice as
-    fast on the CPU."""
-    return logits.max(dim=-1).indices
+    """argmax over the last dim: [N, vocab] float32 / bfloat16 / float16, last dim contiguous -> [N]
+    int64, the ids of ``logits.max(dim=-1).indices`` and ``argmax`` (the first maximal index on ties,
+    NaN counting as the maximum). Through ``ops.argmax``: on the CPU a vectorised kernel at about
+    memory speed, several times faster than ``max(dim).indices`` (itself twice as fast as ``argmax``)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    ops.argmax(out, logits)
+    return out
 
 
 @dataclass

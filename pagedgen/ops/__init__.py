@@ -3,8 +3,8 @@ and has a kernel for the tensors' device, otherwise the PyTorch reference in ``r
 (with one warning). See csrc/ops.cpp for the schemas and layouts.
 
 The model's fused small layers (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
-``silu_and_mul``) have CPU kernels only; elsewhere their reference, which is transformers' own
-sequence of PyTorch ops, is the implementation (no warning).
+``silu_and_mul``) and the sampler's greedy ``argmax`` have CPU kernels only; elsewhere their reference,
+which is transformers' (or torch's) own sequence of PyTorch ops, is the implementation (no warning).
 """
 import functools
 import importlib
@@ -27,6 +27,7 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "argmax",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -66,7 +67,11 @@ def _impl(name: str, device_type: str):
 @functools.lru_cache(maxsize=None)
 def _fused_impl(name: str, device_type: str):
     key = "CUDA" if device_type == "cuda" else "CPU"
-    if _IMPORT_ERROR is None and torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedgen::{name}", key):
+    if (
+        _IMPORT_ERROR is None
+        and hasattr(torch.ops.pagedgen, name)  # an extension built before the op was added lacks it
+        and torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedgen::{name}", key)
+    ):
         return getattr(torch.ops.pagedgen, name)
     return getattr(reference, name)
 
@@ -114,3 +119,15 @@ def rotary_embedding(positions, query, key, cos, sin) -> None:
 def silu_and_mul(out, input) -> None:
     """See :func:`pagedgen.ops.reference.silu_and_mul`."""
     _fused_impl("silu_and_mul", input.device.type)(out, input)
+
+
+def argmax(out, logits) -> None:
+    """out [num_rows] int64 = ``logits.max(dim=-1).indices`` of logits [num_rows, vocab] (float32,
+    bfloat16 or float16; the kernel needs the last dim contiguous, any row stride): the first index of
+    each row's maximum, NaN counting as the maximum. See :func:`pagedgen.ops.reference.argmax`.
+
+    Raises:
+        RuntimeError: (the CPU kernel) out is not int64 [num_rows], logits not [num_rows, vocab >= 1]
+            with a contiguous last dim, or not float32 / bfloat16 / float16.
+    """
+    _fused_impl("argmax", logits.device.type)(out, logits)

@@ -56,6 +56,10 @@ def _silu_and_mul(out, input) -> None:
     torch._check(input.shape[-1] == 2 * out.shape[-1], lambda: f"input {input.shape} does not fit out {out.shape}")
 
 
+def _argmax(out, logits) -> None:
+    torch._check(out.shape == logits.shape[:1], lambda: f"out {out.shape} does not fit logits {logits.shape}")
+
+
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
@@ -65,12 +69,16 @@ _FAKES = {
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
+    "argmax": _argmax,
 }
 
 
 def register_fakes() -> None:
-    """Register the fake of each op defined by pagedgen._C (needs the library loaded)."""
+    """Register the fake of each op defined by pagedgen._C (needs the library loaded; an extension built
+    before an op was added lacks that op, which is then skipped)."""
     for name, fn in _FAKES.items():
+        if not hasattr(torch.ops.pagedgen, name):
+            continue
         try:
             torch.library.register_fake(f"pagedgen::{name}")(fn)
         except RuntimeError as exc:

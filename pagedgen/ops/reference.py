@@ -155,3 +155,12 @@ def silu_and_mul(
     """out = silu(gate) * up, Llama's SwiGLU (Shazeer 2020) as transformers computes it."""
     gate, up = input.chunk(2, dim=-1)
     torch.mul(torch.nn.functional.silu(gate), up, out=out)
+
+
+def argmax(
+    out: torch.Tensor,  # [num_rows] int64, written in place
+    logits: torch.Tensor,  # [num_rows, vocab] float32, bfloat16 or float16
+) -> None:
+    """The greedy token of each row: the first index of the row's maximum, a NaN counting as the
+    maximum (the first NaN's index), -0.0 equal to +0.0; torch.argmax(logits, dim=-1)."""
+    out.copy_(logits.max(dim=-1).indices)
