@@ -119,14 +119,14 @@ struct TilePrefetch {
     slots = s, n = count, t = 0, steps = 0;
     begin_token();
   }
-  void begin_token() {
+  PAGEDGEN_ALWAYS_INLINE void begin_token() {
     if (t < n) {
       const int64_t a = slots[t] * stride + first;
       line = a & ~int64_t{63};
       line_end = a + bytes;
     }
   }
-  bool one() {
+  PAGEDGEN_ALWAYS_INLINE bool one() {
     if (t >= n) return false;
     __builtin_prefetch(key + line, 0, 2);  // to L2: two tiles ahead would not fit L1 (measured)
     __builtin_prefetch(value + line, 0, 2);
@@ -137,7 +137,7 @@ struct TilePrefetch {
     }
     return true;
   }
-  void step() {
+  PAGEDGEN_ALWAYS_INLINE void step() {
     ++steps;
     for (int i = 0; i < per && one(); ++i) {
     }
@@ -151,7 +151,7 @@ struct TilePrefetch {
 // The hook of attention_math.h's loops that drives a TilePrefetch.
 struct PrefetchHook {
   TilePrefetch* prefetch;
-  void operator()() const { prefetch->step(); }
+  PAGEDGEN_ALWAYS_INLINE void operator()() const { prefetch->step(); }
 };
 
 template <typename scalar_t>

@@ -137,7 +137,7 @@ inline float dot_row(const float* q, const kv_t* k) {
 // with AVX, two 8-lane vectors fold their halves in one add, and four share the adds of the last two
 // levels of the tree (about 3 instructions per sum instead of 6).
 template <int W>
-inline void hsum_many(const Vec<W>* a, int n, float* out) {
+PAGEDGEN_ALWAYS_INLINE void hsum_many(const Vec<W>* a, int n, float* out) {
 #if defined(__AVX__)
   if constexpr (W == 8 || W == 16) {
     const auto halves = [&](int i) {  // the 8-lane vector whose hsum is hsum<W>(a[i])
@@ -262,54 +262,80 @@ constexpr bool bf16_dot_head() {
   return kD >= 32 && kD % 32 == 0;
 }
 
-// sc[b, j] = scale * hsum<16>(dp(... dp(0, q[b][0:32], k[j][0:32]) ..., q[b][kD-32:], k[j][kD-32:]))
-// for HB heads and the slots [ja, jb), register blocks of HB heads by four tokens (each K slice
-// loaded once for the HB heads). q: [HB, kD] bf16 bits; k: the tile's rows in the cache; sc: [HB, kTile].
-template <int kD, int HB, typename Hook>
-inline void score_block_bf16(const uint16_t* q, const c10::BFloat16* const* k, int ja, int jb, float* sc,
-                             float scale, Hook& hook) {
-  constexpr int NV = kD / 32;
-  const auto slice = [](const void* at) { return (__m512bh)_mm512_loadu_si512(at); };
-  int j = ja;
-  for (; j + 4 <= jb; j += 4) {
-    hook();
-    __m512 d[4 * HB];  // d[4 * b + t]: head b, token j + t
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      __m512bh a[HB];
-#pragma GCC unroll 16
-      for (int b = 0; b < HB; ++b) a[b] = slice(q + b * kD + v * 32);
-#pragma GCC unroll 16
-      for (int t = 0; t < 4; ++t) {
-        const __m512bh kv = slice(k[j + t] + v * 32);
-#pragma GCC unroll 16
-        for (int b = 0; b < HB; ++b) d[4 * b + t] = _mm512_dpbf16_ps(v == 0 ? _mm512_setzero_ps() : d[4 * b + t], a[b], kv);
-      }
-    }
-    float r[4 * HB];
-    hsum_many<16>(reinterpret_cast<const Vec<16>*>(d), 4 * HB, r);
-#pragma GCC unroll 16
-    for (int b = 0; b < HB; ++b) {
-#pragma GCC unroll 16
-      for (int t = 0; t < 4; ++t) sc[b * kTile + j + t] = r[4 * b + t] * scale;
-    }
+// The 16 sums hsum<16>(a[i]), i = 0 .. 15, in one register (lane i), each by hsum<16>'s tree (lanes
+// i + 8, then i + 4, then (0 + 2) + (1 + 3)): the four levels of the tree run on all 16 vectors at
+// once, two vectors per add, the shuffles gathering the halves each level adds (45 instructions for
+// 16 sums instead of about 6 per sum). The adds are those of hsum<16>, so each lane is bitwise
+// hsum<16>(a[i]).
+PAGEDGEN_ALWAYS_INLINE __m512 hsum16x16(const __m512* a) {
+  // level 1, 256-bit halves: t[p] = [lo8 + hi8 of x[2p] | of x[2p + 1]], with x[4m + k] = a[4k + m]
+  // so that the last level leaves a[i] in lane i
+  const auto x = [&](int i) { return a[(i % 4) * 4 + i / 4]; };
+  __m512 t[8];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x(2 * p), x(2 * p + 1), 0x44), _mm512_shuffle_f32x4(x(2 * p), x(2 * p + 1), 0xEE));
   }
-  for (; j < jb; ++j) {
-    for (int b = 0; b < HB; ++b) {
-      __m512 d = _mm512_setzero_ps();
-      for (int v = 0; v < NV; ++v) d = _mm512_dpbf16_ps(d, slice(q + b * kD + v * 32), slice(k[j] + v * 32));
-      sc[b * kTile + j] = hsum<16>(reinterpret_cast<const Vec<16>&>(d)) * scale;
-    }
+  // level 2, 128-bit quarters: r[q] = [lo4 + hi4 of x[4q], x[4q + 1], x[4q + 2], x[4q + 3]]
+  __m512 r[4];
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0x88), _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0xDD));
   }
+  // level 3, within each quarter: (v0 + v2), (v1 + v3) of two vectors' quarters
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x44), _mm512_shuffle_ps(r[0], r[1], 0xEE));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_ps(r[2], r[3], 0x44), _mm512_shuffle_ps(r[2], r[3], 0xEE));
+  // level 4: (v0 + v2) + (v1 + v3); lane 4k + m holds x[4m + k] = a[4k + m]
+  return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
 }
 
-// score_block_bf16 for the G heads, in blocks of up to kMaxHeadBlock heads (as score_rows).
+// sc[j] = scale * hsum<16>(dp(... dp(0, q[0:32], k[j][0:32]) ..., q[kD-32:], k[j][kD-32:])) for the
+// slots j of [ja, jb) in the 16-slot register starting at slot g0 (the register's other slots get 0,
+// and their K rows are not read): one chain per slot, then hsum16x16. q: [kD] bf16 bits; k: the
+// tile's rows in the cache; sc: [kTile].
+template <int kD, typename Hook>
+PAGEDGEN_ALWAYS_INLINE void score_register_bf16(const uint16_t* q, const c10::BFloat16* const* k, int g0, int ja, int jb,
+                                                float* sc, __m512 scale, Hook& hook) {
+  constexpr int NV = kD / 32;
+  const auto slice = [](const void* at) { return (__m512bh)_mm512_loadu_si512(at); };
+  __m512bh qv[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) qv[v] = slice(q + v * 32);
+  __m512 d[16];
+  const auto chain = [&](int j) {
+    __m512 c = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], slice(k[j]));
+#pragma GCC unroll 8
+    for (int v = 1; v < NV; ++v) c = _mm512_dpbf16_ps(c, qv[v], slice(k[j] + v * 32));
+    return c;
+  };
+  if (ja <= g0 && g0 + 16 <= jb) {  // a whole register
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (t % 4 == 0) hook();
+      d[t] = chain(g0 + t);
+    }
+  } else {  // unrolled too: d stays in registers
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (t % 4 == 0) hook();
+      const int j = g0 + t;
+      d[t] = ja <= j && j < jb ? chain(j) : _mm512_setzero_ps();
+    }
+  }
+  _mm512_storeu_ps(sc + g0, _mm512_mul_ps(hsum16x16(d), scale));
+}
+
+// The bf16 scores of the G heads for the slots [ja, jb), a register of 16 slots of one head at a time
+// (score_register_bf16). q: [G, kD] bf16 bits; sc: [G, kTile].
 template <int kD, typename Hook = NoHook>
 inline void score_rows_bf16(const uint16_t* q, int G, const c10::BFloat16* const* k, int ja, int jb, float* sc,
                             float scale, Hook hook = {}) {
-  for_head_blocks<kMaxHeadBlock>(G, [&](auto hb, int h) {
-    score_block_bf16<kD, decltype(hb)::value>(q + h * kD, k, ja, jb, sc + h * kTile, scale, hook);
-  });
+  static_assert(kTile % 16 == 0, "a tile must be whole 16-slot registers");
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int r0 = ja / 16 * 16;
+  for (int h = 0; h < G; ++h) {
+    for (int g0 = r0; g0 < jb; g0 += 16) score_register_bf16<kD>(q + h * kD, k, g0, ja, jb, sc + h * kTile, vscale, hook);
+  }
 }
 #else
 template <int kD>

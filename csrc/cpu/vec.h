@@ -24,6 +24,10 @@
 #include <cstdint>
 #include <cstring>
 
+// Functions of the kernels' innermost loops that must be inlined: a call there clobbers every vector
+// register (all are caller-saved), so the loop's accumulators would be stored and reloaded around it.
+#define PAGEDGEN_ALWAYS_INLINE inline __attribute__((always_inline))
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
