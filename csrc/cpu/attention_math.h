@@ -200,6 +200,36 @@ inline void for_head_blocks(int G, F&& f) {
   for (; h < G; ++h) f(std::integral_constant<int, 1>{}, h);
 }
 
+#if defined(__AVX512F__)
+// The 16 sums hsum<16>(a[i]), i = 0 .. 15, in one register (lane i), each by hsum<16>'s tree (lanes
+// i + 8, then i + 4, then (0 + 2) + (1 + 3)): the four levels of the tree run on all 16 vectors at
+// once, two vectors per add, the shuffles gathering the halves each level adds (45 instructions for
+// 16 sums instead of about 6 per sum). The adds are those of hsum<16>, so each lane is bitwise
+// hsum<16>(a[i]).
+PAGEDGEN_ALWAYS_INLINE __m512 hsum16x16(const __m512* a) {
+  // level 1, 256-bit halves: t[p] = [lo8 + hi8 of x[2p] | of x[2p + 1]], with x[4m + k] = a[4k + m]
+  // so that the last level leaves a[i] in lane i
+  const auto x = [&](int i) { return a[(i % 4) * 4 + i / 4]; };
+  __m512 t[8];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x(2 * p), x(2 * p + 1), 0x44), _mm512_shuffle_f32x4(x(2 * p), x(2 * p + 1), 0xEE));
+  }
+  // level 2, 128-bit quarters: r[q] = [lo4 + hi4 of x[4q], x[4q + 1], x[4q + 2], x[4q + 3]]
+  __m512 r[4];
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0x88), _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0xDD));
+  }
+  // level 3, within each quarter: (v0 + v2), (v1 + v3) of two vectors' quarters
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x44), _mm512_shuffle_ps(r[0], r[1], 0xEE));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_ps(r[2], r[3], 0x44), _mm512_shuffle_ps(r[2], r[3], 0xEE));
+  // level 4: (v0 + v2) + (v1 + v3); lane 4k + m holds x[4m + k] = a[4k + m]
+  return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
+}
+
+#endif
+
 // sc[b, j] = dot_row(q[b], k[j]) for HB heads and the slots [ja, jb): register blocks of HB heads by
 // four tokens (each K slice loaded, and converted, once for the HB heads; 4 * HB independent chains),
 // each pair still dot_row's sequence of operations; then hsum_many. q: [HB, kD]; sc: [HB, kTile].
@@ -239,8 +269,62 @@ inline void score_block(const float* q, const kv_t* const* k, int ja, int jb, fl
 
 // sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb), in blocks of up to
 // kMaxHeadBlock heads (score_block). k: rows as float, or in the cache's dtype.
+#if defined(__AVX512F__)
+// Heads of whole 16-float slices, at most this many (their query slices and 16 chains fit the 32
+// registers), score one head's 16 slots at a time (score_register).
+constexpr int kMaxRegisterHead = 128;
+
+// sc[j] = dot_row(q, k[j]) for the slots j of [ja, jb) in the 16-slot register starting at slot g0 (the
+// register's other slots get 0, and their K rows are not read): dot_row's chain per slot, then
+// hsum16x16 (its tree). q: [kD]; k: rows as float, or in the cache's dtype; sc: [kTile].
+template <int kD, typename Hook, typename kv_t>
+PAGEDGEN_ALWAYS_INLINE void score_register(const float* q, const kv_t* const* k, int g0, int ja, int jb, float* sc,
+                                           Hook& hook) {
+  constexpr int NV = kD / 16;
+  Vec<16> qv[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) qv[v] = load<16>(q + v * 16);
+  const auto chain = [&](int j) {
+    Vec<16> c = qv[0] * load<16>(k[j]);
+#pragma GCC unroll 8
+    for (int v = 1; v < NV; ++v) c = fmadd<16>(qv[v], load<16>(k[j] + v * 16), c);
+    return reinterpret_cast<const __m512&>(c);
+  };
+  __m512 d[16];
+  if (ja <= g0 && g0 + 16 <= jb) {  // a whole register
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (t % 4 == 0) hook();
+      d[t] = chain(g0 + t);
+    }
+  } else {  // unrolled too: d stays in registers
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (t % 4 == 0) hook();
+      const int j = g0 + t;
+      d[t] = ja <= j && j < jb ? chain(j) : _mm512_setzero_ps();
+    }
+  }
+  _mm512_storeu_ps(sc + g0, hsum16x16(d));
+}
+#endif
+
+// sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb): with AVX-512 and heads of
+// whole 16-float slices up to kMaxRegisterHead, one head's 16-slot register at a time
+// (score_register); otherwise in blocks of up to kMaxHeadBlock heads (score_block). The same bits
+// either way. k: rows as float, or in the cache's dtype.
 template <int kD, typename Hook = NoHook, typename kv_t = float>
 inline void score_rows(const float* q, int G, const kv_t* const* k, int ja, int jb, float* sc, Hook hook = {}) {
+#if defined(__AVX512F__)
+  if constexpr (head_lanes<kD>() == 16 && kD <= kMaxRegisterHead) {
+    static_assert(kTile % 16 == 0, "a tile must be whole 16-slot registers");
+    const int r0 = ja / 16 * 16;
+    for (int h = 0; h < G; ++h) {
+      for (int g0 = r0; g0 < jb; g0 += 16) score_register<kD>(q + h * kD, k, g0, ja, jb, sc + h * kTile, hook);
+    }
+    return;
+  }
+#endif
   for_head_blocks<kMaxHeadBlock>(G, [&](auto hb, int h) {
     score_block<kD, decltype(hb)::value>(q + h * kD, k, ja, jb, sc + h * kTile, hook);
   });
@@ -260,33 +344,6 @@ inline void score_rows(const float* q, int G, const kv_t* const* k, int ja, int 
 template <int kD>
 constexpr bool bf16_dot_head() {
   return kD >= 32 && kD % 32 == 0;
-}
-
-// The 16 sums hsum<16>(a[i]), i = 0 .. 15, in one register (lane i), each by hsum<16>'s tree (lanes
-// i + 8, then i + 4, then (0 + 2) + (1 + 3)): the four levels of the tree run on all 16 vectors at
-// once, two vectors per add, the shuffles gathering the halves each level adds (45 instructions for
-// 16 sums instead of about 6 per sum). The adds are those of hsum<16>, so each lane is bitwise
-// hsum<16>(a[i]).
-PAGEDGEN_ALWAYS_INLINE __m512 hsum16x16(const __m512* a) {
-  // level 1, 256-bit halves: t[p] = [lo8 + hi8 of x[2p] | of x[2p + 1]], with x[4m + k] = a[4k + m]
-  // so that the last level leaves a[i] in lane i
-  const auto x = [&](int i) { return a[(i % 4) * 4 + i / 4]; };
-  __m512 t[8];
-#pragma GCC unroll 8
-  for (int p = 0; p < 8; ++p) {
-    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x(2 * p), x(2 * p + 1), 0x44), _mm512_shuffle_f32x4(x(2 * p), x(2 * p + 1), 0xEE));
-  }
-  // level 2, 128-bit quarters: r[q] = [lo4 + hi4 of x[4q], x[4q + 1], x[4q + 2], x[4q + 3]]
-  __m512 r[4];
-#pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) {
-    r[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0x88), _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0xDD));
-  }
-  // level 3, within each quarter: (v0 + v2), (v1 + v3) of two vectors' quarters
-  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x44), _mm512_shuffle_ps(r[0], r[1], 0xEE));
-  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_ps(r[2], r[3], 0x44), _mm512_shuffle_ps(r[2], r[3], 0xEE));
-  // level 4: (v0 + v2) + (v1 + v3); lane 4k + m holds x[4m + k] = a[4k + m]
-  return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
 }
 
 // sc[j] = scale * hsum<16>(dp(... dp(0, q[0:32], k[j][0:32]) ..., q[kD-32:], k[j][kD-32:])) for the
