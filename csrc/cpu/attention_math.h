@@ -228,6 +228,30 @@ PAGEDGEN_ALWAYS_INLINE __m512 hsum16x16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
 }
 
+// hsum16x16 of the chains chain(j) (one __m512 per slot) of the slots j of [ja, jb) in the 16-slot
+// register starting at slot g0; the register's other slots get 0 and chain is not called for them
+// (their K rows are not read). hook() is called every four slots. Both loops are unrolled, so the
+// 16 chains stay in registers.
+template <typename Chain, typename Hook>
+PAGEDGEN_ALWAYS_INLINE __m512 register_scores(const Chain& chain, int g0, int ja, int jb, Hook& hook) {
+  __m512 d[16];
+  if (ja <= g0 && g0 + 16 <= jb) {  // a whole register
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (t % 4 == 0) hook();
+      d[t] = chain(g0 + t);
+    }
+  } else {  // unrolled too: d stays in registers
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (t % 4 == 0) hook();
+      const int j = g0 + t;
+      d[t] = ja <= j && j < jb ? chain(j) : _mm512_setzero_ps();
+    }
+  }
+  return hsum16x16(d);
+}
+
 #endif
 
 // sc[b, j] = dot_row(q[b], k[j]) for HB heads and the slots [ja, jb): register blocks of HB heads by
@@ -290,22 +314,7 @@ PAGEDGEN_ALWAYS_INLINE void score_register(const float* q, const kv_t* const* k,
     for (int v = 1; v < NV; ++v) c = fmadd<16>(qv[v], load<16>(k[j] + v * 16), c);
     return reinterpret_cast<const __m512&>(c);
   };
-  __m512 d[16];
-  if (ja <= g0 && g0 + 16 <= jb) {  // a whole register
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) {
-      if (t % 4 == 0) hook();
-      d[t] = chain(g0 + t);
-    }
-  } else {  // unrolled too: d stays in registers
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) {
-      if (t % 4 == 0) hook();
-      const int j = g0 + t;
-      d[t] = ja <= j && j < jb ? chain(j) : _mm512_setzero_ps();
-    }
-  }
-  _mm512_storeu_ps(sc + g0, hsum16x16(d));
+  _mm512_storeu_ps(sc + g0, register_scores(chain, g0, ja, jb, hook));
 }
 #endif
 
@@ -358,28 +367,13 @@ PAGEDGEN_ALWAYS_INLINE void score_register_bf16(const uint16_t* q, const c10::BF
   __m512bh qv[NV];
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) qv[v] = slice(q + v * 32);
-  __m512 d[16];
   const auto chain = [&](int j) {
     __m512 c = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], slice(k[j]));
 #pragma GCC unroll 8
     for (int v = 1; v < NV; ++v) c = _mm512_dpbf16_ps(c, qv[v], slice(k[j] + v * 32));
     return c;
   };
-  if (ja <= g0 && g0 + 16 <= jb) {  // a whole register
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) {
-      if (t % 4 == 0) hook();
-      d[t] = chain(g0 + t);
-    }
-  } else {  // unrolled too: d stays in registers
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) {
-      if (t % 4 == 0) hook();
-      const int j = g0 + t;
-      d[t] = ja <= j && j < jb ? chain(j) : _mm512_setzero_ps();
-    }
-  }
-  _mm512_storeu_ps(sc + g0, _mm512_mul_ps(hsum16x16(d), scale));
+  _mm512_storeu_ps(sc + g0, _mm512_mul_ps(register_scores(chain, g0, ja, jb, hook), scale));
 }
 
 // The bf16 scores of the G heads for the slots [ja, jb), a register of 16 slots of one head at a time
