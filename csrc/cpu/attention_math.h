@@ -291,8 +291,6 @@ inline void score_block(const float* q, const kv_t* const* k, int ja, int jb, fl
   }
 }
 
-// sc[h, j] = dot_row(q[h], k[j]) for the G heads and the slots [ja, jb), in blocks of up to
-// kMaxHeadBlock heads (score_block). k: rows as float, or in the cache's dtype.
 #if defined(__AVX512F__)
 // Heads of whole 16-float slices, at most this many (their query slices and 16 chains fit the 32
 // registers), score one head's 16 slots at a time (score_register).
