@@ -146,6 +146,26 @@ def test_silu_and_mul(num_tokens, d, stride_pad, dtype):
     assert_close_to_reference(out, expected)
 
 
+def test_bf16_store_of_denormal_and_nan_results():
+    """bf16 results that are denormal or NaN are rounded as c10 does (denormals kept, NaN -> 0x7FC0),
+    also where the build stores 16 lanes with AVX512-BF16's vcvtneps2bf16 (which flushes denormals to
+    zero and keeps a NaN's sign): a vector with such a lane takes the integer rounding, the others the
+    instruction. 64 gates: the second and fourth 16-lane vectors hold one denormal or NaN result each."""
+    gate = torch.randn(64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    gate[16 + 5], gate[48 + 11] = 3e-39, float("nan")  # silu(g) ~ g / 2: a bf16 denormal; NaN
+    gate[48 + 12] = -float("nan")
+    x = torch.cat([gate, torch.full_like(gate, 1.5)])[None]  # [1, 128]: up = 1.5
+    out = torch.empty(1, 64, dtype=torch.bfloat16)
+    torch.ops.pagedgen.silu_and_mul(out, x)
+    expected = torch.empty_like(out)
+    reference.silu_and_mul(expected, x)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert (out.view(torch.int16)[nan] == 0x7FC0).all()  # c10's NaN, whatever the input's sign
+    assert ulps(out[~nan], expected[~nan]) <= 1
+    assert out[0, 16 + 5] != 0 and out[0, 16 + 5].float().abs() < torch.finfo(torch.bfloat16).tiny  # not flushed
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_extreme_gates(dtype):
     """Large gates of both signs (silu -> x and -> -0), zeros, infinities: as torch's."""

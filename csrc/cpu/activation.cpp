@@ -32,6 +32,13 @@ template <typename scalar_t>
 inline void silu_and_mul_row(const scalar_t* gate, scalar_t* out, int64_t d) {
   const scalar_t* up = gate + d;
   int64_t i = 0;
+  // two vectors per step: their dependency chains (exp's polynomial, the division) interleave
+  for (; i + 2 * W <= d; i += 2 * W) {
+    const Vec<W> a = silu_mul<scalar_t>(load<W>(gate + i), load<W>(up + i));
+    const Vec<W> b = silu_mul<scalar_t>(load<W>(gate + i + W), load<W>(up + i + W));
+    store<W>(out + i, a);
+    store<W>(out + i + W, b);
+  }
   for (; i + W <= d; i += W) store<W>(out + i, silu_mul<scalar_t>(load<W>(gate + i), load<W>(up + i)));
   if (i < d) {
     const int m = static_cast<int>(d - i);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "vec.h"
 
@@ -23,20 +24,32 @@ namespace pagedgen::cpu {
 namespace {
 
 // One step of W elements of a head: x1 = x[i:i+W] (first half), x2 = x[i+half:...] (second half);
-// c1/s1 and c2/s2 the matching cos/sin elements. Returns the two rotated runs through r1, r2.
+// c1/s1 and c2/s2 the matching cos/sin elements (c, s: the position's rows already rounded to the
+// model dtype, round_cos_sin). Returns the two rotated runs through r1, r2.
 template <typename scalar_t, int W>
 inline void rotate_step(const Vec<W>& x1, const Vec<W>& x2, const float* c, const float* s, int64_t half,
                         int64_t i, int m, Vec<W>& r1, Vec<W>& r2) {
-  const auto table = [&](const float* p) {  // cos/sin in the model dtype, as float
-    return round_to<scalar_t, W>(m == W ? load<W>(p) : load_partial<W>(p, m));
-  };
+  const auto table = [&](const float* p) { return m == W ? load<W>(p) : load_partial<W>(p, m); };
   const Vec<W> c1 = table(c + i), s1 = table(s + i), c2 = table(c + i + half), s2 = table(s + i + half);
   // rotate_half(x) = (-x2, x1); negation is exact, so (-x2) * s1 rounds as torch's product does
   r1 = round_to<scalar_t, W>(x1 * c1) + round_to<scalar_t, W>(-x2 * s1);
   r2 = round_to<scalar_t, W>(x2 * c2) + round_to<scalar_t, W>(x1 * s2);
 }
 
-// x: one head's row [2 * half] (contiguous), rotated in place; c, s: the position's cos and sin rows.
+// dst[0:n] = src[0:n] rounded to scalar_t, as float: the cos or sin row of a position in the model dtype
+// (as the reference converts them before multiplying), once per token for all its heads.
+template <typename scalar_t, int W>
+inline void round_row(const float* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store<W>(dst + i, round_to<scalar_t, W>(load<W>(src + i)));
+  if (i < n) {
+    const int m = static_cast<int>(n - i);
+    store_partial<W>(dst + i, round_to<scalar_t, W>(load_partial<W>(src + i, m)), m);
+  }
+}
+
+// x: one head's row [2 * half] (contiguous), rotated in place; c, s: the position's cos and sin rows
+// in the model dtype (as float).
 template <typename scalar_t, int W>
 inline void rotate_head(scalar_t* x, const float* c, const float* s, int64_t half) {
   int64_t i = 0;
@@ -99,9 +112,15 @@ void rotary_embedding_cpu(const at::Tensor& positions,  // [num_tokens] int64
     const int64_t Hq = query.size(1), Hk = key.size(1);
     auto rows = [&](auto width, int64_t begin, int64_t end) {  // width: std::integral_constant, the W
       constexpr int W = decltype(width)::value;
+      std::vector<float> rounded(std::is_same_v<scalar_t, float> ? 0 : 2 * D);  // [2, D] this token's cos, sin
       for (int64_t t = begin; t < end; ++t) {
         const float* ct = c + p[t] * D;
         const float* st = s + p[t] * D;
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          round_row<scalar_t, W>(ct, rounded.data(), D);
+          round_row<scalar_t, W>(st, rounded.data() + D, D);
+          ct = rounded.data(), st = rounded.data() + D;
+        }
         for (int64_t h = 0; h < Hq; ++h) rotate_head<scalar_t, W>(q + t * qs0 + h * qs1, ct, st, half);
         for (int64_t h = 0; h < Hk; ++h) rotate_head<scalar_t, W>(k + t * ks0 + h * ks1, ct, st, half);
       }

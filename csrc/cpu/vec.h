@@ -193,17 +193,35 @@ inline Vec<W> load(const c10::BFloat16* p) {
 }
 
 // float -> bf16 bits (in the low 16 bits of each int32 lane): round to nearest even, NaN -> 0x7FC0,
-// as c10::BFloat16's round_to_nearest_even. Integer arithmetic on every instruction set: AVX-512
-// BF16's vcvtneps2bf16 would save a few instructions but flushes denormal inputs and outputs to
-// zero, which c10 (and so the PyTorch references) does not.
+// as c10::BFloat16's round_to_nearest_even, in integer arithmetic (every instruction set; with
+// AVX512-BF16 the 16-lane store uses vcvtneps2bf16 for vectors where it is exact; round_to keeps the
+// integer path, which measured faster than the check and the instruction there).
 template <int W>
 inline UVec<W> bf16_bits(const Vec<W>& v) {
   const UVec<W> u = bits_of<W>(v);
   const UVec<W> rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
   return v != v ? UVec<W>{} + 0x7FC0u : rounded;  // v != v: the NaN lanes
 }
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+// True when AVX512-BF16's vcvtneps2bf16 gives v's lanes exactly c10's bf16 bits: it rounds to nearest
+// even as c10 does, but flushes denormal inputs to zero and keeps a NaN's sign and payload (c10:
+// 0x7FC0), so it is exact for a vector with no denormal and no NaN lane (one vfpclassps). A normal
+// float never rounds to a bf16 denormal (the two share the exponent range).
+PAGEDGEN_ALWAYS_INLINE bool bf16_instruction_exact(const __m512 v) {
+  return _mm512_fpclass_ps_mask(v, 0x01 | 0x20 | 0x80) == 0;  // quiet NaN, denormal, signalling NaN
+}
+#endif
 template <int W>
 inline void store(c10::BFloat16* p, const Vec<W>& v) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if constexpr (W == 16) {  // one conversion instruction where it gives the same bits (nearly always)
+    const __m512 x = reinterpret_cast<const __m512&>(v);
+    if (__builtin_expect(bf16_instruction_exact(x), 1)) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+      return;
+    }
+  }
+#endif
   const HVec<W> h = __builtin_convertvector(bf16_bits<W>(v), HVec<W>);
   std::memcpy(p, &h, sizeof(h));
 }
