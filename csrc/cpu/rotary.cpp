@@ -25,7 +25,7 @@ namespace {
 
 // One step of W elements of a head: x1 = x[i:i+W] (first half), x2 = x[i+half:...] (second half);
 // c1/s1 and c2/s2 the matching cos/sin elements (c, s: the position's rows already rounded to the
-// model dtype, round_cos_sin). Returns the two rotated runs through r1, r2.
+// model dtype, round_row). Returns the two rotated runs through r1, r2.
 template <typename scalar_t, int W>
 inline void rotate_step(const Vec<W>& x1, const Vec<W>& x2, const float* c, const float* s, int64_t half,
                         int64_t i, int m, Vec<W>& r1, Vec<W>& r2) {
