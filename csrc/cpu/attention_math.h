@@ -144,10 +144,7 @@ PAGEDGEN_ALWAYS_INLINE void hsum_many(const Vec<W>* a, int n, float* out) {
       if constexpr (W == 8) {
         return reinterpret_cast<const __m256&>(a[i]);
       } else {
-        Vec<8> lo, hi;
-        std::memcpy(&lo, &a[i], sizeof(lo));
-        std::memcpy(&hi, reinterpret_cast<const char*>(&a[i]) + sizeof(lo), sizeof(hi));
-        const Vec<8> x = lo + hi;
+        const Vec<8> x = low_half<16>(a[i]) + high_half<16>(a[i]);
         return reinterpret_cast<const __m256&>(x);
       }
     };

@@ -54,25 +54,35 @@ inline void accumulate_group(float* acc, const float* w, int64_t w_stride, const
   constexpr int U = kG * NV >= 8 ? 1 : 8 / (kG * NV);
   Vec<W> a[U][kG][NV] = {};
   int j = ja;
+  // every loop over the accumulators is unrolled, so that they stay in registers (with a rolled u
+  // loop GCC 12 keeps a[u] on the stack: a store and a reload around each multiply-add)
   for (; j + U <= jb; j += U) {
+#pragma GCC unroll 8
     for (int u = 0; u < U; ++u) {
       const float* vj = row(j + u);
+#pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) {
         const Vec<W> x = load<W>(vj + i * W);
+#pragma GCC unroll 8
         for (int g = 0; g < kG; ++g) a[u][g][i] = fmadd<W>(splat<W>(w[g * w_stride + j + u]), x, a[u][g][i]);
       }
     }
   }
   for (; j < jb; ++j) {
     const float* vj = row(j);
+#pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
       const Vec<W> x = load<W>(vj + i * W);
+#pragma GCC unroll 8
       for (int g = 0; g < kG; ++g) a[0][g][i] = fmadd<W>(splat<W>(w[g * w_stride + j]), x, a[0][g][i]);
     }
   }
+#pragma GCC unroll 8
   for (int g = 0; g < kG; ++g) {
+#pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
       Vec<W> sum = load<W>(acc + g * kD + i * W);
+#pragma GCC unroll 8
       for (int u = 0; u < U; ++u) sum += a[u][g][i];
       store<W>(acc + g * kD + i * W, sum);
     }

@@ -301,15 +301,45 @@ inline void store_partial(scalar_t* p, const Vec<W>& v, int n) {
 }
 
 // ---- lane reductions (fixed trees) -----------------------------------------------------------------
+// The lanes [0, W/2) and [W/2, W) of v (no arithmetic). With __builtin_shufflevector the halves are
+// register extracts; a memcpy through memory would make the compiler keep v, and any loop variable
+// reduced by hsum/hmax after the loop (softmax_tile's running sum), on the stack.
+template <int W>
+PAGEDGEN_ALWAYS_INLINE Vec<W / 2> low_half(const Vec<W>& v) {
+#if defined(__clang__) || __GNUC__ >= 12
+  if constexpr (W == 16) {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  } else if constexpr (W == 8) {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3);
+  } else
+#endif
+  {
+    Vec<W / 2> lo;
+    std::memcpy(&lo, &v, sizeof(lo));
+    return lo;
+  }
+}
+template <int W>
+PAGEDGEN_ALWAYS_INLINE Vec<W / 2> high_half(const Vec<W>& v) {
+#if defined(__clang__) || __GNUC__ >= 12
+  if constexpr (W == 16) {
+    return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  } else if constexpr (W == 8) {
+    return __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  } else
+#endif
+  {
+    Vec<W / 2> hi;
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(hi), sizeof(hi));
+    return hi;
+  }
+}
 template <int W>
 inline float hsum(const Vec<W>& v) {  // sum of the lanes as a tree of half-width adds
   if constexpr (W == 4) {
     return (v[0] + v[2]) + (v[1] + v[3]);
   } else {
-    Vec<W / 2> lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return hsum<W / 2>(lo + hi);
+    return hsum<W / 2>(low_half<W>(v) + high_half<W>(v));
   }
 }
 template <int W>
@@ -317,9 +347,7 @@ inline float hmax(const Vec<W>& v) {  // max of the lanes (exact: any order give
   if constexpr (W == 4) {
     return std::max(std::max(v[0], v[2]), std::max(v[1], v[3]));
   } else {
-    Vec<W / 2> lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    const Vec<W / 2> lo = low_half<W>(v), hi = high_half<W>(v);
     return hmax<W / 2>(lo > hi ? lo : hi);
   }
 }
