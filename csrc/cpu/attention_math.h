@@ -144,7 +144,7 @@ PAGEDGEN_ALWAYS_INLINE void hsum_many(const Vec<W>* a, int n, float* out) {
       if constexpr (W == 8) {
         return reinterpret_cast<const __m256&>(a[i]);
       } else {
-        const Vec<8> x = low_half<16>(a[i]) + high_half<16>(a[i]);
+        const Vec<8> x = half_of<16, false>(a[i]) + half_of<16, true>(a[i]);
         return reinterpret_cast<const __m256&>(x);
       }
     };

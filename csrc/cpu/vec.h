@@ -301,37 +301,24 @@ inline void store_partial(scalar_t* p, const Vec<W>& v, int n) {
 }
 
 // ---- lane reductions (fixed trees) -----------------------------------------------------------------
-// The lanes [0, W/2) and [W/2, W) of v (no arithmetic). With __builtin_shufflevector the halves are
-// register extracts; a memcpy through memory would make the compiler keep v, and any loop variable
-// reduced by hsum/hmax after the loop (softmax_tile's running sum), on the stack.
-template <int W>
-PAGEDGEN_ALWAYS_INLINE Vec<W / 2> low_half(const Vec<W>& v) {
+// The lanes [0, W/2) (kHigh false) or [W/2, W) (kHigh true) of v, no arithmetic. With
+// __builtin_shufflevector a half is a register extract; a memcpy through memory would make the
+// compiler keep v, and any loop variable reduced by hsum/hmax after the loop (softmax_tile's
+// running sum), on the stack.
+template <int W, bool kHigh>
+PAGEDGEN_ALWAYS_INLINE Vec<W / 2> half_of(const Vec<W>& v) {
 #if defined(__clang__) || __GNUC__ >= 12
   if constexpr (W == 16) {
-    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    return kHigh ? __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+                 : __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   } else if constexpr (W == 8) {
-    return __builtin_shufflevector(v, v, 0, 1, 2, 3);
+    return kHigh ? __builtin_shufflevector(v, v, 4, 5, 6, 7) : __builtin_shufflevector(v, v, 0, 1, 2, 3);
   } else
 #endif
   {
-    Vec<W / 2> lo;
-    std::memcpy(&lo, &v, sizeof(lo));
-    return lo;
-  }
-}
-template <int W>
-PAGEDGEN_ALWAYS_INLINE Vec<W / 2> high_half(const Vec<W>& v) {
-#if defined(__clang__) || __GNUC__ >= 12
-  if constexpr (W == 16) {
-    return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  } else if constexpr (W == 8) {
-    return __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  } else
-#endif
-  {
-    Vec<W / 2> hi;
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(hi), sizeof(hi));
-    return hi;
+    Vec<W / 2> h;
+    std::memcpy(&h, reinterpret_cast<const char*>(&v) + (kHigh ? sizeof(h) : 0), sizeof(h));
+    return h;
   }
 }
 template <int W>
@@ -339,7 +326,7 @@ inline float hsum(const Vec<W>& v) {  // sum of the lanes as a tree of half-widt
   if constexpr (W == 4) {
     return (v[0] + v[2]) + (v[1] + v[3]);
   } else {
-    return hsum<W / 2>(low_half<W>(v) + high_half<W>(v));
+    return hsum<W / 2>(half_of<W, false>(v) + half_of<W, true>(v));
   }
 }
 template <int W>
@@ -347,7 +334,7 @@ inline float hmax(const Vec<W>& v) {  // max of the lanes (exact: any order give
   if constexpr (W == 4) {
     return std::max(std::max(v[0], v[2]), std::max(v[1], v[3]));
   } else {
-    const Vec<W / 2> lo = low_half<W>(v), hi = high_half<W>(v);
+    const Vec<W / 2> lo = half_of<W, false>(v), hi = half_of<W, true>(v);
     return hmax<W / 2>(lo > hi ? lo : hi);
   }
 }
