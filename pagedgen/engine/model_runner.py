@@ -39,6 +39,7 @@ from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.block_tables import BlockTables, int_tensor
 from pagedgen.engine.cuda_graphs import CUDAGraphRunner
 from pagedgen.engine.logprobs import logprob_dicts
+from pagedgen.engine.prefault import Prefaulter
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence
@@ -120,7 +121,7 @@ class ModelRunner:
         self.sampler = sampler
         cfg = model.config
         shape = (cache_config.num_blocks, cache_config.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # torch.empty: pages are only touched when a block is first written
+        # torch.empty: a block's pages are backed when it is first used (on the CPU: self.prefaulter)
         self.kv_caches = [
             (torch.empty(shape, dtype=cfg.dtype, device=model.device), torch.empty(shape, dtype=cfg.dtype, device=model.device))
             for _ in range(cfg.num_layers)
@@ -133,6 +134,9 @@ class ModelRunner:
             for _ in range(cfg.num_layers if cache_config.num_cpu_blocks else 0)
         ]
         self.on_cpu = model.device.type == "cpu"
+        # CPU: the pages of never-used blocks are faulted in bulk before a step writes them (prefault.py)
+        block_bytes = cfg.kv_bytes_per_token() * cache_config.block_size
+        self.prefaulter = Prefaulter(self.kv_caches, block_bytes) if self.on_cpu else None
         # persistent block tables, updated from each step's deltas: [rows, ceil(max_model_len / block_size)] int32
         self.block_tables = BlockTables(-(-max_model_len // cache_config.block_size) if max_model_len else 16)
         self.graphs: Optional[CUDAGraphRunner] = None
@@ -246,6 +250,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch, block_manager: BlockManager) -> StepOutput:
         """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs."""
+        if self.prefaulter is not None:
+            self.prefaulter.before_step(batch.plan.block_table_updates, (batch.blocks_to_copy, batch.blocks_to_swap_in))
         self.move_blocks(batch)
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch, block_manager)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
