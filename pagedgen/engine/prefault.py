@@ -4,8 +4,9 @@ The CPU cache tensors are ``torch.empty``: the operating system backs a page wit
 it is first written, so the cache holds resident only the blocks used so far. Left to the kernels,
 that first write happens inside ``reshape_and_cache`` (or a block copy) in the middle of a step,
 one page fault at a time, taken by one thread of a parallel region while the others wait at its
-end. On the 2-core KVM guest of docs/benchmarks.md that made stories260K's first 256-request
-``generate`` ~16% slower than with the cache already touched.
+end. On the 2-core KVM guest of docs/benchmarks.md, faulting the blocks in beforehand made
+random-135m's 256-request TinyStories job 5-8% faster in each of three side-by-side pairs
+(stories260K's: ~3%, the median of eight).
 
 So before each step the model runner calls ``Prefaulter.before_step`` with the blocks the step may
 write (new block-table entries, copy-on-write and swap-in destinations); when one lies past the
@@ -40,7 +41,7 @@ class Prefaulter:
         self.kv_caches = kv_caches
         self.num_blocks = kv_caches[0][0].shape[0] if kv_caches else 0
         self.chunk_blocks = max(1, chunk_bytes // max(1, block_bytes))
-        self.touched = 0  # blocks [0, touched) have been written at least once
+        self.touched = 0  # blocks [0, touched) have been zeroed here (and may hold tokens since)
 
     def before_step(self, block_table_updates: dict, block_pairs: Iterable[list[tuple[int, int]]]) -> None:
         """Touch every block the step may write: the entries of ``block_table_updates`` (seq_id ->
