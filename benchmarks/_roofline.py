@@ -19,8 +19,9 @@ For a workload of requests i with prompt p_i tokens and m_i output tokens (exact
 with c the shape's count per token row (layers × uses per layer) and F(N, K; M) the FLOP/s measured
 here at M rows for the run's dtype (median of several timed runs), the best of the matmul paths
 available for it (``matmul_paths``: ``F.linear`` in the dtype, for bf16/fp16 also a multiply
-in fp32 with fp32 weights kept, which is ~8x faster on CPUs without AVX-512 BF16 or AMX, and on x86
-CPUs oneDNN's inner product on prepacked fp32 weights, 1.2-4x ``F.linear`` at 4-64 rows). The path
+in fp32 with fp32 weights kept, which is ~8x faster on CPUs without AVX-512 BF16 or AMX, on x86
+CPUs oneDNN's inner product on prepacked fp32 weights, 1.2-4x ``F.linear`` at 4-64 rows, and where
+pagedgen._C has it, pagedgen's own GEMM on weights packed in panels). The path
 each shape's figure came from is reported with it. M_decode is
 the decode batch (min(max_num_seqs, requests)); M_prefill a prefill chunk (min(step token budget,
 P, 1,024): FLOP/s barely change past 1,024 rows). The last output token of a request is never fed back, so
@@ -198,14 +199,20 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
     product per output element) an engine can keep fp32 copies of the weights and multiply in fp32;
     on an x86 CPU with oneDNN it can also prepack fp32 weights for oneDNN's inner product (pagedgen
     and vLLM's CPU backend do), and on a CPU with oneDNN bf16 (AMX, AVX-512 BF16) prepack the bf16
-    weights themselves. The roofline takes, per shape, the best path, so that no engine beats it by
-    picking another."""
+    weights themselves. Where pagedgen._C has its own GEMM (``packed_linear``: AVX2 builds), the
+    weights packed in panels in the run's dtype are a path too. The roofline takes, per shape, the
+    best path, so that no engine beats it by picking another."""
     import torch
 
+    from pagedgen import ops
     from pagedgen.layers.linear import native_reduced_precision, onednn_prepack_supported
 
     paths = ["F.linear", "fp32 weights"] if dtype in ("bfloat16", "float16") else ["F.linear"]
-    if device != "cpu" or not onednn_prepack_supported():
+    if device != "cpu":
+        return paths
+    if ops.has_kernel("packed_linear"):
+        paths = paths + ["pagedgen panels"]
+    if not onednn_prepack_supported():
         return paths
     paths = paths + ["oneDNN prepacked"]
     return paths + ["oneDNN prepacked bf16"] if dtype == "bfloat16" and native_reduced_precision(torch.bfloat16) else paths
@@ -216,12 +223,13 @@ PATHS = {
     "fp32 weights": "F.linear(x.float(), W32).to(dtype) with an fp32 copy W32 of the weights kept (conversions timed)",
     "oneDNN prepacked": "oneDNN's inner product on fp32 weights prepacked once (pagedgen.layers.linear.prepack), x converted to fp32 and back",
     "oneDNN prepacked bf16": "oneDNN's inner product on the bf16 weights prepacked once (pagedgen.layers.linear.prepack)",
+    "pagedgen panels": "pagedgen's own GEMM (pagedgen.ops.packed_linear) on the weights packed once in panels in the run's dtype (pagedgen.layers.linear.pack_panels)",
 }
 
 
 def _path_fn(path: str, x, w, w32):
     """The timed call of ``path``; ``w32``: the fp32 copy, or for "oneDNN prepacked" (bf16) the
-    packed fp32 (bf16) weight."""
+    packed fp32 (bf16) weight, for "pagedgen panels" the weight in panels."""
     import torch.nn.functional as F
 
     from pagedgen.layers.linear import linear
@@ -230,7 +238,8 @@ def _path_fn(path: str, x, w, w32):
         return lambda: F.linear(x, w)
     if path == "fp32 weights":
         return lambda: F.linear(x.float(), w32).to(x.dtype)
-    return lambda: linear(x, w32)  # pagedgen's own call on the packed weight, conversions included
+    # pagedgen's own call on the packed weight, conversions included
+    return lambda: linear(x, w32, None, None, w.shape[0])
 
 
 def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
@@ -247,7 +256,7 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
     """
     import torch
 
-    from pagedgen.layers.linear import prepack
+    from pagedgen.layers.linear import pack_panels, prepack
 
     dt = getattr(torch, dtype)
     paths = paths or matmul_paths(dtype, device)
@@ -259,13 +268,14 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
         w32 = w.float() if "fp32 weights" in paths else None  # [N, K] float32, made once as an engine would
         packed = prepack(w.float()) if "oneDNN prepacked" in paths else None  # [N, K] oneDNN layout
         packed16 = prepack(w) if "oneDNN prepacked bf16" in paths else None  # [N, K] bf16, oneDNN layout
+        panels = pack_panels(w) if "pagedgen panels" in paths else None  # [ceil(N / 16), K, 16], the run's dtype
         decode_ms = {m_decode} | set(m_grid or ())
         for m in sorted(decode_ms if s["lm_head"] else decode_ms | {m_prefill}):
             x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
             for path in paths:
-                fn = _path_fn(path, x, w, {"oneDNN prepacked": packed, "oneDNN prepacked bf16": packed16}.get(path, w32))
+                fn = _path_fn(path, x, w, {"oneDNN prepacked": packed, "oneDNN prepacked bf16": packed16, "pagedgen panels": panels}.get(path, w32))
                 by_path[path][(s["n"], s["k"], m)] = _median_flops(fn, 2 * m * s["n"] * s["k"], sync, runs, min_seconds, budget_seconds)
-        del w32, packed, packed16
+        del w32, packed, packed16, panels
     keys = list(by_path[paths[0]])
     best_path = {key: max(paths, key=lambda p: by_path[p][key]) for key in keys}
     linear = {key: by_path[best_path[key]][key] for key in keys}

@@ -2,6 +2,7 @@
 
     python benchmarks/matmul_choices.py --part speed                 # both random models, bf16 + fp32
     python benchmarks/matmul_choices.py --part speed --models random-135m --rows 1,64 --threads 1
+    python benchmarks/matmul_choices.py --part speed --models random-135m --candidates onednn,fp32,panels --cold 30
     python benchmarks/matmul_choices.py --part bits                  # row bits vs M, position, threads
     python benchmarks/matmul_choices.py --out /tmp/mm                # both parts, JSON + text
 
@@ -10,7 +11,9 @@ to 256 rows, since it runs on sampled rows), x: [M, K] in the dtype, at M = --ro
 count, the candidates below are timed round-robin (one short run of each in turn, --runs rounds, so
 that a shared machine's drift hits all alike); the median GFLOP/s and each one's ratio to F.linear are
 printed. A candidate whose call is predicted (from the previous M) to take over --max-call-seconds is
-skipped and marked so.
+skipped and marked so. --cold N: each candidate gets N different random weights of the shape and the
+timed calls cycle through them, so that each call finds its weight out of the caches, as a model's
+layers do (weights over 32 MB, the lm_head's, are cold already and get one).
   linear      F.linear(x, W), W: [N, K] (what pagedgen's model calls)
   mm_t        torch.mm(x, Wt), Wt = W.t().contiguous(): [K, N], transposed once
   onednn      torch.ops.mkldnn._linear_pointwise(x, P, None, "none", [], "") with
@@ -18,6 +21,8 @@ skipped and marked so.
   mkl         torch.ops.mkl._mkl_linear(x, P, W, None, M), P = torch.ops.mkl._mkl_reorder_linear_weight(W, M)
               (MKL's packed GEMM; float32 only)
   fp32        bf16 only: F.linear(x.float(), W32).to(bf16) with W32 = W.float() kept (2x the weight bytes)
+  panels      pagedgen.ops.packed_linear(out, x, P, None), P = pagedgen.layers.linear.pack_panels(W) in
+              the dtype (pagedgen's own GEMM, csrc/cpu/linear.cpp; where the extension has the kernel)
   compiled    torch.compile of a one-layer nn.Linear with inductor freezing (weights constant-folded and
               packed where inductor can), one compile per M (dynamic=False); --compile-shapes only
 bits: for the candidates that run, and each dtype and thread count, whether an output row's bits depend
@@ -27,6 +32,7 @@ rolled by a few rows), on the 135M shapes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -38,7 +44,7 @@ import torch.nn.functional as F
 import _roofline
 import _workload
 
-CANDIDATES = ("linear", "mm_t", "onednn", "mkl", "fp32", "compiled")
+CANDIDATES = ("linear", "mm_t", "onednn", "mkl", "fp32", "panels", "compiled")
 BITS_M = (*range(1, 41), 48, 63, 64, 65, 100, 127, 128, 129, 255, 256, 300, 512, 1024)
 
 
@@ -54,6 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=9, help="round-robin rounds; the median counts")
     ap.add_argument("--min-seconds", type=float, default=0.01, help="each timed run repeats a call for at least this long")
     ap.add_argument("--max-call-seconds", type=float, default=3.0)
+    ap.add_argument("--cold", type=int, default=1, help="speed part: distinct weights per shape, cycled (1: one weight, hot in cache)")
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"],
                     help="thread: CPU time of the calling thread (time.thread_time), much less disturbed by other "
                          "processes on a shared machine; needs --threads 1 (torch then computes on that thread)")
@@ -92,9 +99,23 @@ def make(candidate: str, w: torch.Tensor, m: int):
                 return "bf16/fp16 only"
             w32 = w.float()
             return lambda x: F.linear(x.float(), w32).to(w.dtype)
+        if candidate == "panels":
+            from pagedgen import ops
+            from pagedgen.layers.linear import linear, pack_panels
+
+            if not ops.has_kernel("packed_linear"):
+                return "pagedgen._C has no packed_linear kernel here"
+            panels, n = pack_panels(w), w.shape[0]
+            return lambda x: linear(x, panels, None, None, n)
         return compiled_linear(w, m)
     except RuntimeError as e:
         return str(e).splitlines()[0][:120]
+
+
+def cycling(fns: list):
+    """x -> fns[i](x) with i = 0, 1, ..., len(fns) - 1, 0, ... on successive calls."""
+    it = itertools.cycle(fns)
+    return lambda x: next(it)(x)
 
 
 def compiled_linear(w: torch.Tensor, m: int):
@@ -128,7 +149,8 @@ def speed(args, say) -> list[dict]:
         for dtype in args.dtypes:
             dt = getattr(torch, dtype)
             for s in shapes:
-                w = torch.randn(s["n"], s["k"], generator=gen).to(dt)  # [N, K]
+                cold = 1 if s["n"] * s["k"] * dt.itemsize > 32 << 20 else args.cold
+                ws = [torch.randn(s["n"], s["k"], generator=gen).to(dt) for _ in range(cold)]  # [N, K] each
                 name = "/".join(s["names"])
                 for threads in args.threads:
                     torch.set_num_threads(threads)
@@ -144,10 +166,11 @@ def speed(args, say) -> list[dict]:
                             if c in last_rate and flops / last_rate[c] > args.max_call_seconds:
                                 notes[c] = f"skipped: ~{flops / last_rate[c]:.0f} s per call"
                                 continue
-                            fn = make(c, w, m)
-                            if isinstance(fn, str):
-                                notes[c] = f"n/a: {fn}"
+                            made = [make(c, w, m) for w in ws]
+                            if isinstance(made[0], str):
+                                notes[c] = f"n/a: {made[0]}"
                                 continue
+                            fn = made[0] if cold == 1 else cycling(made)
                             with torch.no_grad():
                                 fn(x)
                                 one = max(timed_run(fn, x, 1, args.clock), 1e-7)

@@ -44,6 +44,12 @@ TORCH_LIBRARY(pagedgen, m) {
   // out [num_tokens, d] = silu(input[:, :d]) * input[:, d:].
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
 
+  // out [M, N] = input [M, K] @ W^T (+ bias [N]), W [N, K] given as panels of 16 output features:
+  // weight [ceil(N / 16), K, 16] with weight[p, k, j] = W[16 p + j, k] (zeros past N). Each output is
+  // a float32 sum over k in order, then + bias, rounded to out's dtype (= input's): a row's bits never
+  // depend on the other rows. A CPU kernel only (built with AVX2 + FMA).
+  m.def("packed_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+
   // The sampler's greedy tokens: out [num_rows] int64 = logits.max(dim=-1).indices of logits
   // [num_rows, vocab] (the first maximal index; NaN counts as the maximum). A CPU kernel only.
   m.def("argmax(Tensor(a!) out, Tensor logits) -> ()");

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedgen import ops
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler, make_generator
 from pagedgen.engine.sequence import Sequence
@@ -58,13 +59,27 @@ def placements(row: torch.Tensor, make_others, run, batches=BATCHES) -> None:
 
 
 def matmul_configs(dtype: torch.dtype) -> list[lin.MatmulConfig]:
-    """The batch-invariant config this machine chooses for ``dtype``, and for bf16/fp16 both paths."""
+    """The batch-invariant config this machine chooses for ``dtype``, for bf16/fp16 both dense paths
+    (the dtype's own GEMM and float32 weights), and the packed-panel GEMM wherever it is built."""
     chosen = lin.choose_matmul(dtype, torch.device("cpu"), batch_invariant=True)
     configs = [chosen]
     if dtype != torch.float32:
-        other = torch.float32 if chosen.weight_dtype == dtype else dtype
+        other = torch.float32 if chosen.weight_dtype == dtype and not chosen.panels else dtype
         configs.append(lin.MatmulConfig(other, lin.MIN_ROWS, lin.MAX_ROWS))
+    if ops.has_kernel("packed_linear") and not chosen.panels:
+        configs.append(lin.MatmulConfig(dtype, panels=True))
     return configs
+
+
+def config_weights(w: torch.Tensor, config: lin.MatmulConfig) -> list[torch.Tensor]:
+    """``w`` [N, K] as ``config`` runs it: in panels, or dense in its weight dtype (and prepacked for
+    oneDNN too where that is supported, the path of weights of >= PREPACK_MIN_NUMEL)."""
+    if config.panels:
+        return [lin.pack_panels(w.to(config.weight_dtype))]
+    weights = [w.to(config.weight_dtype)]
+    if config.weight_dtype == torch.float32 and lin.onednn_prepack_supported():
+        weights.append(lin.prepack(weights[0]))
+    return weights
 
 
 # ---- matmuls ---------------------------------------------------------------------------------------
@@ -79,15 +94,12 @@ def test_linear_rows_independent(shape, dtype):
     bias = torch.randn(n_out, generator=g).to(dtype)
     row = torch.randn(k, generator=g).to(dtype)
     for config in matmul_configs(dtype):
-        w_c, b_c = w.to(config.weight_dtype), bias.to(config.weight_dtype)
+        b_c = bias.to(config.weight_dtype)
         # past MAX_ROWS on the small shapes (the row blocks), on the fp32 GEMM only (bf16's blocks: the test below)
         batches = BATCHES + [LONG] if n_out * k <= 512 * 64 and config.weight_dtype == torch.float32 else BATCHES
-        weights = [w_c]
-        if config.weight_dtype == torch.float32 and lin.onednn_prepack_available():
-            weights.append(lin.prepack(w_c))  # oneDNN's path, taken by weights of >= PREPACK_MIN_NUMEL
-        for weight in weights:
+        for weight in config_weights(w, config):
             for b in (None, b_c):
-                placements(row, lambda n: torch.randn(n, k, generator=g).to(dtype), lambda x: lin.linear(x, weight, b, config), batches)
+                placements(row, lambda n: torch.randn(n, k, generator=g).to(dtype), lambda x: lin.linear(x, weight, b, config, n_out), batches)
 
 
 # [N, K] of the benchmark models: random-135m (SmolLM-135M: qkv, o, gate_up, down, lm_head) and
@@ -97,7 +109,7 @@ EVERY_ROW_BATCHES = [2, 3, 5, 8, 12, 16, 17, 31, 32, 33, 40, 57, 58, 64, 100, 30
 
 
 # fp16 only where it has a GEMM of its own (elsewhere it takes bf16's float32 path)
-EVERY_ROW_DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if lin.native_reduced_precision(torch.float16) else [])
+EVERY_ROW_DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if lin.native_reduced_precision(torch.float16) or lin.cpu_matmul_backend() == "pagedgen" else [])
 
 
 @pytest.mark.parametrize("dtype", EVERY_ROW_DTYPES, ids=str)
@@ -157,8 +169,10 @@ def test_prepare_matmuls_keeps_a_tied_embedding_and_counts_the_bytes():
 
 def test_choose_matmul(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "onednn")  # the library paths; "auto" below
     chosen = lin.choose_matmul(torch.float32, cpu, True)
     onednn = lin.onednn_prepack_available()
+    assert onednn == lin.onednn_prepack_supported()
     packed = dict(prepack_min_numel=lin.PREPACK_MIN_NUMEL, packed_min_rows=lin.PACKED_MIN_ROWS, packed_max_rows=lin.MAX_ROWS) if onednn else {}
     assert chosen == lin.MatmulConfig(torch.float32, lin.MIN_ROWS, lin.MAX_ROWS, chosen.reason, long_k_max_rows=lin.LONG_K_MAX_ROWS, **packed)
     assert chosen.row_blocks(torch.empty(8, lin.LONG_K + 1)) == (lin.MIN_ROWS, lin.LONG_K_MAX_ROWS)
@@ -184,8 +198,28 @@ def test_choose_matmul(monkeypatch):
     assert lin.choose_matmul(torch.float32, cpu, True).prepack_min_numel == 0
     assert lin.choose_matmul(torch.bfloat16, cpu, False).prepack_min_numel == 0
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "blas")
-    with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('onednn', 'mkl'\), got 'blas'"):
+    with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('auto', 'pagedgen', 'onednn', 'mkl'\), got 'blas'"):
         lin.choose_matmul(torch.float32, cpu, True)
+
+
+def test_choose_matmul_packed_panels(monkeypatch):
+    """"auto" takes the packed-panel GEMM on AVX2 CPUs where it is built, for every dtype, batch-invariant
+    either way; "pagedgen" asks for it anywhere and is an error where it is not built."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
+    auto = lin.choose_matmul(torch.bfloat16, cpu, False)
+    expected = ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert auto.panels == expected and lin.cpu_matmul_backend() == ("pagedgen" if expected else "onednn")
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "pagedgen")
+    if not ops.has_kernel("packed_linear"):
+        with pytest.raises(ValueError, match="PAGEDGEN_CPU_MATMUL=pagedgen needs pagedgen._C built with AVX2 and FMA"):
+            lin.choose_matmul(torch.float32, cpu, True)
+        return
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for invariant in (True, False):
+            config = lin.choose_matmul(dtype, cpu, invariant)
+            assert config == lin.MatmulConfig(dtype, reason=config.reason, panels=True) and config.batch_invariant
+            assert "packed-panel" in config.reason
 
 
 def test_bf16_row_blocks_without_an_amx_probe_take_the_amx_blocks(monkeypatch):
@@ -196,7 +230,7 @@ def test_bf16_row_blocks_without_an_amx_probe_take_the_amx_blocks(monkeypatch):
     assert lin.bf16_row_blocks() == (lin.BF16_MIN_ROWS, lin.BF16_MAX_ROWS)
 
 
-needs_onednn = pytest.mark.skipif(not lin.onednn_prepack_available(), reason="no oneDNN prepacking on this CPU")
+needs_onednn = pytest.mark.skipif(not lin.onednn_prepack_supported(), reason="no oneDNN prepacking on this CPU")
 
 
 @needs_onednn
@@ -226,7 +260,8 @@ def test_prepacked_linear_matches_f_linear(dtype):
 
 @needs_onednn
 @pytest.mark.skipif(not lin.native_reduced_precision(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
-def test_bf16_weights_are_prepacked_where_onednn_has_bf16():
+def test_bf16_weights_are_prepacked_where_onednn_has_bf16(monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "onednn")
     g = gen(6)
     layer = lin.ReplicatedLinear(80, 96, bias=True)
     w, bias = torch.randn(96, 80, generator=g).to(torch.bfloat16), torch.randn(96, generator=g).to(torch.bfloat16)

@@ -132,10 +132,10 @@ def test_quick_run_pagedgen_row(tmp_path):
     assert data["roofline"]["tokens_per_s"] > 0 and data["failed"] == {}
     (result,) = data["runs"]["pagedgen"]
     assert result["computed_tokens"] == data["workload"]["O"] and result["peak_rss_bytes"] > 0
-    line = re.search(r"roofline matmul path: (.*)", proc.stdout).group(1)  # fp32: F.linear and oneDNN where it runs
-    cases = re.findall(r"(F\.linear|oneDNN prepacked(?: bf16)?) for (\d+) of (\d+) \(shape, rows\) cases", line)
+    line = re.search(r"roofline matmul path: (.*)", proc.stdout).group(1)  # fp32: F.linear, oneDNN and panels where they run
+    cases = re.findall(r"(F\.linear|oneDNN prepacked(?: bf16)?|pagedgen panels) for (\d+) of (\d+) \(shape, rows\) cases", line)
     assert cases and sum(int(n) for _, n, _ in cases) == int(cases[0][2]), line
-    assert set(data["roofline"]["best_path"].values()) <= {"F.linear", "oneDNN prepacked"}
+    assert set(data["roofline"]["best_path"].values()) <= {"F.linear", "oneDNN prepacked", "pagedgen panels"}
     # the profile: components whose shares add up, the forward's parts inside it, top operators
     assert "profile of pagedgen" in proc.stdout and "paged_attention" in proc.stdout
     rows = {r["component"].strip(): r for r in data["profile"]["components"]}
@@ -197,21 +197,24 @@ def test_fold_ids_keeps_lengths():
 def test_roofline_takes_the_best_matmul_path():
     """bf16 is measured on every path an engine can take (F.linear, fp32 weights, oneDNN on
     prepacked fp32 weights where this CPU has it, and on prepacked bf16 weights where its oneDNN
-    has bf16) and each shape's roofline figure is the fastest,
-    named; fp32 has F.linear and oneDNN's."""
+    has bf16), pagedgen's panels where its kernel is built, and each shape's roofline figure is the
+    fastest, named; fp32 has F.linear, the panels and oneDNN's."""
     roof = load("_roofline")
     shapes = roof.gemm_shapes(STORIES_CFG)
     import torch
 
+    from pagedgen import ops
     from pagedgen.layers.linear import native_reduced_precision, onednn_prepack_supported
 
+    panels = ["pagedgen panels"] if ops.has_kernel("packed_linear") else []
     onednn = ["oneDNN prepacked"] if onednn_prepack_supported() else []
     bf16_packed = ["oneDNN prepacked bf16"] if onednn and native_reduced_precision(torch.bfloat16) else []
-    assert roof.matmul_paths("bfloat16") == ["F.linear", "fp32 weights"] + onednn + bf16_packed
-    assert roof.matmul_paths("float32") == ["F.linear"] + onednn and roof.matmul_paths("float16") == ["F.linear", "fp32 weights"] + onednn
+    assert roof.matmul_paths("bfloat16") == ["F.linear", "fp32 weights"] + panels + onednn + bf16_packed
+    assert roof.matmul_paths("float32") == ["F.linear"] + panels + onednn
+    assert roof.matmul_paths("float16") == ["F.linear", "fp32 weights"] + panels + onednn
     assert roof.matmul_paths("float32", "cuda") == ["F.linear"]
     flops = roof.measure(shapes, 16, 4, "bfloat16", runs=1, min_seconds=0.001, budget_seconds=0.05)
-    assert set(flops["by_path"]) == {"F.linear", "fp32 weights", *onednn, *bf16_packed} and flops["mm"][1] > 0
+    assert set(flops["by_path"]) == {"F.linear", "fp32 weights", *panels, *onednn, *bf16_packed} and flops["mm"][1] > 0
     assert len(flops["linear"]) == 2 * 4 + 1  # 4 layer shapes at M = 16 and 4, the lm_head at M = 4
     for key, best in flops["linear"].items():
         rates = {p: t[key] for p, t in flops["by_path"].items()}

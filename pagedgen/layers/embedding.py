@@ -75,9 +75,10 @@ class ParallelLMHead(Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, tie_to: Optional[VocabParallelEmbedding] = None) -> None:
         super().__init__()
+        self.num_embeddings = num_embeddings
         self.tied = tie_to is not None
         self.weight = tie_to.weight if tie_to is not None else nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_embeddings), requires_grad=False) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight, self.bias, self.matmul)  # [S, vocab], model dtype
+        return linear(hidden, self.weight, self.bias, self.matmul, self.num_embeddings)  # [S, vocab], model dtype

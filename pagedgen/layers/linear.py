@@ -26,6 +26,17 @@ A weight loader given a ``meta`` tensor only checks the shape (``pagedgen.layers
 How the matmuls run (``MatmulConfig``, chosen once per model by ``choose_matmul`` and applied after
 loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul choices"):
 
+- **pagedgen's own GEMM on packed panels (AVX2 CPUs).** On a CPU whose best vector unit is AVX2
+  (torch's CPU capability "AVX2": no AVX-512, so no oneDNN bf16 either), every weight is packed once,
+  after loading, into panels of ``PANEL`` output features (``pack_panels``: [ceil(N / 16), K, 16], in
+  the model dtype) and ``linear`` runs ``pagedgen.ops.packed_linear`` (csrc/cpu/linear.cpp): bf16/fp16
+  weights are converted to float32 in registers as they are read and every output is a float32 sum
+  over k in order, so the weights keep the model dtype's bytes (no float32 copy) and a row's bits
+  never depend on the other rows (batch-invariant by construction: no row blocks). Measured on the
+  AVX2 AMD EPYC with the weights cold, 2 threads (docs/benchmarks.md "Matmul choices"): 1.2-3.5x
+  oneDNN's prepacked float32 inner product on bf16 weights at 1-64 rows, about even at 256; in
+  float32 1.1-2x MKL at stories260K's shapes. Needs the extension built with AVX2 and FMA
+  (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks another path.
 - **Compute dtype.** bf16/fp16 weights on a CPU whose oneDNN has no bf16/fp16 kernels (no AVX-512
   BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False) are kept as a float32
   copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``: torch's own bf16 kernel
@@ -59,8 +70,13 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   size, more than a whole GEMM of stories260K. This is vLLM's CPU path too
   (``vllm/model_executor/layers/utils.py``, ``dispatch_cpu_unquantized_gemm``). A prepacked GEMM
   gives each row the same bits at every M from 2 to 1,100 and at any position (AVX2 EPYC and the
-  Xeon, 1 and 2 threads; the AVX2 EPYC also at M = 1). Off with ``PAGEDGEN_CPU_MATMUL=mkl`` (read
-  when an LLM is built), which gives MKL to every float32 weight and the dense GEMM to bf16 ones.
+  Xeon, 1 and 2 threads; the AVX2 EPYC also at M = 1). The path of CPUs other than AVX2 ones.
+
+``PAGEDGEN_CPU_MATMUL`` (read when an LLM is built): "auto" (the default: the packed panels on AVX2
+CPUs where the kernel is built, else oneDNN prepacking), "pagedgen" (the packed panels on any CPU
+whose build has the kernel), "onednn" (oneDNN prepacking, float32 copies of bf16/fp16 weights where
+oneDNN has no kernels for them), "mkl" (no packing: MKL for every float32 weight, the dense GEMM for
+bf16 ones).
 - **Prepacked bf16 weights (oneDNN, AMX / AVX-512 BF16).** On a CPU with oneDNN bf16 every bf16
   weight is prepacked the same way (``PREPACK_MIN_NUMEL_BF16``): measured on the Xeon with AMX,
   1.1-3.1x the dense bf16 ``F.linear`` at 1-256 rows on the random-135m shapes, never slower.
@@ -78,6 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedgen import ops
 from pagedgen.layers.loading import check_shape
 from pagedgen.layers.module import Module
 
@@ -101,6 +118,8 @@ class MatmulConfig:
         packed_min_rows, packed_max_rows: ``min_rows``/``max_rows`` for prepacked weights.
         long_k_max_rows: ``max_rows`` for dense weights of more than ``LONG_K`` input features
             (0: ``max_rows``).
+        panels: every weight is packed into panels (``pack_panels``) for pagedgen's own GEMM
+            (``ops.packed_linear``), which gives each row the same bits in any batch by itself.
     """
 
     weight_dtype: torch.dtype
@@ -111,10 +130,12 @@ class MatmulConfig:
     packed_min_rows: int = 0
     packed_max_rows: int = 0
     long_k_max_rows: int = 0
+    panels: bool = False
 
     @property
     def batch_invariant(self) -> bool:
-        return self.min_rows > 0
+        """True when a row's bits do not depend on the other rows of its GEMMs."""
+        return self.min_rows > 0 or self.panels
 
     def row_blocks(self, weight: torch.Tensor) -> tuple[int, int]:
         """(min_rows, max_rows) for a GEMM with ``weight`` [out_features, in_features]."""
@@ -161,7 +182,27 @@ PREPACK_MIN_NUMEL_BF16 = 1
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 #: the batch size oneDNN packs the weights for (any M runs; measured no faster with 1 or 64)
 PREPACK_ROWS = 16
-MATMUL_BACKENDS = ("onednn", "mkl")
+MATMUL_BACKENDS = ("auto", "pagedgen", "onednn", "mkl")
+#: output features per panel of a weight packed for pagedgen's own GEMM (csrc/cpu/linear.cpp)
+PANEL = 16
+
+
+def cpu_matmul_backend() -> str:
+    """The CPU matmul path ``PAGEDGEN_CPU_MATMUL`` asks for, "auto" resolved: "pagedgen" (packed
+    panels) on a CPU whose torch capability is AVX2 when the kernel is built, else "onednn".
+
+    Raises:
+        ValueError: ``PAGEDGEN_CPU_MATMUL`` is not one of ``MATMUL_BACKENDS``, or is "pagedgen" where
+            pagedgen._C has no ``packed_linear`` kernel (not built, or built without AVX2 and FMA).
+    """
+    backend = os.environ.get("PAGEDGEN_CPU_MATMUL", "auto")
+    if backend not in MATMUL_BACKENDS:
+        raise ValueError(f"PAGEDGEN_CPU_MATMUL must be one of {MATMUL_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pagedgen" if ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+    if backend == "pagedgen" and not ops.has_kernel("packed_linear"):
+        raise ValueError("PAGEDGEN_CPU_MATMUL=pagedgen needs pagedgen._C built with AVX2 and FMA (no packed_linear kernel here)")
+    return backend
 
 
 def onednn_prepack_supported() -> bool:
@@ -173,15 +214,30 @@ def onednn_prepack_supported() -> bool:
 
 def onednn_prepack_available() -> bool:
     """True when float32 weights are to be prepacked for oneDNN here: supported, and
-    ``PAGEDGEN_CPU_MATMUL`` is unset or "onednn" ("mkl" turns it off).
+    ``cpu_matmul_backend()`` is "onednn".
 
     Raises:
-        ValueError: ``PAGEDGEN_CPU_MATMUL`` is neither "onednn" nor "mkl".
+        ValueError: see ``cpu_matmul_backend``.
     """
-    backend = os.environ.get("PAGEDGEN_CPU_MATMUL", "onednn")
-    if backend not in MATMUL_BACKENDS:
-        raise ValueError(f"PAGEDGEN_CPU_MATMUL must be one of {MATMUL_BACKENDS}, got {backend!r}")
-    return backend == "onednn" and onednn_prepack_supported()
+    return cpu_matmul_backend() == "onednn" and onednn_prepack_supported()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight -> [ceil(N / PANEL), K, PANEL] panels, same dtype: ``out[p, k, j] = weight[PANEL
+    p + j, k]``, zeros past N. The layout ``ops.packed_linear`` reads: one panel row holds the k-th
+    input feature's weights of PANEL consecutive outputs.
+
+    Raises:
+        TypeError: ``weight`` is not a tensor.
+        ValueError: ``weight`` is not a 2-D float32, bfloat16 or float16 tensor.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"pack_panels needs a torch.Tensor weight, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"pack_panels needs a 2-D float32, bfloat16 or float16 weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))  # [P * PANEL, K]
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -233,7 +289,7 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         dtype: the model dtype (float32, bfloat16 or float16).
         device: where the model runs.
         batch_invariant: pad/split the GEMM rows so that a row's bits do not depend on the other
-            rows (CPU only).
+            rows (CPU only; the packed-panel GEMM has that property without either).
 
     Raises:
         ValueError: ``batch_invariant`` on a device other than the CPU (no such mode there yet);
@@ -244,6 +300,8 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         if batch_invariant:
             raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
+    if cpu_matmul_backend() == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
+        return MatmulConfig(dtype, panels=True, reason=f"pagedgen's packed-panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 sums)")
     onednn = onednn_prepack_available()
     if dtype in (torch.bfloat16, torch.float16) and native_reduced_precision(dtype):
         lo, hi = bf16_row_blocks() if dtype == torch.bfloat16 else (FP16_MIN_ROWS, MAX_ROWS)
@@ -277,20 +335,33 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], m
     return run(F.pad(x, (0, 0, 0, min_rows - m)), weight, bias)[:m]  # via [min_rows, K]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, config: Optional[MatmulConfig] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, config: Optional[MatmulConfig] = None,
+           out_features: Optional[int] = None) -> torch.Tensor:
     """``y = x @ weight.T + bias``: the one function every matmul of a model goes through.
 
     Args:
         x: [T, in_features] activations (model dtype).
         weight: [out_features, in_features], the model dtype or ``config.weight_dtype`` (then x is
             converted to it and the result back to x's dtype, rounded once); dense, or
-            ``prepack``-ed for oneDNN (float32, or bf16 on a CPU with oneDNN bf16).
+            ``prepack``-ed for oneDNN (float32, or bf16 on a CPU with oneDNN bf16); or
+            [ceil(out_features / PANEL), in_features, PANEL] panels (``pack_panels``), run by
+            ``ops.packed_linear`` in float32 whatever the dtypes.
         bias: [out_features] or None, the weight's dtype.
         config: the model's MatmulConfig (None: a plain ``F.linear``, no row padding).
+        out_features: N; needed for a panel-packed weight, whose shape rounds it up to PANEL.
 
     Returns:
         [T, out_features] in x's dtype.
+
+    Raises:
+        ValueError: a panel-packed weight without ``out_features``.
     """
+    if weight.dim() == 3:  # packed panels: batch-invariant by construction, no row blocks
+        if out_features is None:
+            raise ValueError("linear: a weight packed in panels needs out_features")
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # [T, N]
+        ops.packed_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
+        return out
     out_dtype = x.dtype
     if weight.dtype != out_dtype:
         x = x.to(weight.dtype)
@@ -315,11 +386,12 @@ def _matmul_modules(model: nn.Module) -> Iterator[nn.Module]:
 
 def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
     """Apply ``config`` to every linear layer and lm_head of a loaded ``model``: weights and biases
-    converted to ``config.weight_dtype`` one at a time (the old copy freed), weights of at least
-    ``config.prepack_min_numel`` elements prepacked for oneDNN (the dense copy freed), and
-    ``module.matmul = config``. An lm_head tied to its embedding that is converted or packed gets
-    its own matrix; the embedding keeps its own. Returns the bytes the weights took in addition
-    (0 when they are kept as they are)."""
+    converted to ``config.weight_dtype`` one at a time (the old copy freed), weights packed in panels
+    (``config.panels``) or, of at least ``config.prepack_min_numel`` elements, prepacked for oneDNN
+    (the dense copy freed), and ``module.matmul = config``. An lm_head tied to its embedding that is
+    converted or packed gets its own matrix; the embedding keeps its own. Returns the bytes the
+    weights took in addition (0 when they are kept as they are; panels add the zero rows that pad
+    the last one)."""
     extra = 0
     for module in _matmul_modules(model):
         module.matmul = config
@@ -327,13 +399,15 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
             p = getattr(module, name)
             if p is None:
                 continue
+            panels = config.panels and name == "weight"
             pack = name == "weight" and 0 < config.prepack_min_numel <= p.numel() and config.weight_dtype in PACKABLE_DTYPES
-            if p.dtype == config.weight_dtype and not pack:
+            if p.dtype == config.weight_dtype and not pack and not panels:
                 continue
             shared = getattr(module, "tied", False) and name == "weight"
-            extra += p.numel() * (torch.finfo(config.weight_dtype).bits // 8 - (0 if shared else p.element_size()))
             new = p.detach().to(config.weight_dtype)
-            new = nn.Parameter(prepack(new) if pack else new, requires_grad=False)
+            new = pack_panels(new) if panels else prepack(new) if pack else new
+            extra += new.numel() * new.element_size() - (0 if shared else p.numel() * p.element_size())
+            new = nn.Parameter(new, requires_grad=False)
             if shared:
                 module.tied = False  # its own matrix now; the embedding keeps the model-dtype one
             setattr(module, name, new)
@@ -372,7 +446,7 @@ class LinearBase(Module):
                 p.shard_ids = tuple(self.output_shards)  # the parts a checkpoint may give separately
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size] -> [T, output_size]
-        return linear(x, self.weight, self.bias, self.matmul)
+        return linear(x, self.weight, self.bias, self.matmul, self.output_size)
 
     def _shard_slice(self, shard_id: ShardId) -> tuple[int, int]:
         """(offset, size) of a part along the output features; the whole for None."""

@@ -5,6 +5,8 @@ and has a kernel for the tensors' device, otherwise the PyTorch reference in ``r
 The model's fused small layers (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
 ``silu_and_mul``) and the sampler's greedy ``argmax`` have CPU kernels only; elsewhere their reference,
 which is transformers' (or torch's) own sequence of PyTorch ops, is the implementation (no warning).
+``packed_linear`` (the GEMM on panel-packed weights) has a CPU kernel in builds with AVX2 and FMA;
+``pagedgen.layers.linear`` chooses it only where ``has_kernel("packed_linear")``.
 """
 import functools
 import importlib
@@ -27,7 +29,7 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-    "argmax",
+    "argmax", "packed_linear", "has_kernel",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -65,15 +67,19 @@ def _impl(name: str, device_type: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_impl(name: str, device_type: str):
+def has_kernel(name: str, device_type: str = "cpu") -> bool:
+    """True when pagedgen._C is loaded and has a kernel of op ``name`` for ``device_type``."""
     key = "CUDA" if device_type == "cuda" else "CPU"
-    if (
+    return (
         _IMPORT_ERROR is None
         and hasattr(torch.ops.pagedgen, name)  # an extension built before the op was added lacks it
         and torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedgen::{name}", key)
-    ):
-        return getattr(torch.ops.pagedgen, name)
-    return getattr(reference, name)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_impl(name: str, device_type: str):
+    return getattr(torch.ops.pagedgen, name) if has_kernel(name, device_type) else getattr(reference, name)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -131,3 +137,15 @@ def argmax(out, logits) -> None:
             with a contiguous last dim, or not float32 / bfloat16 / float16.
     """
     _fused_impl("argmax", logits.device.type)(out, logits)
+
+
+def packed_linear(out, input, weight, bias=None) -> None:
+    """out [M, N] = input [M, K] @ W^T (+ bias [N]) for a weight packed by
+    ``pagedgen.layers.linear.pack_panels`` ([ceil(N / 16), K, 16], float32 / bfloat16 / float16);
+    out has input's dtype. See :func:`pagedgen.ops.reference.packed_linear`.
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes that do not fit together, rows that are not contiguous,
+            or a dtype other than float32 / bfloat16 / float16.
+    """
+    _fused_impl("packed_linear", input.device.type)(out, input, weight, bias)

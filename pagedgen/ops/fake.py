@@ -60,6 +60,12 @@ def _argmax(out, logits) -> None:
     torch._check(out.shape == logits.shape[:1], lambda: f"out {out.shape} does not fit logits {logits.shape}")
 
 
+def _packed_linear(out, input, weight, bias) -> None:
+    # out: [M, N]; input: [M, K]; weight: [ceil(N / 16), K, 16]
+    torch._check(out.shape[0] == input.shape[0], lambda: f"out {out.shape} and input {input.shape} differ in rows")
+    torch._check(weight.shape[1] == input.shape[1], lambda: f"weight {weight.shape} does not fit input {input.shape}")
+
+
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
@@ -70,6 +76,7 @@ _FAKES = {
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "argmax": _argmax,
+    "packed_linear": _packed_linear,
 }
 
 

@@ -4,6 +4,8 @@ oracle the kernels are tested against. Deliberately simple: loops over the block
 Cache layout (one layer): key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size].
 A slot is block_id * block_size + offset; a negative slot is padding and is skipped.
 """
+from typing import Optional
+
 import torch
 
 
@@ -164,3 +166,22 @@ def argmax(
     """The greedy token of each row: the first index of the row's maximum, a NaN counting as the
     maximum (the first NaN's index), -0.0 equal to +0.0; torch.argmax(logits, dim=-1)."""
     out.copy_(logits.max(dim=-1).indices)
+
+
+PANEL = 16  # output features per panel of a packed_linear weight
+
+
+def packed_linear(
+    out: torch.Tensor,  # [M, N], input's dtype, written in place
+    input: torch.Tensor,  # [M, K] float32, bfloat16 or float16
+    weight: torch.Tensor,  # [ceil(N / 16), K, 16]: W [N, K] as panels of 16 output features
+    bias: Optional[torch.Tensor] = None,  # [N] or None
+) -> None:
+    """``out = input @ W^T + bias`` in float32, rounded once to out's dtype, with the weight given as
+    panels: ``weight[p, k, j] = W[16 p + j, k]`` (``pagedgen.layers.linear.pack_panels``; zeros pad
+    the last panel). The kernel sums each output over k in order; this reference lets torch's GEMM
+    pick its order, so the two agree to float32 rounding, not bitwise."""
+    n = out.shape[1]
+    w = weight.transpose(1, 2).reshape(-1, weight.shape[1])[:n]  # [N, K]
+    y = torch.nn.functional.linear(input.float(), w.float(), None if bias is None else bias.float())
+    out.copy_(y)

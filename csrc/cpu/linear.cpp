@@ -1,0 +1,177 @@
+// CPU kernel of pagedgen::packed_linear (schema in csrc/ops.cpp, oracle in pagedgen/ops/reference.py):
+// out [M, N] = input [M, K] @ W^T (+ bias) with the weight W [N, K] stored as panels of 16 output
+// features, weight [P, K, 16] with P = ceil(N / 16) and weight[p, k, j] = W[16 p + j, k] (zero rows
+// pad the last panel; pagedgen.layers.linear.pack_panels makes them once, after loading).
+//
+// Why a GEMM of our own (docs/benchmarks.md, "Matmul choices"): on CPUs without fast bf16 matmuls
+// (AVX2, no AVX-512 BF16 / AMX) torch's bf16 GEMM runs at ~10-20 GFLOP/s, so bf16 models were
+// multiplied in float32 on float32 copies of the weights; at decode batches (1-64 rows) those GEMMs
+// are bound by reading the weights, and float32 weights are twice the bytes. Here the weights stay in
+// the model dtype (bf16/fp16 converted to float32 as they are loaded, exactly) and every product is
+// accumulated in float32. Measured on the AVX2 AMD EPYC with the weights cold (2 threads): 1.2-3.5x
+// oneDNN's prepacked float32 inner product at 1-64 rows, even at 256.
+//
+// Batch invariance by construction: out[m, n] is always the same sequence of float32 fused
+// multiply-adds, k = 0, 1, ..., K - 1, from 0, then + bias[n], rounded once to the output dtype,
+// whatever M, the row's position, the tiling or the thread count. No row blocks, no padding.
+//
+// Layout of the work: a micro-kernel keeps a tile of up to 6 rows x 16 outputs in 12 registers of 8
+// floats; each k broadcasts one input element per row and loads one panel row of 16 weights (BLIS's
+// 6x16 AVX2 kernel shape). Threads split the panels (each weight byte is read by one thread); within
+// a thread, blocks of rows (sized so that their float32 inputs stay in L2) sweep the thread's panels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace pagedgen::cpu {
+namespace {
+
+constexpr int kPanel = 16;               // output features per panel (two vectors of 8)
+constexpr int kTileRows = 6;             // rows per micro-kernel tile
+constexpr int64_t kRowBlockBytes = 160 << 10;  // float32 input rows kept in L2 while a thread sweeps its panels
+constexpr int64_t kMinMacsPerThread = 1 << 15;  // smaller GEMMs run on one thread
+using V8 = Vec<8>;
+
+// One tile: out[r, 0:ncols] for rows r < R of x (row stride ldx, float32), panel w [K, 16].
+// Rows past R repeat row R - 1 (their results are dropped), so the loop body is the same for every R.
+// Accumulators are named variables, not an array: GCC keeps an array of vectors on the stack and
+// stores it back every iteration.
+template <int R, typename w_t, typename out_t>
+PAGEDGEN_ALWAYS_INLINE void tile(const float* x, int64_t ldx, const w_t* w, int64_t K, const float* bias, out_t* out,
+                                 int64_t ldo, int ncols) {
+  static_assert(R >= 1 && R <= kTileRows);
+  const float* x0 = x;
+  const float* x1 = x + std::min(1, R - 1) * ldx;
+  const float* x2 = x + std::min(2, R - 1) * ldx;
+  const float* x3 = x + std::min(3, R - 1) * ldx;
+  const float* x4 = x + std::min(4, R - 1) * ldx;
+  const float* x5 = x + std::min(5, R - 1) * ldx;
+  V8 a00 = {}, a01 = {}, a10 = {}, a11 = {}, a20 = {}, a21 = {}, a30 = {}, a31 = {}, a40 = {}, a41 = {}, a50 = {}, a51 = {};
+#define PAGEDGEN_TILE_ROW(r)                  \
+  {                                           \
+    const V8 b = splat<8>(x##r[k]);           \
+    a##r##0 = fmadd<8>(b, w0, a##r##0);       \
+    a##r##1 = fmadd<8>(b, w1, a##r##1);       \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const V8 w0 = load<8>(w + k * kPanel), w1 = load<8>(w + k * kPanel + 8);
+    PAGEDGEN_TILE_ROW(0)
+    if constexpr (R > 1) PAGEDGEN_TILE_ROW(1)
+    if constexpr (R > 2) PAGEDGEN_TILE_ROW(2)
+    if constexpr (R > 3) PAGEDGEN_TILE_ROW(3)
+    if constexpr (R > 4) PAGEDGEN_TILE_ROW(4)
+    if constexpr (R > 5) PAGEDGEN_TILE_ROW(5)
+  }
+#undef PAGEDGEN_TILE_ROW
+  const V8 acc[kTileRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  const V8 b0 = bias ? load<8>(bias) : V8{}, b1 = bias ? load<8>(bias + 8) : V8{};
+  for (int r = 0; r < R; ++r) {
+    const V8 y0 = bias ? acc[r][0] + b0 : acc[r][0], y1 = bias ? acc[r][1] + b1 : acc[r][1];
+    out_t* o = out + r * ldo;
+    if (ncols == kPanel) {
+      store<8>(o, y0);
+      store<8>(o + 8, y1);
+    } else if (ncols > 8) {
+      store<8>(o, y0);
+      store_partial<8>(o + 8, y1, ncols - 8);
+    } else {
+      store_partial<8>(o, y0, ncols);
+    }
+  }
+}
+
+// Rows [m0, m1) of the panel p.
+template <typename w_t, typename out_t>
+inline void panel_rows(const float* x, int64_t ldx, const w_t* weight, int64_t K, int64_t N, const float* bias,
+                       out_t* out, int64_t ldo, int64_t p, int64_t m0, int64_t m1) {
+  const w_t* w = weight + p * K * kPanel;
+  const int ncols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+  const float* b = bias ? bias + p * kPanel : nullptr;
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows) tile<kTileRows>(x + m * ldx, ldx, w, K, b, out + m * ldo + p * kPanel, ldo, ncols);
+  const float* xm = x + m * ldx;
+  out_t* om = out + m * ldo + p * kPanel;
+  switch (m1 - m) {
+    case 5: tile<5>(xm, ldx, w, K, b, om, ldo, ncols); break;
+    case 4: tile<4>(xm, ldx, w, K, b, om, ldo, ncols); break;
+    case 3: tile<3>(xm, ldx, w, K, b, om, ldo, ncols); break;
+    case 2: tile<2>(xm, ldx, w, K, b, om, ldo, ncols); break;
+    case 1: tile<1>(xm, ldx, w, K, b, om, ldo, ncols); break;
+    default: break;
+  }
+}
+
+template <typename w_t, typename out_t>
+void packed_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const w_t* weight, int64_t N,
+                        const float* bias, out_t* out, int64_t ldo) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  // rows per block: a multiple of the tile, its float32 inputs about kRowBlockBytes
+  const int64_t block = std::max<int64_t>(kTileRows, kRowBlockBytes / (4 * std::max<int64_t>(K, 1)) / kTileRows * kTileRows);
+  const int64_t macs_per_panel = M * std::max<int64_t>(K, 1) * kPanel;
+  const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_panel);
+  if (P >= at::get_num_threads() || M <= block) {  // threads split the panels
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+      for (int64_t m0 = 0; m0 < M; m0 += block) {
+        const int64_t m1 = std::min(M, m0 + block);
+        for (int64_t p = p0; p < p1; ++p) panel_rows(x, ldx, weight, K, N, bias, out, ldo, p, m0, m1);
+      }
+    });
+  } else {  // fewer panels than threads: they split the row blocks
+    const int64_t blocks = (M + block - 1) / block;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t m0 = b * block, m1 = std::min(M, m0 + block);
+        for (int64_t p = 0; p < P; ++p) panel_rows(x, ldx, weight, K, N, bias, out, ldo, p, m0, m1);
+      }
+    });
+  }
+}
+
+void packed_linear_cpu(const at::Tensor& out,      // [M, N], input's dtype
+                       const at::Tensor& input,    // [M, K] float32 / bfloat16 / float16, contiguous rows
+                       const at::Tensor& weight,   // [ceil(N / 16), K, 16] float32 / bfloat16 / float16, contiguous
+                       const c10::optional<at::Tensor>& bias) {  // [N], any of those dtypes, or None
+  TORCH_CHECK(out.device().is_cpu() && input.device().is_cpu() && weight.device().is_cpu(),
+              "packed_linear (CPU kernel): tensors must be on the CPU");
+  TORCH_CHECK(input.dim() == 2 && input.stride(1) == 1, "packed_linear: input must be [M, K] with contiguous rows, got ",
+              input.sizes(), " strides ", input.strides());
+  const int64_t M = input.size(0), K = input.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == input.scalar_type(),
+              "packed_linear: out must be ", input.scalar_type(), " [", M, ", N] with contiguous rows, got ", out.scalar_type(),
+              " ", out.sizes());
+  const int64_t N = out.size(1), P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(weight.dim() == 3 && weight.size(0) == P && weight.size(1) == K && weight.size(2) == kPanel && weight.is_contiguous(),
+              "packed_linear: weight must be contiguous panels [", P, ", ", K, ", ", kPanel, "] for N = ", N, " outputs of K = ",
+              K, " inputs, got ", weight.sizes());
+  at::Tensor b;  // the bias as float32 (exact), zero-padded to whole panels
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu(), "packed_linear: bias must be [", N,
+                "] on the CPU, got ", bias->sizes());
+    b = at::zeros({P * kPanel}, input.options().dtype(at::kFloat));
+    b.narrow(0, 0, N).copy_(*bias);
+  }
+  if (M == 0 || N == 0) return;
+  const at::Tensor x = input.scalar_type() == at::kFloat ? input : input.to(at::kFloat);  // [M, K] float32
+  dispatch_float_types(weight.scalar_type(), "packed_linear (weight)", [&](auto wz) {
+    using w_t = decltype(wz);
+    dispatch_float_types(out.scalar_type(), "packed_linear (input)", [&](auto oz) {
+      using out_t = decltype(oz);
+      packed_linear_impl<w_t, out_t>(x.const_data_ptr<float>(), x.stride(0), M, K, weight.const_data_ptr<w_t>(), N,
+                                     b.defined() ? b.const_data_ptr<float>() : nullptr, out.data_ptr<out_t>(), out.stride(0));
+    });
+  });
+}
+
+}  // namespace
+}  // namespace pagedgen::cpu
+
+// Registered only where the build has AVX2 and FMA (-march of setup.py): elsewhere the tile's vectors
+// would run lane by lane, and pagedgen.layers.linear does not choose this path (no CPU kernel).
+#if defined(__AVX2__) && defined(__FMA__)
+TORCH_LIBRARY_IMPL(pagedgen, CPU, m) { m.impl("packed_linear", &pagedgen::cpu::packed_linear_cpu); }
+#endif
