@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "vec.h"
 
@@ -85,25 +87,43 @@ PAGEDGEN_ALWAYS_INLINE void tile(const float* x, int64_t ldx, const w_t* w, int6
   }
 }
 
-// Rows [m0, m1) of the panel p.
+// Rows [m0, m1) of panel p (w: its [K, 16] weights, in w_t).
+template <typename w_t, typename out_t>
+inline void panel_tiles(const float* x, int64_t ldx, const w_t* w, int64_t K, int ncols, const float* bias, out_t* out,
+                        int64_t ldo, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows) tile<kTileRows>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo, ncols);
+  const float* xm = x + m * ldx;
+  out_t* om = out + m * ldo;
+  switch (m1 - m) {
+    case 5: tile<5>(xm, ldx, w, K, bias, om, ldo, ncols); break;
+    case 4: tile<4>(xm, ldx, w, K, bias, om, ldo, ncols); break;
+    case 3: tile<3>(xm, ldx, w, K, bias, om, ldo, ncols); break;
+    case 2: tile<2>(xm, ldx, w, K, bias, om, ldo, ncols); break;
+    case 1: tile<1>(xm, ldx, w, K, bias, om, ldo, ncols); break;
+    default: break;
+  }
+}
+
+// Rows [m0, m1) of the panel p. From kConvertRows rows on, a bf16/fp16 panel is first converted to
+// float32 into `wbuf` ([K, 16], per thread) and the tiles read that: the conversion (exact) then runs
+// once per panel instead of once per tile, and the tiles' inner loop is multiply-adds and loads only.
+// The products and sums are the same either way.
+constexpr int64_t kConvertRows = 4 * kTileRows;
 template <typename w_t, typename out_t>
 inline void panel_rows(const float* x, int64_t ldx, const w_t* weight, int64_t K, int64_t N, const float* bias,
-                       out_t* out, int64_t ldo, int64_t p, int64_t m0, int64_t m1) {
+                       out_t* out, int64_t ldo, int64_t p, int64_t m0, int64_t m1, float* wbuf) {
   const w_t* w = weight + p * K * kPanel;
   const int ncols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
   const float* b = bias ? bias + p * kPanel : nullptr;
-  int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) tile<kTileRows>(x + m * ldx, ldx, w, K, b, out + m * ldo + p * kPanel, ldo, ncols);
-  const float* xm = x + m * ldx;
-  out_t* om = out + m * ldo + p * kPanel;
-  switch (m1 - m) {
-    case 5: tile<5>(xm, ldx, w, K, b, om, ldo, ncols); break;
-    case 4: tile<4>(xm, ldx, w, K, b, om, ldo, ncols); break;
-    case 3: tile<3>(xm, ldx, w, K, b, om, ldo, ncols); break;
-    case 2: tile<2>(xm, ldx, w, K, b, om, ldo, ncols); break;
-    case 1: tile<1>(xm, ldx, w, K, b, om, ldo, ncols); break;
-    default: break;
+  if constexpr (!std::is_same_v<w_t, float>) {
+    if (m1 - m0 >= kConvertRows) {
+      for (int64_t i = 0; i < K * kPanel; i += 8) store<8>(wbuf + i, load<8>(w + i));
+      panel_tiles(x, ldx, static_cast<const float*>(wbuf), K, ncols, b, out + p * kPanel, ldo, m0, m1);
+      return;
+    }
   }
+  panel_tiles(x, ldx, w, K, ncols, b, out + p * kPanel, ldo, m0, m1);
 }
 
 template <typename w_t, typename out_t>
@@ -116,17 +136,19 @@ void packed_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_panel);
   if (P >= at::get_num_threads() || M <= block) {  // threads split the panels
     at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+      std::vector<float> wbuf(std::is_same_v<w_t, float> || M < kConvertRows ? 0 : K * kPanel);
       for (int64_t m0 = 0; m0 < M; m0 += block) {
         const int64_t m1 = std::min(M, m0 + block);
-        for (int64_t p = p0; p < p1; ++p) panel_rows(x, ldx, weight, K, N, bias, out, ldo, p, m0, m1);
+        for (int64_t p = p0; p < p1; ++p) panel_rows(x, ldx, weight, K, N, bias, out, ldo, p, m0, m1, wbuf.data());
       }
     });
   } else {  // fewer panels than threads: they split the row blocks
     const int64_t blocks = (M + block - 1) / block;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> wbuf(std::is_same_v<w_t, float> ? 0 : K * kPanel);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t m0 = b * block, m1 = std::min(M, m0 + block);
-        for (int64_t p = 0; p < P; ++p) panel_rows(x, ldx, weight, K, N, bias, out, ldo, p, m0, m1);
+        for (int64_t p = 0; p < P; ++p) panel_rows(x, ldx, weight, K, N, bias, out, ldo, p, m0, m1, wbuf.data());
       }
     });
   }
