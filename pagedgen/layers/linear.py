@@ -33,13 +33,14 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   weights are converted to float32 in registers as they are read and every output is a float32 sum
   over k in order, so the weights keep the model dtype's bytes (no float32 copy) and a row's bits
   never depend on the other rows (batch-invariant by construction: no row blocks). Measured on the
-  AVX2 AMD EPYC with the weights cold, 2 threads (docs/benchmarks.md "Matmul choices"): 1.2-3.5x
-  oneDNN's prepacked float32 inner product on bf16 weights at 1-64 rows, about even at 256; in
-  float32 1.1-2x MKL at stories260K's shapes. Needs the extension built with AVX2 and FMA
-  (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks another path.
-- **Compute dtype.** bf16/fp16 weights on a CPU whose oneDNN has no bf16/fp16 kernels (no AVX-512
-  BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False) are kept as a float32
-  copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``: torch's own bf16 kernel
+  AVX2 AMD EPYC with the weights cold, 2 threads (docs/benchmarks.md "Matmul choices"): on bf16
+  weights 1.1-2.5x what oneDNN's prepacked float32 inner product gives on float32 copies at 1-48
+  rows, 0.75-1.4x at 256-1,024; in float32 1.1-2x MKL and oneDNN at 1-48 rows. Needs the extension
+  built with AVX2 and FMA (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks
+  another path.
+- **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
+  bf16/fp16 kernels (no AVX-512 BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
+  False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``: torch's own bf16 kernel
   there runs at ~10 GFLOP/s per core whatever the batch, float32 MKL at 4-8x that from 64 rows up
   (break-even at one row). The bf16 copy is dropped (4 bytes per parameter instead of 2; a tied
   embedding keeps its own bf16 matrix). Activations and the KV cache stay in the model dtype.
@@ -72,16 +73,17 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   gives each row the same bits at every M from 2 to 1,100 and at any position (AVX2 EPYC and the
   Xeon, 1 and 2 threads; the AVX2 EPYC also at M = 1). The path of CPUs other than AVX2 ones.
 
-``PAGEDGEN_CPU_MATMUL`` (read when an LLM is built): "auto" (the default: the packed panels on AVX2
-CPUs where the kernel is built, else oneDNN prepacking), "pagedgen" (the packed panels on any CPU
-whose build has the kernel), "onednn" (oneDNN prepacking, float32 copies of bf16/fp16 weights where
-oneDNN has no kernels for them), "mkl" (no packing: MKL for every float32 weight, the dense GEMM for
-bf16 ones).
 - **Prepacked bf16 weights (oneDNN, AMX / AVX-512 BF16).** On a CPU with oneDNN bf16 every bf16
   weight is prepacked the same way (``PREPACK_MIN_NUMEL_BF16``): measured on the Xeon with AMX,
   1.1-3.1x the dense bf16 ``F.linear`` at 1-256 rows on the random-135m shapes, never slower.
   vLLM's CPU backend prepacks its bf16 weights for oneDNN too. fp16 weights stay dense (oneDNN's
   prepacked fp16 GEMM was slower than the dense one there).
+
+``PAGEDGEN_CPU_MATMUL`` (read when an LLM is built): "auto" (the default: the packed panels on AVX2
+CPUs where the kernel is built, else oneDNN prepacking), "pagedgen" (the packed panels on any CPU
+whose build has the kernel), "onednn" (oneDNN prepacking, float32 copies of bf16/fp16 weights where
+oneDNN has no kernels for them), "mkl" (no packing: MKL for every float32 weight, the dense GEMM for
+bf16 ones).
 """
 from __future__ import annotations
 
