@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not ops.has_kernel("packed_linear"), reason="pag
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (N, K): odd sizes around the panel width, stories260K's and SmolLM-135M's shapes
-SHAPES = [(1, 1), (15, 7), (16, 64), (17, 33), (344, 64), (64, 172), (130, 576), (576, 1536)]
+SHAPES = [(1, 1), (15, 7), (16, 64), (17, 33), (344, 64), (64, 172), (130, 576), (576, 1536), (20, 0)]
 
 
 def gen(seed: int) -> torch.Generator:

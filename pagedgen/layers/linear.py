@@ -239,7 +239,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_panels needs a 2-D float32, bfloat16 or float16 weight, got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))  # [P * PANEL, K]
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
+    return padded.view(-(-n // PANEL), PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:

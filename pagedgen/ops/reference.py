@@ -182,6 +182,6 @@ def packed_linear(
     the last panel). The kernel sums each output over k in order; this reference lets torch's GEMM
     pick its order, so the two agree to float32 rounding, not bitwise."""
     n = out.shape[1]
-    w = weight.transpose(1, 2).reshape(-1, weight.shape[1])[:n]  # [N, K]
+    w = weight.transpose(1, 2).reshape(weight.shape[0] * weight.shape[2], weight.shape[1])[:n]  # [N, K]
     y = torch.nn.functional.linear(input.float(), w.float(), None if bias is None else bias.float())
     out.copy_(y)
