@@ -113,8 +113,18 @@ def test_opcheck_and_errors():
         ops.packed_linear(out, x, packed[:1], None)
     with pytest.raises(RuntimeError, match=r"out must be BFloat16 \[3, N\]"):
         ops.packed_linear(torch.empty(3, 20), x, packed, None)
-    with pytest.raises(RuntimeError, match=r"bias must be \[20\]"):
+    with pytest.raises(RuntimeError, match=r"out must be .* non-overlapping rows, got .* strides \[0, 1\]"):
+        ops.packed_linear(torch.empty(1, 20, dtype=torch.bfloat16).expand(3, 20), x, packed, None)
+    with pytest.raises(RuntimeError, match=r"bias must be float32, bfloat16 or float16 \[20\]"):
         ops.packed_linear(out, x, packed, torch.zeros(19))
+    with pytest.raises(RuntimeError, match=r"bias must be float32, bfloat16 or float16 \[20\] on the CPU, got Long"):
+        ops.packed_linear(out, x, packed, torch.arange(20))
+    with pytest.raises(RuntimeError, match="input and weight must be float32, bfloat16 or float16, got Double"):
+        ops.packed_linear(torch.empty(3, 20, dtype=torch.float64), x.double(), packed, None)
+    square = lin.pack_panels(torch.randn(16, 16, generator=g))
+    y = torch.randn(4, 16, generator=g)
+    with pytest.raises(RuntimeError, match="unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location"):
+        ops.packed_linear(y, y, square, None)  # out aliasing its input
     with pytest.raises(RuntimeError, match="input must be \\[M, K\\] with contiguous rows"):
         ops.packed_linear(out, torch.randn(8, 3).t().to(torch.bfloat16), packed, None)
     with pytest.raises(TypeError, match="pack_panels needs a torch.Tensor weight, got list"):

@@ -20,6 +20,7 @@
 // 6x16 AVX2 kernel shape). Threads split the panels (each weight byte is read by one thread); within
 // a thread, blocks of rows (sized so that their float32 inputs stay in L2) sweep the thread's panels.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -160,20 +161,30 @@ void packed_linear_cpu(const at::Tensor& out,      // [M, N], input's dtype
                        const c10::optional<at::Tensor>& bias) {  // [N], any of those dtypes, or None
   TORCH_CHECK(out.device().is_cpu() && input.device().is_cpu() && weight.device().is_cpu(),
               "packed_linear (CPU kernel): tensors must be on the CPU");
+  const auto is_float = [](c10::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+  };
+  TORCH_CHECK(is_float(input.scalar_type()) && is_float(weight.scalar_type()),
+              "packed_linear: input and weight must be float32, bfloat16 or float16, got ", input.scalar_type(), " and ",
+              weight.scalar_type());
   TORCH_CHECK(input.dim() == 2 && input.stride(1) == 1, "packed_linear: input must be [M, K] with contiguous rows, got ",
               input.sizes(), " strides ", input.strides());
   const int64_t M = input.size(0), K = input.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == input.scalar_type(),
-              "packed_linear: out must be ", input.scalar_type(), " [", M, ", N] with contiguous rows, got ", out.scalar_type(),
-              " ", out.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && (M <= 1 || out.stride(0) >= out.size(1)) &&
+                  out.scalar_type() == input.scalar_type(),
+              "packed_linear: out must be ", input.scalar_type(), " [", M, ", N] with contiguous, non-overlapping rows, got ",
+              out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
   const int64_t N = out.size(1), P = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(weight.dim() == 3 && weight.size(0) == P && weight.size(1) == K && weight.size(2) == kPanel && weight.is_contiguous(),
               "packed_linear: weight must be contiguous panels [", P, ", ", K, ", ", kPanel, "] for N = ", N, " outputs of K = ",
-              K, " inputs, got ", weight.sizes());
+              K, " inputs, got ", weight.sizes(), " strides ", weight.strides());
+  at::assert_no_overlap(out, input);  // out is written while input is read
+  at::assert_no_overlap(out, weight);
   at::Tensor b;  // the bias as float32 (exact), zero-padded to whole panels
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu(), "packed_linear: bias must be [", N,
-                "] on the CPU, got ", bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() && is_float(bias->scalar_type()),
+                "packed_linear: bias must be float32, bfloat16 or float16 [", N, "] on the CPU, got ", bias->scalar_type(), " ",
+                bias->sizes(), " on ", bias->device());
     b = at::zeros({P * kPanel}, input.options().dtype(at::kFloat));
     b.narrow(0, 0, N).copy_(*bias);
   }
