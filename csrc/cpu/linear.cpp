@@ -5,11 +5,12 @@
 //
 // Why a GEMM of our own (docs/benchmarks.md, "Matmul choices"): on CPUs without fast bf16 matmuls
 // (AVX2, no AVX-512 BF16 / AMX) torch's bf16 GEMM runs at ~10-20 GFLOP/s, so bf16 models were
-// multiplied in float32 on float32 copies of the weights; at decode batches (1-64 rows) those GEMMs
-// are bound by reading the weights, and float32 weights are twice the bytes. Here the weights stay in
-// the model dtype (bf16/fp16 converted to float32 as they are loaded, exactly) and every product is
-// accumulated in float32. Measured on the AVX2 AMD EPYC with the weights cold (2 threads): 1.2-3.5x
-// oneDNN's prepacked float32 inner product at 1-64 rows, even at 256.
+// multiplied in float32 on float32 copies of the weights: twice the bytes to read, where a GEMM of a
+// few rows is bound by reading its weight. Here the weights stay in the model dtype (bf16/fp16
+// converted to float32 as they are loaded, exactly) and every product is accumulated in float32.
+// Measured on the AVX2 AMD EPYC with the weights cold (2 threads), on bf16 weights against oneDNN's
+// prepacked float32 inner product on float32 copies: 1.4-2.4x at 1-4 rows, 0.95-1.4x at 16-48 rows,
+// 0.7-1.0x at 256 and more (prefill), where oneDNN's larger tiles win.
 //
 // Batch invariance by construction: out[m, n] is always the same sequence of float32 fused
 // multiply-adds, k = 0, 1, ..., K - 1, from 0, then + bias[n], rounded once to the output dtype,
@@ -41,9 +42,9 @@ constexpr int64_t kMinMacsPerThread = 1 << 15;  // smaller GEMMs run on one thre
 using V8 = Vec<8>;
 
 // One tile: out[r, 0:ncols] for rows r < R of x (row stride ldx, float32), panel w [K, 16].
-// Rows past R repeat row R - 1 (their results are dropped), so the loop body is the same for every R.
-// Accumulators are named variables, not an array: GCC keeps an array of vectors on the stack and
-// stores it back every iteration.
+// Only rows r < R are computed (the `if constexpr`s; the row pointers past R are never read), and
+// each row's arithmetic is the same for every R. Accumulators are named variables, not an array:
+// GCC keeps an array of vectors on the stack and stores it back every iteration.
 template <int R, typename w_t, typename out_t>
 PAGEDGEN_ALWAYS_INLINE void tile(const float* x, int64_t ldx, const w_t* w, int64_t K, const float* bias, out_t* out,
                                  int64_t ldo, int ncols) {

@@ -33,9 +33,11 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   weights are converted to float32 in registers as they are read and every output is a float32 sum
   over k in order, so the weights keep the model dtype's bytes (no float32 copy) and a row's bits
   never depend on the other rows (batch-invariant by construction: no row blocks). Measured on the
-  AVX2 AMD EPYC with the weights cold, 2 threads (docs/benchmarks.md "Matmul choices"): on bf16
-  weights 1.1-2.5x what oneDNN's prepacked float32 inner product gives on float32 copies at 1-48
-  rows, 0.75-1.4x at 256-1,024; in float32 1.1-2x MKL and oneDNN at 1-48 rows. Needs the extension
+  AVX2 AMD EPYC with the weights cold, 2 threads (docs/benchmarks.md, the AVX2 section of
+  2026-12-03): on bf16 weights 1.4-2.4x what oneDNN's prepacked float32 inner product gives on
+  float32 copies at 1-4 rows, 0.95-1.4x at 16-48 rows, 0.7-1.0x at 256-1,024 (prefill); in float32
+  1.1-2.8x oneDNN at 1-16 rows, about even from 256. In the engine, a 48-request random-135m bf16
+  job spent 19.3 s in its GEMMs instead of 27.8 s. Needs the extension
   built with AVX2 and FMA (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks
   another path.
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no

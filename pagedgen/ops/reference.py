@@ -168,8 +168,6 @@ def argmax(
     out.copy_(logits.max(dim=-1).indices)
 
 
-PANEL = 16  # output features per panel of a packed_linear weight
-
 
 def packed_linear(
     out: torch.Tensor,  # [M, N], input's dtype, written in place
