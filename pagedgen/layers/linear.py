@@ -37,14 +37,13 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   2026-12-03): on bf16 weights 1.4-2.4x what oneDNN's prepacked float32 inner product gives on
   float32 copies at 1-4 rows, 0.95-1.4x at 16-48 rows, 0.7-1.0x at 256-1,024 (prefill); in float32
   1.1-2.8x oneDNN at 1-16 rows, about even from 256. In the engine, a 48-request random-135m bf16
-  job spent 19.3 s in its GEMMs instead of 27.8 s. Needs the extension
-  built with AVX2 and FMA (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks
-  another path.
+  job spent 19.3 s in its GEMMs instead of 27.8 s. Needs the extension built with AVX2 and FMA
+  (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks another path.
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
   bf16/fp16 kernels (no AVX-512 BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
-  False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``: torch's own bf16 kernel
-  there runs at ~10 GFLOP/s per core whatever the batch, float32 MKL at 4-8x that from 64 rows up
-  (break-even at one row). The bf16 copy is dropped (4 bytes per parameter instead of 2; a tied
+  False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``:
+  torch's own bf16 kernel there runs at ~10 GFLOP/s per core whatever the batch, float32 MKL at 4-8x
+  that from 64 rows up (break-even at one row). The bf16 copy is dropped (4 bytes per parameter instead of 2; a tied
   embedding keeps its own bf16 matrix). Activations and the KV cache stay in the model dtype.
   Elsewhere (float32 models, oneDNN bf16 CPUs, GPUs) the weights stay in the model dtype. The
   choice is by capability only, never by a timing probe: a timing could choose differently from

@@ -168,7 +168,6 @@ def argmax(
     out.copy_(logits.max(dim=-1).indices)
 
 
-
 def packed_linear(
     out: torch.Tensor,  # [M, N], input's dtype, written in place
     input: torch.Tensor,  # [M, K] float32, bfloat16 or float16
