@@ -36,6 +36,19 @@ from pagedgen.sampling_params import SamplingParams
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 
 
+def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
+    """Up to ``n`` items of ``items``: (the items, whether the source ended, the exception it raised
+    or None). A source that raises keeps the items it gave before: they run and are yielded, then
+    its exception is raised (an interrupt, KeyboardInterrupt, is not caught: it aborts the stream)."""
+    batch: list = []
+    try:
+        for item in itertools.islice(items, n):
+            batch.append(item)
+    except Exception as exc:  # noqa: BLE001 - re-raised by _stream once the admitted items are yielded
+        return batch, True, exc
+    return batch, len(batch) < n, None
+
+
 def _check_use_tqdm(use_tqdm) -> None:
     if not isinstance(use_tqdm, bool):
         raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
@@ -380,9 +393,11 @@ class LLM:
         Raises:
             TypeError / ValueError: at once for bad arguments; for a bad item, after the items
                 before it have finished and been yielded, naming its index (``prompts[i]``).
+            Exception: whatever ``prompts`` raises while it is iterated, after the items it gave
+                before have finished and been yielded.
             RuntimeError: as ``generate``, at the first item.
-        Closing the generator early (``close()``, ``break`` out of a loop that drops it) aborts the
-        requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
+        Closing the generator early (``close()``, ``break`` out of a loop that drops it), or a
+        KeyboardInterrupt (from the source too), aborts the requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
         """
         _check_use_tqdm(use_tqdm)
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
@@ -409,9 +424,10 @@ class LLM:
                 while True:
                     room = max_in_flight - engine.get_num_unfinished_requests()
                     if not exhausted and error is None and room > 0:
-                        batch = list(itertools.islice(items, room))  # tokenized together: one tokenizer call
-                        exhausted = len(batch) < room
+                        batch, exhausted, source_error = _pull(items, room)  # tokenized together: one tokenizer call
                         requests, error = self.processor.process_stream_items(index, batch, default)
+                        if error is None:  # a bad item comes before the source's failure
+                            error = source_error
                         for request in requests:  # those before a bad item; its error is raised at the end
                             engine.enqueue(request)
                         index += len(batch)

@@ -74,6 +74,32 @@ def test_bad_item_raises_after_the_items_before_it(llm, prompts, expected):
     assert _idle(llm)
 
 
+def test_a_failing_source_finishes_what_it_gave_then_raises(llm, prompts, expected):
+    class Boom(Exception):
+        pass
+
+    def source():
+        yield from prompts[:13]
+        raise Boom("the source failed")
+
+    got = []
+    with pytest.raises(Boom, match="the source failed"):
+        for out in llm.generate_stream(source(), GREEDY, max_in_flight=6):
+            got.append(out.index)
+            assert out.outputs[0].token_ids == expected[out.index]
+    assert sorted(got) == list(range(13)) and _idle(llm)  # items 8-12 were admitted: they are yielded too
+
+    def interrupted():
+        yield from prompts[:9]
+        raise KeyboardInterrupt
+
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for out in llm.generate_stream(interrupted(), GREEDY, max_in_flight=6):
+            got.append(out.index)
+    assert len(got) < 9 and _idle(llm)  # an interrupt still aborts what is in flight
+
+
 def test_closing_early_aborts_in_flight(llm, prompts, expected):
     items = iter([(prompts[0], GREEDY.clone(max_tokens=3))] + prompts[1:])
     stream = llm.generate_stream(items, GREEDY, max_in_flight=8)
