@@ -64,7 +64,7 @@ def test_requests_added_while_others_run_aborted_and_rejected(llm, prompts, expe
         (("e", {"text": "hi"}, GREEDY), TypeError, r"request 'e' prompt must be \{'prompt'"),
         (("e", "hi", SamplingParams(logprobs=10**6)), ValueError, r"request 'e' sampling_params.logprobs must be in \[0, 512\]"),
         (("e", "hi", {"temperature": 0}), TypeError, r"request 'e' sampling_params must be a SamplingParams"),
-        (("e", "hi", BeamSearchParams(beam_width=10**4, max_tokens=2)), ValueError, "beam_width must be at most max_num_seqs"),
+        (("e", "hi", BeamSearchParams(beam_width=10**4, max_tokens=2)), ValueError, r"request 'e' sampling_params \(a BeamSearchParams\).beam_width must be at most max_num_seqs"),
         (("a", "hi", GREEDY), ValueError, r"request 'a' is already queued"),
         ((7, "hi", GREEDY), TypeError, "request_id must be a str"),
     ]

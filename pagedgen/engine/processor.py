@@ -140,7 +140,8 @@ class RequestProcessor:
             params = SamplingParams()
         if isinstance(params, BeamSearchParams):
             if params.beam_width > self.max_num_seqs:
-                raise ValueError(f"BeamSearchParams.beam_width must be at most max_num_seqs={self.max_num_seqs}, got {params.beam_width}")
+                raise ValueError(f"{where} (a BeamSearchParams).beam_width must be at most max_num_seqs={self.max_num_seqs}, "
+                                 f"got {params.beam_width}")
             return params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where} must be a SamplingParams or a BeamSearchParams, got {type(params).__name__}")
