@@ -77,12 +77,13 @@ def pretty(p, name: str, fields: Fields, cycle: bool) -> None:
 
 
 def engine_stats(s) -> Fields:
-    """The ``EngineStats`` fields that matter: always the step, token and KV-cache figures; the
-    preemption kinds, prefix cache and sharing figures when they are not zero."""
+    """The ``EngineStats`` fields that matter: always the step, token and KV-cache figures with the
+    prefix-cache hit rate and the blocks saved by sharing (a zero there is an answer too); the
+    preemption kinds, cached tokens and copy-on-write count when they are not zero."""
     always = ("num_steps", "num_preemptions", "num_prefill_tokens", "num_decode_tokens", "num_generated_tokens",
-              "num_kv_blocks", "num_used_blocks", "peak_used_blocks", "kv_utilization_mean")
-    when_set = ("num_recomputes", "num_swaps_out", "num_swaps_in", "prefix_cache_hit_rate", "num_cached_tokens",
-                "sharing_savings_mean", "peak_sharing_savings", "num_copy_on_write")
+              "num_kv_blocks", "num_used_blocks", "peak_used_blocks", "kv_utilization_mean", "prefix_cache_hit_rate",
+              "sharing_savings_mean", "peak_sharing_savings")
+    when_set = ("num_recomputes", "num_swaps_out", "num_swaps_in", "num_cached_tokens", "num_copy_on_write")
     fields = []
     for name in always + when_set:
         value = getattr(s, name)

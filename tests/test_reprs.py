@@ -52,3 +52,19 @@ def test_engine_stats_repr(llm):
     assert f"kv_utilization_mean={s.kv_utilization_mean:.4g}" in r and f"num_kv_blocks={s.num_kv_blocks}" in r
     assert ("num_swaps_out" in r) == bool(s.num_swaps_out)  # zero extras are left out
     assert len(r) < 500
+
+
+def test_engine_stats_repr_always_shows_prefix_cache_and_sharing():
+    import dataclasses
+
+    from pagedgen.engine.llm_engine import EngineStats
+
+    zero = EngineStats(**{f.name: 0.0 if f.type == "float" else 0 for f in dataclasses.fields(EngineStats)})
+    r = repr(zero)  # a run without hits or sharing: the figures say 0, they are not left out
+    assert "prefix_cache_hit_rate=0, sharing_savings_mean=0, peak_sharing_savings=0" in r
+    assert "num_cached_tokens" not in r and "num_copy_on_write" not in r
+    shared = dataclasses.replace(zero, prefix_cache_hit_rate=0.25, num_cached_tokens=48, sharing_savings_mean=0.125,
+                                 peak_sharing_savings=0.5, num_copy_on_write=3)
+    r = repr(shared)
+    assert "prefix_cache_hit_rate=0.25, sharing_savings_mean=0.125, peak_sharing_savings=0.5" in r
+    assert "num_cached_tokens=48" in r and "num_copy_on_write=3" in r
