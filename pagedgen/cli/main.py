@@ -107,7 +107,8 @@ def _run(args, held: contextlib.ExitStack) -> int:
     checks.check_params_fit_model(llm, params, args.model)
 
     car, done, scans = state
-    if args.overwrite or car is None:
+    fresh = args.overwrite or car is None
+    if fresh:
         for path in (args.output, out_errors):  # regular files (_check_output); an empty output is kept as it is
             if os.path.exists(path) and (args.overwrite or path != args.output):
                 os.remove(path)
@@ -124,21 +125,42 @@ def _run(args, held: contextlib.ExitStack) -> int:
         if scan.torn_bytes:
             resume.truncate_to(scan)
             _say(f"repaired {scan.path}: cut {scan.torn_bytes} bytes of an unfinished last line (that row is generated again)")
-    with _UserErrors(f"cannot write --output {args.output!r}: "):
-        car.save()  # first the sidecar, then the output: an output never exists without one
-        if not os.path.exists(args.output):
-            open(args.output, "ab").close()
-            sidecar.fsync_dir(args.output)
+    made = [out_sidecar] if fresh else []  # what this run creates: removed if it ends without writing a row
+    try:
+        with _UserErrors(f"cannot write --output {args.output!r}: "):
+            car.save()  # first the sidecar, then the output: an output never exists without one
+            if not os.path.exists(args.output):
+                made.append(args.output)
+                open(args.output, "ab").close()
+                sidecar.fsync_dir(args.output)
+    except BaseException:
+        _remove_unwritten(made, args.output, out_errors)
+        raise
     # What exists now (model, tokenizer, imported modules: ~200k objects) lives to the end of the run:
     # frozen, Python's full collections skip it. Rows are allocated while others run, so the run
     # triggers full collections, each ~0.2 s over the unfrozen heap (~5% of a 10k-row run on
     # stories260K); vLLM freezes after start-up too. Unfrozen afterwards (main() may run in-process).
     gc.collect()
     gc.freeze()
+    rc = None
     try:
-        return _generate(args, llm, fmt, spec, params, car, done, out_errors, scans[0].rows if scans else 0)
+        rc = _generate(args, llm, fmt, spec, params, car, done, out_errors, scans[0].rows if scans else 0)
+        return rc
     finally:
         gc.unfreeze()
+        if rc != 0:  # refused at a bad first row, interrupted, failed: a run that wrote nothing leaves nothing
+            _remove_unwritten(made, args.output, out_errors)
+
+
+def _remove_unwritten(made: list[str], output: str, errors: str) -> None:
+    """Remove the files in ``made`` (this run's new sidecar and output) when no row was written: the
+    output is empty and there is no errors file. Then they cannot hold the next run to this run's
+    flags (a corrected --prompt-field, say). Called while the output's lock is held."""
+    if os.path.exists(errors) or (os.path.exists(output) and os.path.getsize(output)):
+        return
+    for path in made:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _check_input(args) -> str:
@@ -163,6 +185,8 @@ def _check_output(args, paths: tuple[str, ...]) -> None:
     symbolic link or something else than a regular file, or cannot be written (checked before any
     work: pagedgen never removes or replaces a path that is not a regular file it writes)."""
     out = args.output
+    if not out:
+        raise CLIError("--output '': give the path of the output file")
     if out == "-":
         raise CLIError("--output -: writing to stdout is not supported (the output must be a file that a rerun can "
                        "resume); give a file path")
@@ -226,10 +250,10 @@ def _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint):
     done = resume.DoneSet()
     if args.overwrite or not os.path.exists(args.output):
         return None, done, []
+    if os.path.getsize(args.output) == 0 and not os.path.exists(out_errors):
+        return None, done, []  # no row written (by any run): nothing to resume, whatever flags started it
     car = sidecar.Sidecar.load(out_sidecar)
     if car is None:
-        if os.path.getsize(args.output) == 0:
-            return None, done, []
         raise CLIError(f"--output {args.output!r} exists and has no sidecar {out_sidecar!r}, so it was not written by a "
                        f"resumable pagedgen run: pass --overwrite to replace it, or choose another output")
     car.check(model_fp, fingerprint, args.output)
@@ -238,6 +262,8 @@ def _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint):
             car.check_input_file(args.input, fmt, args.output)
     kind = "openai" if fmt == "openai" else "rows"
     scans = [resume.scan(args.output, kind, done, args.index_field), resume.scan(out_errors, kind, done, args.index_field)]
+    if not args.unordered:
+        resume.check_in_order(done, scans, kind, args.index_field)
     if done.max_index >= car.input_rows:
         raise CLIError(f"{args.output!r} holds row {done.max_index}, past the {car.input_rows} input rows its sidecar "
                        f"vouches for (the sidecar is stale or was replaced): pass --overwrite to start again")
@@ -308,7 +334,7 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
             writer.close()
         raise
     bar.close()
-    _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None)
+    _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None, outcome.completed)
     total_done = done.count + stats.generated + stats.bad
     in_output = rows_in_output + writer.rows_written
     kept = f"{in_output:,} {'row is' if in_output == 1 else 'rows are'} in {args.output!r}"
@@ -330,6 +356,6 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     return 0
 
 
-def _say_summary(stats, llm, output, errors) -> None:
+def _say_summary(stats, llm, output, errors, completed: bool) -> None:
     engine_stats = llm.get_stats() if hasattr(llm, "get_stats") else None
-    print(progress_mod.summary(stats, engine_stats, output, errors), file=sys.stderr, flush=True)
+    print(progress_mod.summary(stats, engine_stats, output, errors, completed), file=sys.stderr, flush=True)

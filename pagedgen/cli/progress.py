@@ -107,8 +107,9 @@ class Progress:
             self.bar.close()
 
 
-def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str]) -> str:
-    """The closing summary (two or three lines)."""
+def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], completed: bool = True) -> str:
+    """The closing summary (two or three lines); ``completed``: the run went through every row (it
+    was not stopped at a bad row, a read error or a signal)."""
     s, t = stats, max(stats.elapsed, 1e-9)
     total = s.already_done + s.generated + s.bad
     lines = [
@@ -116,7 +117,13 @@ def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str]) -
         f"{' (in the errors file)' if s.bad else ''}; {s.prompt_tokens:,} prompt and {s.output_tokens:,} output tokens in {t:.1f} s "
         f"({s.output_tokens / t:,.0f} output tok/s, {(s.prompt_tokens + s.output_tokens) / t:,.0f} tok/s in all)",
     ]
-    if engine_stats is not None:
+    if engine_stats is not None and engine_stats.num_steps == 0:  # no KV cache figures to give: no engine step ran
+        if not completed:
+            lines.append("pagedgen: the run stopped before the engine ran a step")
+        else:
+            why = "the rows left were all bad" if s.bad else "every row was done by an earlier run" if s.already_done else "the input has no rows"
+            lines.append(f"pagedgen: nothing was left to generate ({why})")
+    elif engine_stats is not None:
         e = engine_stats
         lines.append(
             f"pagedgen: KV cache utilization {e.kv_utilization_mean:.1%} (mean over {e.num_steps:,} steps, peak "

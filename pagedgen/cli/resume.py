@@ -50,6 +50,12 @@ class DoneSet:
         self.max_index = max(self.max_index, index)
         return True
 
+    def first_missing(self) -> int:
+        """The smallest index not in the set."""
+        byte = next((i for i, b in enumerate(self._bits) if b != 0xFF), len(self._bits))
+        value = self._bits[byte] if byte < len(self._bits) else 0
+        return byte * 8 + next(bit for bit in range(9) if not value >> bit & 1)
+
     def __contains__(self, index: int) -> bool:
         byte, bit = divmod(index, 8)
         return byte < len(self._bits) and bool(self._bits[byte] >> bit & 1)
@@ -64,6 +70,7 @@ class Scan:
     good_bytes: int = 0
     torn_bytes: int = 0
     rows: int = 0
+    in_order: bool = True  # the rows' indices increase line by line
 
 
 def scan(path: str, kind: str, done: DoneSet, index_field: str = "index") -> Scan:
@@ -83,6 +90,7 @@ def scan(path: str, kind: str, done: DoneSet, index_field: str = "index") -> Sca
     size = os.path.getsize(path)
     bad = None  # (line number, offset, line) of a line that is not a finished row: allowed only last
     offset = 0
+    last = -1
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if bad is not None:
@@ -101,6 +109,8 @@ def scan(path: str, kind: str, done: DoneSet, index_field: str = "index") -> Sca
             index = int(match.group(1))
             if not done.add(index):
                 raise CLIError(f"{path}:{lineno}: row {index} is written twice (the file was edited?): remove one, or pass --overwrite")
+            result.in_order = result.in_order and index > last
+            last = index
             result.rows += 1
     if bad is not None and bad[2].endswith(b"\n") and _is_json(bad[2]):
         raise CLIError(f"{path}:{bad[0]}: a complete line that is not a row pagedgen writes (the file was edited or "
@@ -126,3 +136,38 @@ def truncate_to(result: Scan) -> None:
         f.truncate(result.good_bytes)
         f.flush()
         os.fsync(f.fileno())
+
+
+def check_in_order(done: DoneSet, scans: list[Scan], kind: str, index_field: str = "index") -> None:
+    """In input order (the default) a row is written only after every earlier row, so the output and
+    the errors file together hold rows ``0 .. max_index``, each file in increasing order. A hole
+    (a line deleted by hand to have that row generated again) would be filled by appending the row
+    at the end, out of order: refused instead, naming the line after the hole.
+
+    Raises:
+        CLIError: a row is missing before the last one, or a file's rows are not in increasing order.
+    """
+    missing = done.first_missing() if done.count != done.max_index + 1 else None
+    if missing is None and all(s.in_order for s in scans):
+        return
+    pattern = index_pattern(kind, index_field)  # read again to name the line: only when something is wrong
+    for path in (s.path for s in scans):
+        if not os.path.exists(path):
+            continue
+        last = -1
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                match = pattern.match(line) if line.endswith(b"\n") else None
+                if not match:
+                    break  # a torn last line (scan allows no other)
+                index = int(match.group(1))
+                if index < last:
+                    raise CLIError(f"{path}:{lineno}: row {index} comes after row {last}, but the output keeps input "
+                                   f"order (the file was edited?): restore the order, or pass --overwrite to start again")
+                if missing is not None and index > missing:
+                    raise CLIError(
+                        f"{path}:{lineno}: row {missing} is missing before this line's row {index} (it is in neither "
+                        f"the output nor the errors file: a line was deleted?). The output keeps input order, so a missing "
+                        f"row cannot be appended at the end: to generate rows again, remove their lines and every line "
+                        f"after them (those rows are generated again too), or pass --overwrite to start again")
+                last = index
