@@ -1,6 +1,7 @@
 """The progress bar (rows done, output tokens/s, ETA) and the closing summary.
 
-The bar's total is the input's row count, counted in a background thread while generation starts
+The bar (plain lines where stderr is not a terminal: ``pagedgen.progress.bar_options``) counts rows;
+its total is the input's row count, counted in a background thread while generation starts
 (a fast newline count for the line formats, the metadata for Parquet); from stdin it is unknown.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional
 from pagedgen.cli import readers
 from pagedgen.cli.errors import CLIError
 from pagedgen.cli.json_array import iter_json_array
+from pagedgen.progress import bar_options
 
 _BLANK_LINE = re.compile(rb"^[ \t\r]*\n", re.M)
 _CHUNK = 4 << 20
@@ -86,7 +88,7 @@ class Progress:
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=None, initial=stats.already_done, unit="row", desc="pagedgen", dynamic_ncols=True, mininterval=0.5)
+            self.bar = tqdm(total=None, initial=stats.already_done, unit="row", desc="pagedgen", **bar_options(tqdm, mininterval=0.5))
 
     def update(self) -> None:
         if self.bar is None:
