@@ -337,7 +337,7 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None, outcome.completed)
     total_done = done.count + stats.generated + stats.bad
     in_output = rows_in_output + writer.rows_written
-    kept = f"{in_output:,} {'row is' if in_output == 1 else 'rows are'} in {args.output!r}"
+    kept = f"{in_output:,} {'row is' if in_output == 1 else 'rows are'} in {args.output!r}" if in_output else "no row was written"
     if outcome.bad_row is not None:
         row, reason = outcome.bad_row
         where = "<stdin>" if args.input == "-" else args.input
