@@ -77,3 +77,34 @@ def test_this_machine_toolkit_is_found_without_cuda_home(setup_py, monkeypatch):
     monkeypatch.delenv("CUDA_PATH", raising=False)
     found = setup_py.find_cuda_home()
     assert found is not None and setup_py.is_cuda_toolkit(found)
+
+
+class _Torch:
+    """The two fields of torch that setup.py's choice reads."""
+
+    def __init__(self, cuda):
+        self.version = type("version", (), {"cuda": cuda})()
+        self.__version__ = "2.x+test"
+
+
+def test_no_toolkit_builds_the_cpu_kernels_alone_with_a_warning(setup_py, monkeypatch, capsys):
+    monkeypatch.setattr(setup_py, "find_cuda_home", lambda: None)
+    monkeypatch.delenv("PAGEDGEN_NO_CUDA", raising=False)
+    assert setup_py._use_cuda(_Torch("13.0")) is False
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "no CUDA toolkit was found" in err and "CPU kernels only" in err
+    assert setup_py._use_cuda(_Torch(None)) is False and capsys.readouterr().err == ""  # a CPU-only torch: nothing to say
+
+
+def test_the_toolkit_found_is_the_one_cpp_extension_uses(setup_py, tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    toolkit = _toolkit(tmp_path / "cuda")
+    monkeypatch.setattr(setup_py, "find_cuda_home", lambda: toolkit)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)  # restored afterwards
+    monkeypatch.setenv("CUDA_HOME", "")
+    monkeypatch.delenv("PAGEDGEN_NO_CUDA", raising=False)
+    assert setup_py._use_cuda(_Torch("13.0")) is True
+    assert os.environ["CUDA_HOME"] == toolkit and cpp_extension.CUDA_HOME == toolkit
+    monkeypatch.setenv("PAGEDGEN_NO_CUDA", "1")
+    assert setup_py._use_cuda(_Torch("13.0")) is False
