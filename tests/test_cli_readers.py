@@ -3,6 +3,7 @@ own (1-based, blank lines counted), bad rows reported not dropped, spans concate
 bytes (the resume check hashes them), and memory flat (rows come from a generator)."""
 import io
 import json
+import time
 
 import pytest
 
@@ -84,6 +85,21 @@ def test_json_array_small_chunks_match_one_chunk():
     for chunk in (1, 2, 3, 7):
         assert list(iter_json_array(io.BytesIO(data), "x", chunk_size=chunk)) == whole
     assert [v for _, _, _, v, _ in whole][-3:] == ["s", 1.5, None]
+
+
+def test_json_array_line_numbers_cost_one_pass():
+    """Numbering elements counts newlines from the previous element, not from the buffer's start:
+    with 1 MiB reads, 100k small elements took 15x as long as with 8 KiB reads before (21 s vs 1.5 s)."""
+    data = b"[" + b"1,\n" * 100_000 + b"1]"
+
+    def seconds(chunk_size):
+        start = time.perf_counter()
+        lines = [line for line, *_ in iter_json_array(io.BytesIO(data), "x", chunk_size=chunk_size, parse=False)]
+        assert lines[-1] == 100_001 and len(lines) == 100_001
+        return time.perf_counter() - start
+
+    small, big = seconds(8 << 10), seconds(1 << 20)
+    assert big < 3 * small + 0.2, f"{big:.2f} s with 1 MiB reads vs {small:.2f} s with 8 KiB reads"
 
 
 def test_openai_batch_detected(tmp_path):

@@ -69,13 +69,24 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
     """
     buf = b""
     base = 0  # file offset of buf[0]
-    line = 1  # line number at buf[0]
     pos = 0  # next unread position in buf
     consumed = 0  # buf index up to which bytes were handed out in spans
+    counted = 0  # buf index up to which newlines are counted ...
+    line = 1  # ... and the line number there
     eof = False
 
+    def where(i: int) -> int:
+        """Line number at ``buf[i]``. Counts from the last position asked about, so that numbering every
+        element costs one pass over the file (counting from buf[0] each time was quadratic in the buffer)."""
+        nonlocal counted, line
+        if i >= counted:
+            line += buf.count(b"\n", counted, i)
+            counted = i
+            return line
+        return line - buf.count(b"\n", i, counted)
+
     def more(min_new: int) -> bool:
-        nonlocal buf, base, line, pos, consumed, eof
+        nonlocal buf, base, pos, consumed, counted, eof
         if eof:
             return False
         data = f.read(max(chunk_size, min_new))
@@ -83,8 +94,8 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
             eof = True
             return False
         # drop what was already handed out
-        line += buf.count(b"\n", 0, consumed)
-        buf, base, pos, consumed = buf[consumed:] + data, base + consumed, pos - consumed, 0
+        where(consumed)  # the count reaches at least buf[consumed], which becomes buf[0]
+        buf, base, pos, counted, consumed = buf[consumed:] + data, base + consumed, pos - consumed, counted - consumed, 0
         return True
 
     def skip_ws() -> None:
@@ -93,9 +104,6 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
             pos = _WS.match(buf, pos).end()
             if pos < len(buf) or not more(0):
                 return
-
-    def where(i: int) -> int:
-        return line + buf.count(b"\n", 0, i)
 
     skip_ws()
     if buf[pos:pos + 1] != b"[":
