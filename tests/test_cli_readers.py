@@ -81,10 +81,18 @@ def _write(tmp_path, data):
 def test_json_array_small_chunks_match_one_chunk():
     """Element boundaries found across buffer refills (chunks of 1..7 bytes) equal one big read."""
     data = json.dumps([{"prompt": "p" * i + '",]\\', "k": [i, {"z": "}"}]} for i in range(30)] + ["s", 1.5, None], indent=1).encode()
+    # Non-ASCII text raw and escaped, invalid UTF-8 in a string, a bad element, a number past Python's
+    # int limit: whole elements in the buffer take the C decoder's fast path, split ones the scanner's.
+    data = data[:-2] + b",\n" + b", ".join([
+        '{"prompt": "café 日本", "e": "\\u00e9"}'.encode(), b'{"prompt": "\xff\xfe"}', '{"prompt": "é 日本 [\\"]"}'.encode(),
+        b"[1, tru]", b'{"n": 1' + b"9" * 5000 + b"}", b'{"ok": 1}']) + b"\n]"
     whole = list(iter_json_array(io.BytesIO(data), "x"))
     for chunk in (1, 2, 3, 7):
         assert list(iter_json_array(io.BytesIO(data), "x", chunk_size=chunk)) == whole
-    assert [v for _, _, _, v, _ in whole][-3:] == ["s", 1.5, None]
+    values = [v for _, _, _, v, _ in whole]
+    assert values[30:33] == ["s", 1.5, None] and values[33] == {"prompt": "café 日本", "e": "é"}
+    assert whole[34][4] == "not valid JSON (invalid start byte)" and values[35] == {"prompt": "é 日本 [\"]"}
+    assert whole[36][4] == "not valid JSON (Expecting value)" and "4300" in whole[37][4] and values[38] == {"ok": 1}
 
 
 def test_json_array_line_numbers_cost_one_pass():
