@@ -34,6 +34,8 @@ def test_jsonl_lines_blank_lines_and_bad_rows(tmp_path):
     assert rows[3].error == "expected a JSON object (or a string prompt), got a JSON list"
     assert rows[4].error.startswith("not valid UTF-8")
     assert rows[5].fields == {"prompt": "c"} and rows[5].error is None
+    _, rows = _rows(tmp_path, "big.jsonl", b'{"n": 1' + b"9" * 5000 + b'}\n{"prompt": "d"}\n')  # past Python's int limit
+    assert "not valid JSON" in rows[0].error and "4300" in rows[0].error and rows[1].fields == {"prompt": "d"}
 
 
 def test_text_lines(tmp_path):
