@@ -18,8 +18,8 @@ import pytest
 from conftest import ROOT
 
 # Building the wheel compiles the CPU kernels: ~80 s on a quiet 2-core machine (MAX_JOBS=2; 150-340 s
-# on one shared with other builds). "slow" is a
-# label only: the README's test command runs every test of tests/, these included.
+# on one shared with other builds). "slow" is a label only: the README's test command runs every test
+# of tests/, these included.
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Once upon a time", "The little dog"]
