@@ -40,7 +40,7 @@ THROUGHPUT_CMD="benchmarks/throughput.py --device cuda --dtype bfloat16 --model 
 # name, cap in seconds, command (run by bash -c; exit status 99 = skipped, not failed)
 STAGES=(
   "env|30|nvidia-smi; \$PYTHON -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))'; nvcc --version | tail -n 2"
-  "build|240|CUDA_HOME=\$CUDA_HOME TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"
+  "build|240|TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"
   "tests|180|\$PYTHON -m pytest -q -p no:cacheprovider $GPU_TESTS --junitxml=$OUT_DIR/pytest.xml"
   "kernels|120|\$PYTHON benchmarks/kernels.py --out $OUT_DIR"
   "end-to-end|150|run_end_to_end"
@@ -107,12 +107,8 @@ case "${1:-}" in
   *) echo "gpu_check: unknown argument $1" >&2; usage >&2; exit 2 ;;
 esac
 
-if [ -z "${CUDA_HOME:-}" ]; then
-  if [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_HOME=/usr/local/cuda
-  elif command -v nvcc >/dev/null; then CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
-  fi
-fi
-export CUDA_HOME PYTHON SHAREGPT
+# The CUDA toolkit: setup.py finds it (CUDA_HOME if set, else the nvcc on the PATH, /usr/local/cuda*).
+export PYTHON SHAREGPT
 export PAGEDGEN_SHAREGPT_LENGTHS=$PWD/$SHAREGPT  # for the end-to-end benchmark, if it wants it
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout's pagedgen, with its in-place _C
 export PYTHONUNBUFFERED=1

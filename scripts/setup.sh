@@ -2,7 +2,7 @@
 # Set-up: makes .venv, installs the pinned dependencies (requirements.txt, then the integrations'
 # requirements-extras.txt) and builds the extension pagedgen._C. Idempotent: each step runs only when
 # what it depends on has changed.
-# Facts behind the flags: ../shared/ENVIRONMENT.md (torch 2.14.1 CUDA 13.0 build, CUDA_HOME, -g0).
+# Facts behind the flags: ../shared/ENVIRONMENT.md (torch 2.14.1 CUDA 13.0 build, CUDA toolkit, -g0).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
@@ -31,12 +31,8 @@ if [ "$(cat "$VENV/.pagedgen-extras" 2>/dev/null)" != "$extras_hash" ]; then
   echo "$extras_hash" > "$VENV/.pagedgen-extras"
 fi
 
-# CUDA toolkit for compiling csrc/cuda/*.cu (the wrapper nvcc on PATH lives elsewhere).
-if [ -z "${CUDA_HOME:-}" ]; then
-  for d in /usr/local/cuda /usr/local/cuda-13.0; do
-    if [ -x "$d/bin/nvcc" ]; then export CUDA_HOME="$d"; break; fi
-  done
-fi
+# The CUDA toolkit for csrc/cuda/*.cu: setup.py finds it (find_cuda_home: CUDA_HOME if set, else the
+# toolkit of the nvcc on the PATH, else /usr/local/cuda*); the last line below says whether it did.
 export MAX_JOBS=${MAX_JOBS:-2}
 
 # The CPU kernels are built with -march=native: a checkout moved to another CPU kind (the same
@@ -44,7 +40,7 @@ export MAX_JOBS=${MAX_JOBS:-2}
 cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)
 src_hash=$( (find setup.py pyproject.toml csrc -type f | LC_ALL=C sort | xargs cat; echo "$cpu_flags"; echo "${CUDA_HOME:-}") | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedgen/_C*.so >/dev/null 2>&1; then
-  echo "[setup] building the extension pagedgen._C (CUDA_HOME=${CUDA_HOME:-none}; a few minutes)"
+  echo "[setup] building the extension pagedgen._C (a few minutes)"
   cpu_hash=$(echo "$cpu_flags" | sha256sum | cut -c1-16)
   if [ "$(cat "$VENV/.pagedgen-cpu" 2>/dev/null)" != "$cpu_hash" ]; then
     # Another CPU kind: ninja would find the objects of build/ up to date (the -march=native
@@ -55,4 +51,4 @@ if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedge
   echo "$src_hash" > "$VENV/.pagedgen-ext"
   echo "$cpu_hash" > "$VENV/.pagedgen-cpu"
 fi
-"$PY" -c "import pagedgen.ops as o; assert o.extension_available('cpu'), o.extension_error('cpu'); print('[setup] ok: pagedgen._C loaded')"
+"$PY" -c "import pagedgen.ops as o; assert o.extension_available('cpu'), o.extension_error('cpu'); print('[setup] ok: pagedgen._C loaded, CUDA kernels', 'built' if o.extension_available('cuda') else 'not built (PAGEDGEN_NO_CUDA=1, a CPU-only torch or no CUDA toolkit found: see setup.py)')"

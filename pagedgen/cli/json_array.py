@@ -4,7 +4,16 @@ The scanner finds each top-level element's byte extent (strings and nesting trac
 brackets inside strings do not count) and hands just those bytes to ``json.loads``. An element that
 is not valid JSON is one bad row (its line and the decoder's reason); a syntax error *between*
 elements (a missing comma, text after the closing bracket) leaves no way to find the next element,
-so it ends the read with a ``CLIError``.
+so it ends the read with a ``CLIError``. A container that the C decoder (``json.JSONDecoder.raw_decode``)
+accepts whole in the buffer skips the scanner: its end and value come from the decoder.
+
+Why not ijson (measured 2026-12-04, 91 MB array of 200k objects, one process per reader, flat memory
+for both): ijson's C backend read it in 1.0-1.6 s, this reader in 1.9-2.9 s (72-137 s before its line
+counting was made linear and the fast path added). ijson cannot keep what the CLI promises:
+- a bad element is one bad row and the rows after it are still read: ijson stops at the first syntax
+  error (``IncompleteJSONError``) and cannot resume past it;
+- every row has its line and its raw bytes (the resume check hashes the input row by row, the errors
+  file quotes a bad row): ijson's events carry no line or byte offset.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ _STRUCT = re.compile(rb'["\[\]{}]')  # inside a container: the next char that ch
 _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # after an opening quote, through the closing one
 _SCALAR_END = re.compile(rb"[,\]\s]")
 MAX_ELEMENT_BYTES = 256 << 20
+_DECODER = json.JSONDecoder()
 
 
 class _Incomplete(Exception):
@@ -69,13 +79,25 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
     """
     buf = b""
     base = 0  # file offset of buf[0]
-    line = 1  # line number at buf[0]
     pos = 0  # next unread position in buf
     consumed = 0  # buf index up to which bytes were handed out in spans
+    counted = 0  # buf index up to which newlines are counted ...
+    line = 1  # ... and the line number there
+    text = None  # buf decoded as Latin-1 (one character per byte), made when first needed
     eof = False
 
+    def where(i: int) -> int:
+        """Line number at ``buf[i]``. Counts from the last position asked about, so that numbering every
+        element costs one pass over the file (counting from buf[0] each time was quadratic in the buffer)."""
+        nonlocal counted, line
+        if i >= counted:
+            line += buf.count(b"\n", counted, i)
+            counted = i
+            return line
+        return line - buf.count(b"\n", i, counted)
+
     def more(min_new: int) -> bool:
-        nonlocal buf, base, line, pos, consumed, eof
+        nonlocal buf, base, pos, consumed, counted, text, eof
         if eof:
             return False
         data = f.read(max(chunk_size, min_new))
@@ -83,8 +105,9 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
             eof = True
             return False
         # drop what was already handed out
-        line += buf.count(b"\n", 0, consumed)
-        buf, base, pos, consumed = buf[consumed:] + data, base + consumed, pos - consumed, 0
+        where(consumed)  # the count reaches at least buf[consumed], which becomes buf[0]
+        buf, base, pos, counted, consumed = buf[consumed:] + data, base + consumed, pos - consumed, counted - consumed, 0
+        text = None
         return True
 
     def skip_ws() -> None:
@@ -93,9 +116,6 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
             pos = _WS.match(buf, pos).end()
             if pos < len(buf) or not more(0):
                 return
-
-    def where(i: int) -> int:
-        return line + buf.count(b"\n", 0, i)
 
     skip_ws()
     if buf[pos:pos + 1] != b"[":
@@ -122,7 +142,20 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
             if buf[pos:pos + 1] in (b"]", b""):
                 raise CLIError(f"{name}:{where(pos)}: expected an array element after ','")
         start = pos
-        while True:
+        value = error = None
+        end = fast = None
+        if buf[start:start + 1] in (b"{", b"["):
+            # Fast path: the C decoder finds a valid container's end. On the Latin-1 view of the
+            # bytes, offsets are byte offsets and UTF-8's multi-byte characters (bytes >= 0x80) can
+            # never be taken for a quote, backslash or bracket. Anything it rejects (invalid, or cut
+            # by the buffer's end) goes the scanner's way below.
+            if text is None:
+                text = buf.decode("latin-1")
+            try:
+                fast, end = _DECODER.raw_decode(text, start)
+            except ValueError:  # JSONDecodeError, or an integer past Python's 4,300 digits
+                end = None
+        while end is None:
             try:
                 end = _element_end(buf, start)
                 break
@@ -137,12 +170,15 @@ def iter_json_array(f: BinaryIO, name: str, chunk_size: int = 1 << 20, parse: bo
                         raise CLIError(f"{name}:{where(start)}: the file ends inside an array element") from None
                     end = len(buf)  # a scalar running to the end of the file
                     break
-        value = error = None
-        if parse:
+        if not parse:
+            pass
+        elif fast is not None and buf[start:end].isascii():
+            value = fast  # ASCII: the Latin-1 view decoded exactly what json.loads would
+        else:
             try:
                 value = json.loads(buf[start:end])
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                error = f"not valid JSON ({getattr(exc, 'msg', None) or exc.reason})"
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer past 4,300 digits
+                error = f"not valid JSON ({getattr(exc, 'msg', None) or getattr(exc, 'reason', None) or exc})"
         elem_line = where(start)
         span = buf[consumed:end]
         consumed = pos = end

@@ -130,6 +130,8 @@ def read_json_lines(f: BinaryIO, prompt_field: str) -> Iterator[Row]:
                 value = json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 error = f"not valid JSON ({exc.msg}: column {exc.colno})"
+            except ValueError as exc:  # an integer past Python's 4,300 digits
+                error = f"not valid JSON ({exc})"
             else:
                 fields, error = _as_fields(value, prompt_field, raw)
         yield Row(index, lineno, fields, error, span)

@@ -4,20 +4,22 @@ the safetensors weights into it (``pagedgen.model.weights``).
 
 Only safetensors are read: pickled ``.bin`` checkpoints are refused (they can run code when loaded).
 Every problem with a file is an error naming the file: ``FileNotFoundError`` for a missing one,
-``CheckpointError`` (a ``ValueError``) for one that is there but unusable.
+``CheckpointError`` (a ``ValueError``, from ``files``) for one that is there but unusable.
+
+Imports run one way: ``loader`` -> ``weights`` -> ``files`` (``CheckpointError``, ``read_json``).
 """
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Union
 
 import torch
 
 from pagedgen.config import ModelConfig
-from pagedgen.model import registry
+from pagedgen.model import registry, weights
 from pagedgen.model.base import layer_sliding_windows
+from pagedgen.model.files import CheckpointError, read_json
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,15 +28,6 @@ REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num
 
 #: Files of which at least one makes a folder a tokenizer folder for transformers' AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tekken.json")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file exists but cannot be used (not JSON, a truncated or corrupt safetensors
-    file, fields missing...). ``path`` is the file (or folder) at fault."""
-
-    def __init__(self, path: str, why: str) -> None:
-        super().__init__(f"{path}: {why}")
-        self.path = path
 
 
 def check_model_folder(path: str) -> None:
@@ -72,18 +65,6 @@ def resolve_dtype(dtype: Union[str, torch.dtype], hf_config) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {dtype!r}")
     return _DTYPES[name]
-
-
-def read_json(file: str) -> dict:
-    """The JSON object in ``file``; CheckpointError naming it when it is not one."""
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(file, f"is not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(file, f"must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 def load_hf_config(path: str):
@@ -138,8 +119,6 @@ def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
 
 def load_model(path: str, hf_config, config: ModelConfig, device: Union[str, torch.device] = "cpu"):
     """The model of the checkpoint folder ``path``, its weights streamed in (``weights.load_model``)."""
-    from pagedgen.model import weights
-
     _, cls = registry.resolve_architecture([config.architecture])
     return weights.load_model(cls, path, hf_config, config, torch.device(device))
 

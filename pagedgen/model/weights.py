@@ -31,7 +31,7 @@ from torch import nn
 from pagedgen.config import ModelConfig
 from pagedgen.layers.loading import WeightShapeError, weight_loader
 from pagedgen.model.base import CausalLM
-from pagedgen.model.loader import CheckpointError, read_json
+from pagedgen.model.files import CheckpointError, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
