@@ -41,38 +41,18 @@ Sharing (paper sections 4.3-4.4):
   Blocks whose count drops to 0 keep their hash and stay findable until the pool needs them:
   the free queue hands out the least recently freed block first and forgets its hash then (LRU).
 
-**After an aborted step nothing stays findable.** A block is named and entered in the prefix cache
-when ``allocate`` fills it, before the model step writes it, so that a sequence admitted in the same
-step can share it: the forward pass writes every token's keys and values of a layer before any
-attention of that layer reads them. If the step is interrupted instead (any exception, a
-KeyboardInterrupt between any two bytecodes), those entries name blocks of garbage. So the engine
-then frees every sequence and calls ``repair``, which empties the prefix cache, checks the pool
-(``check``) and, if an interrupt landed inside the bookkeeping, rebuilds the free queue and the
-counts from scratch. Emptying the whole cache (not only the aborted step's entries) also makes the
-engine exactly a fresh one, up to the numbering of its blocks: the next call's outputs equal a
-fresh LLM's bit for bit, where cache hits would change the batches (the kernels are not
-batch-invariant, so a row's logits can differ in the last bits with the other rows of its step).
+**After an aborted step nothing stays findable**: see ``block_pool_check``, which holds ``check`` and
+``repair``.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+from pagedgen.engine import block_pool_check
+from pagedgen.engine.blocks import RELEASED, cdiv, hash_block
 
-RELEASED = 0  # block-table entry of a block released before the sliding window (never read)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def hash_block(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
-    """Name of a full block: sha256 over the parent block's name and this block's token ids."""
-    h = hashlib.sha256(parent or b"root")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+__all__ = ["RELEASED", "BlockManager", "NoFreeBlocksError", "cdiv", "hash_block"]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -458,72 +438,12 @@ class BlockManager:
                 self._block_hash[block] = name
                 self._cached[name] = block
 
-    # ----- after an aborted step -----------------------------------------------------------------
+    # ----- after an aborted step (block_pool_check.py) ----------------------------------------------
     def check(self) -> list[str]:
-        """Problems with the pool's bookkeeping (empty when it is whole): every block is in the free
-        queue exactly once or held by as many block tables as its reference count says, the slot and
-        logical-block counters agree with the tables, and every prefix-cache entry names a full block
-        that knows its name. Costs one pass over the blocks and the tables."""
-        problems = []
-        counts = [0] * self.num_blocks
-        filled = [0] * self.num_blocks
-        bs = self.block_size
-        held_entries = 0
-        for seq_id, table in self._tables.items():
-            n = self._num_tokens.get(seq_id, 0)
-            if cdiv(n, bs) != len(table):
-                problems.append(f"sequence {seq_id} holds {n} tokens in {len(table)} blocks")
-            released = self._released.get(seq_id, 0)
-            if not 0 <= released <= len(table) or any(b != RELEASED for b in table[:released]):
-                problems.append(f"sequence {seq_id}'s {released} released entries are not placeholders")
-            for i in range(released, len(table)):
-                b = table[i]
-                counts[b] += 1
-                filled[b] = max(filled[b], min(bs, n - i * bs))
-            held_entries += len(table) - released
-        if not set(self._released) <= set(self._tables):
-            problems.append("released entries recorded for a sequence without a table")
-        if len(self._free) + sum(c > 0 for c in counts) != self.num_blocks:
-            problems.append(f"{len(self._free)} free + {sum(c > 0 for c in counts)} held blocks != {self.num_blocks}")
-        for b in range(self.num_blocks):
-            if self._ref_counts[b] != counts[b]:
-                problems.append(f"block {b} has reference count {self._ref_counts[b]} but {counts[b]} tables hold it")
-            if (b in self._free) != (counts[b] == 0):
-                problems.append(f"block {b} is {'free' if b in self._free else 'not free'} with {counts[b]} owners")
-        held = [b for b in range(self.num_blocks) if counts[b]]
-        if self._used_slots != sum(filled[b] for b in held):
-            problems.append(f"used slots {self._used_slots} != {sum(filled[b] for b in held)}")
-        if self._logical_blocks != held_entries:
-            problems.append(f"logical blocks {self._logical_blocks} != {held_entries}")
-        for name, b in self._cached.items():
-            if self._block_hash[b] != name or self._filled[b] != bs:
-                problems.append(f"prefix-cache entry of block {b} is inconsistent")
-        return problems
+        """Problems with the pool's bookkeeping, empty when it is whole (``block_pool_check.check``)."""
+        return block_pool_check.check(self)
 
     def repair(self) -> list[str]:
-        """After an aborted step, once the caller has freed every sequence it knows: free whatever
-        is still held, empty the prefix cache (see the module docstring), then ``check``; if a
-        problem remains (an interrupt landed inside the bookkeeping), rebuild the pool from
-        scratch. Returns the problems found (empty when the pool was whole)."""
-        for seq_id in list(self._tables):
-            self.free(seq_id)
-        self._cached = {}
-        self._block_hash = [None] * self.num_blocks
-        for b in self._free:
-            self._filled[b] = 0
-        self._pending_copies = []
-        problems = self.check()
-        if problems:
-            self._rebuild()
-        return problems
-
-    def _rebuild(self) -> None:
-        """Every block free and empty (the free queue's order kept, lost blocks at its end), no
-        tables, the counters zero."""
-        order = [b for b in self._free if 0 <= b < self.num_blocks]
-        order += [b for b in range(self.num_blocks) if b not in self._free]
-        self._free = OrderedDict.fromkeys(order)
-        self._ref_counts = [0] * self.num_blocks
-        self._filled = [0] * self.num_blocks
-        self._tables, self._num_tokens, self._hashes, self._released = {}, {}, {}, {}
-        self._used_slots = self._logical_blocks = 0
+        """Make the pool whole after an aborted step (``block_pool_check.repair``); returns the
+        problems found."""
+        return block_pool_check.repair(self)
