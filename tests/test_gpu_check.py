@@ -78,3 +78,49 @@ def test_gpu_check_prepare_copies_the_sharegpt_lengths(tmp_path):
     r = subprocess.run(["bash", "scripts/gpu_check.sh", "--prepare"], cwd=tmp_path / "repo", capture_output=True,
                        text=True, timeout=60, env={**os.environ, "PAGEDGEN_SHARED": str(tmp_path / "nowhere")})
     assert r.returncode != 0 and "not found" in r.stderr
+
+
+CRASHING_TESTS = '''
+import ctypes
+import os
+
+
+def test_first():
+    pass
+
+
+def test_segfault():
+    ctypes.string_at(0)  # SIGSEGV: kills the pytest process, as the H200 run of 2026-12-04 saw
+
+
+def test_fails():
+    assert os.sep == "no such separator"
+
+
+def test_after_the_crash():
+    pass
+
+
+def test_aborts():
+    os.abort()
+'''
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_tests_stage_names_each_crash_and_runs_the_rest(tmp_path):
+    test_file = tmp_path / "test_crashing.py"
+    test_file.write_text(CRASHING_TESTS)
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--tests", str(test_file)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OUT": str(out), "PYTHON": sys.executable})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    outcomes = {}
+    for line in (out / "tests.txt").read_text().splitlines():
+        outcome, test_id = line.split(" ", 1)
+        outcomes[test_id.rsplit("::", 1)[1]] = outcome
+    assert outcomes == {"test_first": "passed", "test_segfault": "CRASHED", "test_fails": "failed",
+                        "test_after_the_crash": "passed", "test_aborts": "CRASHED"}
+    log = (out / "gpu_check.log").read_text()
+    assert "2 passed, 1 failed, 0 skipped, 2 crashed" in log
+    crash_lines = [line for line in log.splitlines() if line.startswith("[tests] CRASHED ")]
+    assert [line.rsplit("::", 1)[1] for line in crash_lines] == ["test_segfault", "test_aborts"]
