@@ -48,7 +48,7 @@ STAGES=(
   "env|30|nvidia-smi; \$PYTHON -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))'; nvcc --version | tail -n 2"
   "build|240|CUDA_HOME=\$CUDA_HOME TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"
   "tests|180|run_tests $OUT_DIR/tests.txt $GPU_TESTS"
-  "kernels|120|\$PYTHON benchmarks/kernels.py --out $OUT_DIR"
+  "kernels|150|\$PYTHON benchmarks/kernels.py --out $OUT_DIR"
   "end-to-end|150|run_end_to_end"
 )
 

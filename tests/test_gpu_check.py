@@ -1,5 +1,6 @@
 """The CPU-side parts of the GPU run (scripts/gpu_check.sh, benchmarks/kernels.py): argument checks,
 the printed plans, the preparation step. Fast; no GPU needed."""
+import json
 import os
 import shutil
 import subprocess
@@ -32,7 +33,30 @@ def test_kernels_benchmark_quick_and_out_default(tmp_path):
     assert str(tmp_path / "o") in r.stdout
 
 
-@pytest.mark.parametrize("bad", [["--num-heads", "30"], ["--batch", "0"], ["--dtype", "int8"]])
+def test_kernels_benchmark_runs_decode_and_prefill_cases_on_the_cpu(tmp_path):
+    # the GPU run's code path (cases, timing, SDPA with the causal masks, the tables) on tiny sizes
+    from pagedgen import ops
+
+    if not ops.extension_available("cpu"):
+        pytest.skip(f"pagedgen._C CPU kernels unavailable: {ops.extension_error('cpu')}")
+    r = run(sys.executable, "benchmarks/kernels.py", "--device", "cpu", "--dtype", "float32", "--batch", "2",
+            "--context", "40", "--num-heads", "4", "--num-kv-heads", "2", "--head-size", "16", "--block-size", "8",
+            "--prefill-chunk", "8", "24", "--prefill-prefix", "0", "13", "--repeat", "2", "--warmup", "1",
+            "--prefill-repeat", "2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "kernels.json").read_text())
+    assert [(c["batch"], c["context"]) for c in result["cases"]] == [(2, 40)]
+    assert [(c["chunk"], c["prefix"]) for c in result["prefill_cases"]] == [(8, 0), (8, 13), (24, 0), (24, 13)]
+    for case in result["cases"] + result["prefill_cases"]:
+        assert case["paged_ms"] > 0 and case["sdpa_ms"] > 0
+        assert case["max_abs_diff"] < 1e-4, case  # the paged kernel and SDPA's causal masks agree
+    assert result["prefill_cases"][1]["flops"] == 4 * 4 * 16 * (8 * 13 + 8 * 9 // 2)
+    table = (tmp_path / "kernels.txt").read_text()
+    assert "prefill attention" in table and len(table.splitlines()) == 3 + 1 + 2 + 4
+
+
+@pytest.mark.parametrize("bad", [["--num-heads", "30"], ["--batch", "0"], ["--dtype", "int8"], ["--prefill-chunk", "0"],
+                                 ["--prefill-prefix", "-1"], ["--device", "tpu"]])
 def test_kernels_benchmark_rejects_bad_arguments(bad):
     r = run(sys.executable, "benchmarks/kernels.py", "--dry-run", *bad)
     assert r.returncode == 2 and "error" in r.stderr
