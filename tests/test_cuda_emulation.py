@@ -2,7 +2,10 @@
 csrc/cuda as host C++ (one thread per CUDA thread, barriers for __syncthreads and shuffles) and
 this file compares them with the PyTorch reference, as tests/test_ops_cuda.py does on a GPU. It
 checks the kernels' logic (thread layout, masking, online softmax, split-K merge, GQA chunks, the
-host-side plan) where no GPU is available; the GPU tests remain the word on the real thing.
+host-side plan, the trap on a block id outside the cache) where no GPU is available; the GPU tests
+remain the word on the real thing. The emulation builds the kernels without torch, so the op's
+argument checks (csrc/op_checks.h) are not part of it: tests/test_ops_checks.py runs those through
+the compiled CUDA op's own entry.
 
 Needs g++ (C++20) and the CUDA toolkit's headers (cuda_fp16.h); skipped without them.
 """

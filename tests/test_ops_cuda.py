@@ -8,6 +8,10 @@ window, unused blocks, the block that unused block-table entries point to) holds
 poisons the result. Batches are varlen (tests/attention_batches.py): decode rows, prefill chunks,
 padding rows (seq_len 0, zeros) in one call.
 
+Bad arguments: every call of tests/op_bad_calls.py must raise (the checks shared with the CPU
+kernels, csrc/op_checks.h); values the host cannot see without a sync are guarded in the kernels
+(a trap on a block id outside the cache, skipped slots and pairs).
+
 paged_attention picks split-K when fewer than 4 blocks per multiprocessor would run otherwise and
 the block table spans more than 256 tokens (csrc/cuda/attention_params.cuh, plan_attention): the
 small batches below take the split-K path, the ``many_seqs`` and short-context cases the single pass.
