@@ -104,7 +104,9 @@ def _extension():
     use_cuda = _use_cuda(torch)  # before cpp_extension is imported: it reads CUDA_HOME then
     from torch.utils import cpp_extension
 
-    sources = [os.path.join("csrc", "ops.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    # op_checks.cpp: the argument checks every device's kernels share (csrc/op_checks.h).
+    sources = [os.path.join("csrc", f) for f in ("ops.cpp", "op_checks.cpp")]
+    sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # No -std flag: cpp_extension adds the standard the installed torch needs (C++20 for torch 2.14,
     # whose headers use std::strong_ordering; an explicit -std=c++17 breaks them).
     # -ffp-contract=off: a * b + c is a multiply and an add, each rounded, wherever the compiler inlines

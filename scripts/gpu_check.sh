@@ -11,11 +11,17 @@
 #                                         # names benchmarks/_workload.py looks for (git-ignored: carry it)
 #   bash scripts/gpu_check.sh --dry-run   # prints the stages it would run, exits 0
 #   bash scripts/gpu_check.sh             # GPU machine
+#   bash scripts/gpu_check.sh --tests [FILE...]  # the tests stage alone (default: the CUDA test files)
+#
+# Tests: one pytest process runs the test files; when it dies inside a test (a segfault, an abort),
+# that test is recorded as CRASHED and a new process runs the rest (the tests already done
+# deselected), until every test has run. $OUT/tests.txt lists each test's outcome (passed, failed,
+# skipped, error, CRASHED); the log names each crash.
 #
 # With this workplace's device tool: run(command="bash scripts/gpu_check.sh", carry=[".gpu_assets"]).
 # The whole run stays under GPU_CHECK_SECONDS (default 450 s): each stage gets at most its own cap
 # and never more than what is left. $OUT receives few files (the device tool brings back at most 8):
-# summary.txt, gpu_check.log, pytest.xml, kernels.json, kernels.txt, plus what the end-to-end
+# summary.txt, gpu_check.log, tests.txt, kernels.json, kernels.txt, plus what the end-to-end
 # benchmark writes there.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,8 +47,8 @@ THROUGHPUT_CMD="benchmarks/throughput.py --device cuda --dtype bfloat16 --model 
 STAGES=(
   "env|30|nvidia-smi; \$PYTHON -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))'; nvcc --version | tail -n 2"
   "build|240|TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"
-  "tests|180|\$PYTHON -m pytest -q -p no:cacheprovider $GPU_TESTS --junitxml=$OUT_DIR/pytest.xml"
-  "kernels|120|\$PYTHON benchmarks/kernels.py --out $OUT_DIR"
+  "tests|180|run_tests $OUT_DIR/tests.txt $GPU_TESTS"
+  "kernels|150|\$PYTHON benchmarks/kernels.py --out $OUT_DIR"
   "end-to-end|150|run_end_to_end"
 )
 
@@ -82,6 +88,69 @@ dry_run() {
   done
 }
 
+# pytest with a plugin that writes the running test's id to argv[1] (emptied when the test ends) and
+# each outcome to argv[2], both at once: what a dead process leaves names its test. A failure's
+# traceback is printed as it happens (and again in pytest's summary, if no crash cuts it off).
+PYTEST_PROGRESS='
+import sys
+
+import pytest
+
+current, results = sys.argv[1], sys.argv[2]
+
+
+class Progress:
+    def pytest_runtest_logstart(self, nodeid, location):
+        with open(current, "w") as f:
+            f.write(nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            outcome = "error" if report.when != "call" and report.failed else report.outcome
+            with open(results, "a") as f:
+                f.write(f"{outcome} {report.nodeid}\n")
+            if report.failed:  # now, not in the end-of-session summary a later crash would lose
+                print(f"\n{outcome.upper()} {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        open(current, "w").close()
+
+
+sys.exit(pytest.main(sys.argv[3:], plugins=[Progress()]))
+'
+
+# run_tests RESULTS FILE...: pytest over FILE..., resumed after each test that kills the process
+# (see the header); RESULTS gets "outcome test-id" lines. Fails if a test failed or crashed.
+run_tests() {
+  local results=$1 current rc round=0 line crashed=()
+  shift
+  current=$(mktemp)
+  : > "$results"
+  while [ "$round" -lt 100 ]; do
+    round=$((round + 1))
+    local deselect=()
+    while read -r _ line; do deselect+=(--deselect "$line"); done < "$results"
+    : > "$current"
+    "$PYTHON" -c "$PYTEST_PROGRESS" "$current" "$results" -q --tb=short -p no:cacheprovider "$@" "${deselect[@]}"
+    rc=$?
+    [ -s "$current" ] || break
+    line=$(cat "$current")
+    echo "CRASHED $line" >> "$results"
+    crashed+=("$line")
+    echo "[tests] the pytest process died (rc=$rc) in $line; running the remaining tests in a new one"
+  done
+  rm -f "$current"
+  local passed failed skipped
+  passed=$(grep -c '^passed ' "$results")
+  failed=$(grep -c -E '^(failed|error) ' "$results")
+  skipped=$(grep -c '^skipped ' "$results")
+  echo "[tests] $passed passed, $failed failed, $skipped skipped, ${#crashed[@]} crashed the process (rounds: $round)"
+  for line in "${crashed[@]}"; do echo "[tests] CRASHED $line"; done
+  grep -E '^(failed|error) ' "$results" | sed 's/^/[tests] /'
+  # pytest's own status: 0 all passed, 1 some failed, 5 nothing left to run (the last test crashed)
+  [ "${#crashed[@]}" -eq 0 ] && [ "$failed" -eq 0 ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]; }
+}
+
 # The end-to-end benchmark is written elsewhere; run it only once it takes --device.
 run_end_to_end() {
   if [ ! -f benchmarks/throughput.py ] || ! timeout 60 "$PYTHON" benchmarks/throughput.py --help 2>/dev/null | grep -q -- '--device'; then
@@ -99,9 +168,11 @@ run_end_to_end() {
   "$PYTHON" $THROUGHPUT_CMD
 }
 
+tests_only=0
 case "${1:-}" in
   --prepare) prepare; exit $? ;;
   --dry-run) dry_run; exit 0 ;;
+  --tests) tests_only=1; shift; [ $# -gt 0 ] && GPU_TESTS="$*" ;;
   -h|--help) usage; exit 0 ;;
   "") ;;
   *) echo "gpu_check: unknown argument $1" >&2; usage >&2; exit 2 ;;
@@ -112,9 +183,14 @@ export PYTHON SHAREGPT
 export PAGEDGEN_SHAREGPT_LENGTHS=$PWD/$SHAREGPT  # for the end-to-end benchmark, if it wants it
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout's pagedgen, with its in-place _C
 export PYTHONUNBUFFERED=1
-export -f run_end_to_end
-export THROUGHPUT_CMD
+export -f run_end_to_end run_tests
+export THROUGHPUT_CMD PYTEST_PROGRESS
 mkdir -p "$OUT_DIR"
+if [ "$tests_only" -eq 1 ]; then
+  # shellcheck disable=SC2086
+  run_tests "$OUT_DIR/tests.txt" $GPU_TESTS 2>&1 | tee "$OUT_DIR/gpu_check.log"
+  exit "${PIPESTATUS[0]}"
+fi
 LOG=$OUT_DIR/gpu_check.log
 : > "$LOG"
 deadline=$(( $(date +%s) + BUDGET ))

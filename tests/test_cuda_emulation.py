@@ -2,7 +2,10 @@
 csrc/cuda as host C++ (one thread per CUDA thread, barriers for __syncthreads and shuffles) and
 this file compares them with the PyTorch reference, as tests/test_ops_cuda.py does on a GPU. It
 checks the kernels' logic (thread layout, masking, online softmax, split-K merge, GQA chunks, the
-host-side plan) where no GPU is available; the GPU tests remain the word on the real thing.
+host-side plan, the trap on a block id outside the cache) where no GPU is available; the GPU tests
+remain the word on the real thing. The emulation builds the kernels without torch, so the op's
+argument checks (csrc/op_checks.h) are not part of it: tests/test_ops_checks.py runs those through
+the compiled CUDA op's own entry.
 
 Needs g++ (C++20) and the CUDA toolkit's headers (cuda_fp16.h); skipped without them.
 """
@@ -55,19 +58,20 @@ def emulator():
 
 
 def emulated_paged_attention(emulator, out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                             scale, sliding_window=0, num_sms=H200_SMS):
+                             scale, sliding_window=0, num_sms=H200_SMS, expect_trap=False):
     """paged_attention through the emulated kernels (CPU tensors); returns the plan taken as
-    (partition_size, max_partitions, heads_per_block, fast kernel)."""
+    (partition_size, max_partitions, heads_per_block, fast kernel). ``expect_trap``: a kernel must
+    have trapped (a block id outside the cache; on a GPU the launch fails there)."""
     plan = (ctypes.c_int * 4)()
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     i64 = ctypes.c_int64
     rc = emulator.emu_paged_attention(
         DTYPE_CODE[query.dtype], ptr(out), ptr(query), ptr(key_cache), ptr(value_cache), ptr(block_tables),
         ptr(seq_lens), ptr(query_start_loc), query.shape[0], block_tables.shape[0], query.shape[1], key_cache.shape[2],
-        query.shape[2], key_cache.shape[1], block_tables.shape[1], i64(query.stride(0)), i64(query.stride(1)),
+        query.shape[2], key_cache.shape[0], key_cache.shape[1], block_tables.shape[1], i64(query.stride(0)), i64(query.stride(1)),
         i64(out.stride(0)), i64(out.stride(1)), i64(block_tables.stride(0)), ctypes.c_float(scale), sliding_window,
         num_sms, 1, plan)
-    assert rc == 0
+    assert rc == (2 if expect_trap else 0)
     return tuple(plan)
 
 
@@ -124,3 +128,16 @@ def test_emulated_sliding_window(emulator, window, num_sms, head_size):
     batch = paged_batch(specs, 16, 2, 4, head_size, torch.float32, window=window, device="cpu")
     plan = check(emulator, batch, window=window, num_sms=num_sms)
     assert (plan[0] > 0) == (num_sms > 1), plan
+
+
+@pytest.mark.parametrize("bad_block", [-1, "num_blocks"])
+@pytest.mark.parametrize("head_size", [128, 8])  # the fast and the generic kernel
+def test_emulated_block_id_outside_the_cache_traps(emulator, bad_block, head_size):
+    # a block id the host cannot check without a device sync: the kernel traps (on a GPU the launch
+    # fails) instead of reading outside the cache; a table entry past the span is never read
+    batch = paged_batch(decode_specs([40, 20]), 16, 2, 4, head_size, torch.float32, device="cpu")
+    args = attention_args(batch, torch.empty_like(batch["query"]), 0.1)
+    batch["block_tables"][:, -1] = 1 << 30  # the spare column, past both spans: not read
+    emulated_paged_attention(emulator, *args)
+    batch["block_tables"][1, 0] = batch["key_cache"].shape[0] if bad_block == "num_blocks" else bad_block
+    emulated_paged_attention(emulator, *args, expect_trap=True)

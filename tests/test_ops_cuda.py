@@ -8,14 +8,24 @@ window, unused blocks, the block that unused block-table entries point to) holds
 poisons the result. Batches are varlen (tests/attention_batches.py): decode rows, prefill chunks,
 padding rows (seq_len 0, zeros) in one call.
 
+Bad arguments: every call of tests/op_bad_calls.py must raise (the checks shared with the CPU
+kernels, csrc/op_checks.h); values the host cannot see without a sync are guarded in the kernels
+(a trap on a block id outside the cache, skipped slots and pairs).
+
 paged_attention picks split-K when fewer than 4 blocks per multiprocessor would run otherwise and
 the block table spans more than 256 tokens (csrc/cuda/attention_params.cuh, plan_attention): the
 small batches below take the split-K path, the ``many_seqs`` and short-context cases the single pass.
 """
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from attention_batches import attention_args, varlen_batch
+from op_bad_calls import CASES, arguments, bad_call, valid_call
 from pagedgen import ops
 from pagedgen.ops import reference
 
@@ -153,24 +163,60 @@ def test_paged_attention_sliding_window(window, head_size):
     check_attention(paged_batch(specs, 16, 2, 8, head_size, torch.bfloat16, window=window), window=window)
 
 
-def test_paged_attention_rejects_bad_arguments():
-    batch = paged_batch(decode_specs([5, 9]), 16, 2, 4, 64, torch.float16)
-    out = torch.empty_like(batch["query"])
-    args = attention_args(batch, out, 0.1)
-    with pytest.raises(RuntimeError, match="int32"):
-        OPS.paged_attention(*args[:4], args[4].long(), *args[5:])
-    with pytest.raises(RuntimeError, match="dtype"):
-        OPS.paged_attention(out.float(), *args[1:])
-    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
-        OPS.paged_attention(out[:, :3], args[1][:, :3], *args[2:])
-    with pytest.raises(RuntimeError, match="head_size"):
-        OPS.paged_attention(out[..., :32], args[1][..., :32], *args[2:])
-    with pytest.raises(RuntimeError, match="must be on"):
-        OPS.paged_attention(*args[:5], args[5].cpu(), *args[6:])
-    with pytest.raises(RuntimeError, match="query_start_loc"):
-        OPS.paged_attention(*args[:6], args[6][:-1], *args[7:])
-    with pytest.raises(RuntimeError, match="sliding_window"):
-        OPS.paged_attention(*args[:8], -1)
+def test_paged_attention_traps_on_a_block_id_outside_the_cache():
+    # a value the host cannot check without a sync: the kernel traps (no read outside the cache), the
+    # launch fails and the CUDA context is lost, so this runs in a process of its own
+    script = textwrap.dedent("""
+        import os, sys, torch
+        sys.path.insert(0, "tests")
+        from attention_batches import attention_args, varlen_batch
+        import pagedgen.ops
+        batch = varlen_batch([(40, 1), (20, 1)], 4, 2, 64, 16, torch.float16, unused=0, device="cuda")
+        batch["block_tables"][1, 0] = batch["key_cache"].shape[0]  # one past the last block
+        try:
+            torch.ops.pagedgen.paged_attention(*attention_args(batch, torch.empty_like(batch["query"]), 0.1))
+            torch.cuda.synchronize()
+        except Exception as e:  # torch.AcceleratorError (a RuntimeError) on recent torch
+            print("raised", type(e).__name__, str(e).splitlines()[0], flush=True)
+            os._exit(0)  # the CUDA context is lost: skip the exit-time clean-up
+        print("no error", flush=True)
+        os._exit(1)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "CUDA error" in run.stdout, (run.returncode, run.stdout, run.stderr[-2000:])
+
+
+# ---- the shared argument checks (csrc/op_checks.h) -------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [c for c, (_, _, _, kernels) in CASES.items() if "cuda" in kernels])
+def test_rejects_bad_arguments(case):
+    # every bad call of tests/op_bad_calls.py, as tests/test_ops_checks.py runs them on the CPU
+    op, args, message = bad_call(case, DEVICE, "cpu")
+    with pytest.raises(RuntimeError, match=message):
+        getattr(OPS, op)(*args)
+
+
+@pytest.mark.parametrize("op", ["paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"])
+def test_valid_calls_pass(op):
+    # the baseline every case breaks
+    getattr(OPS, op)(*arguments(op, valid_call(op, DEVICE)))
+    torch.cuda.synchronize()
+
+
+def test_empty_calls_are_no_ops():
+    cache = torch.randn(2, 4, 1, 8, device=DEVICE)
+    before = cache.clone()
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    OPS.paged_attention(torch.empty(0, 2, 8, device=DEVICE), torch.empty(0, 2, 8, device=DEVICE), cache, cache,
+                        torch.zeros(0, 3, **i32), torch.zeros(0, **i32), torch.zeros(1, **i32), 1.0, 0)
+    key = torch.empty(0, 1, 8, device=DEVICE)
+    OPS.reshape_and_cache(key, key, cache, cache, torch.zeros(0, dtype=torch.long, device=DEVICE))
+    OPS.copy_blocks(cache, cache, torch.zeros(0, 2, dtype=torch.long, device=DEVICE))
+    OPS.swap_blocks(cache, torch.zeros(2, 4, 1, 8), torch.zeros(0, 2, dtype=torch.long))
+    torch.cuda.synchronize()
+    assert torch.equal(cache, before)
 
 
 # ---- reshape_and_cache ---------------------------------------------------------------------------
@@ -202,13 +248,18 @@ def test_reshape_and_cache(dtype, cache_dtype, head_size):
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
-def test_reshape_and_cache_rejects_bad_arguments():
+def test_reshape_and_cache_skips_slots_past_the_cache():
+    # slots stay on the GPU (checking them would sync): one past the cache is skipped, nothing written
+    # outside; the CPU kernel raises instead
     cache = torch.zeros(4, 8, 2, 64, device=DEVICE)
-    key = torch.zeros(3, 2, 64, device=DEVICE)
-    with pytest.raises(RuntimeError, match="int64"):
-        OPS.reshape_and_cache(key, key, cache, cache.clone(), torch.zeros(3, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(RuntimeError, match="does not fit"):
-        OPS.reshape_and_cache(key[:, :1], key[:, :1], cache, cache.clone(), torch.zeros(3, dtype=torch.long, device=DEVICE))
+    key = torch.randn(3, 2, 64, device=DEVICE)
+    padded = torch.zeros(6, 8, 2, 64, device=DEVICE)  # the caches as views of a larger buffer: 2 guard blocks
+    key_cache, value_cache = padded[:4], torch.zeros(4, 8, 2, 64, device=DEVICE)
+    OPS.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([0, 32, 9], device=DEVICE))
+    expected = cache.clone()
+    expected.view(32, 2, 64)[0], expected.view(32, 2, 64)[9] = key[0], key[2]
+    assert torch.equal(key_cache, expected) and torch.equal(value_cache, expected)
+    assert not padded[4:].any(), "wrote past the cache"
 
 
 # ---- copy_blocks ---------------------------------------------------------------------------------
@@ -234,6 +285,19 @@ def test_copy_blocks_rejects_out_of_range_cpu_mapping():
     cache = torch.zeros(4, 8, 2, 64, device=DEVICE)
     with pytest.raises(RuntimeError, match="outside"):
         OPS.copy_blocks(cache, cache.clone(), torch.tensor([[0, 4]]))
+
+
+def test_copy_blocks_skips_out_of_range_pairs_of_a_cuda_mapping():
+    # a CUDA mapping stays on the GPU (checking it would sync): pairs outside the cache are skipped
+    padded = torch.randn(6, 8, 2, 64, device=DEVICE)  # blocks 4 and 5: a guard past the cache
+    key_cache, value_cache = padded[:4], torch.randn(4, 8, 2, 64, device=DEVICE)
+    before_k, before_v, guard = key_cache.clone(), value_cache.clone(), padded[4:].clone()
+    OPS.copy_blocks(key_cache, value_cache, torch.tensor([[0, 1], [0, 4], [-1, 2], [3, 2]], device=DEVICE))
+    for cache, before in ((key_cache, before_k), (value_cache, before_v)):
+        expected = before.clone()
+        expected[1], expected[2] = before[0], before[3]
+        assert torch.equal(cache, expected)
+    assert torch.equal(padded[4:], guard), "wrote past the cache"
 
 
 # ---- swap_blocks ---------------------------------------------------------------------------------

@@ -48,6 +48,7 @@
 #include "attention_general.h"
 #include "attention_math.h"
 #include "attention_small.h"
+#include "../op_checks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -214,48 +215,14 @@ void paged_attention_cpu(const at::Tensor& out,              // [num_tokens, num
                          const at::Tensor& seq_lens,         // [num_seqs] int32
                          const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
                          double scale, int64_t sliding_window) {
-  for (const at::Tensor* t :
-       std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc}) {
-    TORCH_CHECK(t->device().is_cpu(), "paged_attention (CPU kernel): all tensors must be on the CPU, got ",
-                t->device());
-  }
-  TORCH_CHECK(query.dim() == 3, "paged_attention: query must be [num_tokens, num_heads, head_size], got ",
-              query.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes(), "paged_attention: out ", out.sizes(), " must match query ",
-              query.sizes());
-  TORCH_CHECK(key_cache.dim() == 4,
-              "paged_attention: key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes());
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "paged_attention: value_cache ", value_cache.sizes(),
-              " must match key_cache ", key_cache.sizes());
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_attention: key_cache and value_cache must be contiguous");
+  const checks::AttentionSizes sz = checks::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                            query_start_loc, sliding_window, c10::DeviceType::CPU);
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "paged_attention: dtype must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "paged_attention: out, query, key_cache and value_cache must share one dtype, got ", out.scalar_type(),
-              ", ", dtype, ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, "paged_attention: cache head_size ", key_cache.size(3),
-              " != query head_size ", head_size);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: num_heads (", num_heads,
-              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(block_size > 0 && head_size > 0, "paged_attention: block_size and head_size must be positive");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2,
-              "paged_attention: block_tables must be int32 [num_seqs, max_blocks], got ", block_tables.scalar_type(),
-              " ", block_tables.sizes());
-  const int64_t num_seqs = block_tables.size(0);
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs,
-              "paged_attention: seq_lens must be int32 [num_seqs=", num_seqs, "], got ", seq_lens.scalar_type(), " ",
-              seq_lens.sizes());
-  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1 &&
-                  query_start_loc.size(0) == num_seqs + 1,
-              "paged_attention: query_start_loc must be int32 [num_seqs + 1=", num_seqs + 1, "], got ",
-              query_start_loc.scalar_type(), " ", query_start_loc.sizes());
-  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  const int64_t num_tokens = sz.num_tokens, num_heads = sz.num_heads, head_size = sz.head_size;
+  const int64_t num_blocks = sz.num_blocks, block_size = sz.block_size, num_kv_heads = sz.num_kv_heads;
+  const int64_t num_seqs = sz.num_seqs;
 
+  // The values (shared checks read none): query_start_loc and seq_lens here, block ids as items read them.
   const at::Tensor lens_t = seq_lens.contiguous(), qsl_t = query_start_loc.contiguous();  // [num_seqs (+ 1)], tiny
   const int32_t* lens = lens_t.const_data_ptr<int32_t>();
   const int32_t* qsl = qsl_t.const_data_ptr<int32_t>();

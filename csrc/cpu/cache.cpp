@@ -1,14 +1,18 @@
 // CPU kernels of the paged KV-cache ops (schemas in csrc/ops.cpp, oracles in
 // pagedgen/ops/reference.py): reshape_and_cache, copy_blocks and swap_blocks.
 //
-// All three only move whole rows or blocks, so they copy bytes (memcpy) and need no per-dtype code;
-// any dtype works, with both sides of a copy sharing it (reshape_and_cache converts key/value to the
-// cache dtype first, as the reference does). Indices are validated in a serial pass before the
-// parallel copy, so that no error has to be raised from inside a parallel region. Copies run in
+// All three only move whole rows or blocks, so they copy bytes (memcpy) and need no per-dtype code:
+// copy_blocks and swap_blocks take any dtype shared by both sides of a copy, reshape_and_cache the
+// float dtypes of the CUDA kernel (it converts key/value to the cache dtype first, as the reference
+// does). The arguments' metadata is checked by csrc/op_checks.h, the same checks as the CUDA kernels';
+// the indices (slots, block ids) are then validated here in a serial pass before the parallel copy,
+// so that no error has to be raised from inside a parallel region. Copies run in
 // parallel with at::parallel_for (torch's OpenMP pool, honours torch.set_num_threads).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "../op_checks.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -17,24 +21,11 @@
 namespace pagedgen {
 namespace {
 
-void check_cpu(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), op, " (CPU kernel): ", name, " must be on the CPU, got ", t.device());
-}
-
-// block_mapping: [num_pairs, 2] int64 (src, dst); checks every index and returns a contiguous copy.
+// block_mapping: [num_pairs, 2] int64 on the CPU (checked by the shared checks); checks every index and
+// returns a contiguous copy.
 at::Tensor checked_mapping(const at::Tensor& block_mapping, int64_t num_src, int64_t num_dst, const char* op) {
-  check_cpu(block_mapping, op, "block_mapping");
-  TORCH_CHECK(block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 && block_mapping.size(1) == 2,
-              op, ": block_mapping must be int64 [num_pairs, 2], got ", block_mapping.scalar_type(), " ",
-              block_mapping.sizes());
   at::Tensor mapping = block_mapping.contiguous();
-  const int64_t* pairs = mapping.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < mapping.size(0); ++i) {
-    TORCH_CHECK(pairs[2 * i] >= 0 && pairs[2 * i] < num_src, op, ": block_mapping[", i, "] source block ",
-                pairs[2 * i], " is outside [0, ", num_src, ")");
-    TORCH_CHECK(pairs[2 * i + 1] >= 0 && pairs[2 * i + 1] < num_dst, op, ": block_mapping[", i,
-                "] destination block ", pairs[2 * i + 1], " is outside [0, ", num_dst, ")");
-  }
+  checks::block_mapping_values(op, mapping.const_data_ptr<int64_t>(), mapping.size(0), num_src, num_dst);
   return mapping;
 }
 
@@ -43,32 +34,10 @@ void reshape_and_cache_cpu(const at::Tensor& key,       // [num_tokens, num_kv_h
                            const at::Tensor& key_cache,       // [num_blocks, block_size, num_kv_heads, head_size]
                            const at::Tensor& value_cache,     // [num_blocks, block_size, num_kv_heads, head_size]
                            const at::Tensor& slot_mapping) {  // [num_tokens] int64, < 0 = padding
-  const char* op = "reshape_and_cache";
-  check_cpu(key, op, "key");
-  check_cpu(value, op, "value");
-  check_cpu(key_cache, op, "key_cache");
-  check_cpu(value_cache, op, "value_cache");
-  check_cpu(slot_mapping, op, "slot_mapping");
-  TORCH_CHECK(key_cache.dim() == 4,
-              "reshape_and_cache: key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes());
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
-              "reshape_and_cache: value_cache (", value_cache.scalar_type(), " ", value_cache.sizes(),
-              ") must match key_cache (", key_cache.scalar_type(), " ", key_cache.sizes(), ")");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "reshape_and_cache: key_cache and value_cache must be contiguous");
+  checks::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, c10::DeviceType::CPU);
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_size = key_cache.size(3);
-  TORCH_CHECK(key.dim() == 3 && key.size(1) == num_kv_heads && key.size(2) == head_size,
-              "reshape_and_cache: key must be [num_tokens, num_kv_heads=", num_kv_heads, ", head_size=", head_size,
-              "], got ", key.sizes());
-  TORCH_CHECK(value.sizes() == key.sizes(), "reshape_and_cache: value ", value.sizes(), " must match key ",
-              key.sizes());
   const int64_t num_tokens = key.size(0);
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
-                  slot_mapping.size(0) == num_tokens,
-              "reshape_and_cache: slot_mapping must be int64 [num_tokens=", num_tokens, "], got ",
-              slot_mapping.scalar_type(), " ", slot_mapping.sizes());
   if (num_tokens == 0) return;
 
   // key/value may be strided views (e.g. of a qkv projection); each head row must be contiguous, which
@@ -130,13 +99,7 @@ void copy_blocks_cpu(const at::Tensor& key_cache,     // [num_blocks, block_size
                      const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_size]
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] int64 (src, dst)
   const char* op = "copy_blocks";
-  check_cpu(key_cache, op, "key_cache");
-  check_cpu(value_cache, op, "value_cache");
-  TORCH_CHECK(key_cache.dim() >= 1 && value_cache.dim() >= 1 && key_cache.size(0) == value_cache.size(0),
-              "copy_blocks: key_cache ", key_cache.sizes(), " and value_cache ", value_cache.sizes(),
-              " must have the same number of blocks");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "copy_blocks: key_cache and value_cache must be contiguous");
+  checks::copy_blocks(key_cache, value_cache, block_mapping, c10::DeviceType::CPU);
   const int64_t num_blocks = key_cache.size(0);
   const at::Tensor mapping = checked_mapping(block_mapping, num_blocks, num_blocks, op);
   if (mapping.size(0) == 0 || num_blocks == 0) return;
@@ -151,13 +114,7 @@ void swap_blocks_cpu(const at::Tensor& src,  // [num_blocks_src, ...] one layer'
                      const at::Tensor& dst,        // [num_blocks_dst, ...] same trailing shape and dtype
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] int64 (src block, dst block)
   const char* op = "swap_blocks";
-  check_cpu(src, op, "src");
-  check_cpu(dst, op, "dst");
-  TORCH_CHECK(src.dim() >= 1 && src.dim() == dst.dim() && src.sizes().slice(1) == dst.sizes().slice(1),
-              "swap_blocks: src ", src.sizes(), " and dst ", dst.sizes(), " must share their block shape");
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "swap_blocks: src dtype ", src.scalar_type(),
-              " != dst dtype ", dst.scalar_type());
-  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "swap_blocks: src and dst must be contiguous");
+  checks::swap_blocks(src, dst, block_mapping, c10::DeviceType::CPU);
   const at::Tensor mapping = checked_mapping(block_mapping, src.size(0), dst.size(0), op);
   if (mapping.size(0) == 0) return;
   const int64_t block_bytes = src.numel() / src.size(0) * src.element_size();

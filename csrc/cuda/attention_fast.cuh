@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_fast_kernel(const
       const int t = base + u * kGroups + group;
       valid[u] = t < end;
       const int64_t row = valid[u] ? token_offset(block_table, t, p.block_size, p.block_size_log2,
-                                                  p.kv_token_stride, kv_head_offset)
+                                                  p.num_blocks, p.kv_token_stride, kv_head_offset)
                                    : 0;
 #pragma unroll
       for (int j = 0; j < kNV; ++j) {

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_generic_kernel(co
   for (int tile = start; tile < end; tile += kTile) {
     const int n = min(kTile, end - tile);
     for (int t = tid; t < n; t += kAttentionThreads)
-      tok_row[t] = token_offset(block_table, tile + t, p.block_size, p.block_size_log2, p.kv_token_stride, kv_head_offset);
+      tok_row[t] = token_offset(block_table, tile + t, p.block_size, p.block_size_log2, p.num_blocks,
+                                p.kv_token_stride, kv_head_offset);
     __syncthreads();  // also orders the q / acc / m / l initialisation before first use
 
     // logits: one (token, head) pair per thread

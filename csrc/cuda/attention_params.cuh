@@ -51,6 +51,7 @@ struct AttentionParams {
   int64_t out_stride_row, out_stride_head;  // in elements
   int64_t block_table_stride;               // in elements
   int64_t kv_token_stride;                  // num_kv_heads * head_size
+  int64_t num_blocks;                       // of the caches: a block id outside [0, num_blocks) traps
   int num_rows, num_seqs, num_heads, num_kv_heads, head_size;
   int sliding_window;    // 0: none
   int group_size;        // num_heads / num_kv_heads

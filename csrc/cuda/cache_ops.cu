@@ -9,34 +9,39 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
-#include <climits>
 #include <cstdint>
 
+#include "../op_checks.h"
 #include "kernel_utils.cuh"
 
 namespace pagedgen {
 namespace {
 
-// One block per token: key/value row t ([num_kv_heads, head_size], strided) -> cache slot
+// One block per token: key/value row t ([num_kv_heads, head_size], any strides) -> cache slot
 // slot_mapping[t]. With a contiguous cache, slot s = block * block_size + offset is row s of the
-// cache seen as [num_blocks * block_size, num_kv_heads * head_size].
+// cache seen as [num_blocks * block_size, num_kv_heads * head_size]. Negative slots are padding;
+// slots >= num_slots (a bad value the host cannot see without a sync) are skipped too: nothing is
+// written outside the cache.
+struct Strides {
+  int64_t token, head, elem;
+};
 template <typename cache_t, typename in_t>
 __global__ void reshape_and_cache_kernel(const in_t* __restrict__ key, const in_t* __restrict__ value,
                                          cache_t* __restrict__ key_cache, cache_t* __restrict__ value_cache,
-                                         const int64_t* __restrict__ slot_mapping, int64_t num_slots,
-                                         int64_t stride_token, int64_t stride_head, int num_kv_heads, int head_size) {
+                                         const int64_t* __restrict__ slot_mapping, int64_t num_slots, Strides ks,
+                                         Strides vs, int num_kv_heads, int head_size) {
   const int64_t t = blockIdx.x;
   const int64_t slot = slot_mapping[t];
   if (slot < 0 || slot >= num_slots) return;  // padding (out-of-range slots are skipped too)
   const int row = num_kv_heads * head_size;
   cache_t* k_dst = key_cache + slot * row;
   cache_t* v_dst = value_cache + slot * row;
-  const in_t* k_src = key + t * stride_token;
-  const in_t* v_src = value + t * stride_token;
+  const in_t* k_src = key + t * ks.token;
+  const in_t* v_src = value + t * vs.token;
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
-    const int64_t src = (i / head_size) * stride_head + i % head_size;
-    k_dst[i] = from_float<cache_t>(to_float(k_src[src]));
-    v_dst[i] = from_float<cache_t>(to_float(v_src[src]));
+    const int64_t h = i / head_size, d = i % head_size;
+    k_dst[i] = from_float<cache_t>(to_float(k_src[h * ks.head + d * ks.elem]));
+    v_dst[i] = from_float<cache_t>(to_float(v_src[h * vs.head + d * vs.elem]));
   }
 }
 
@@ -53,68 +58,30 @@ __global__ void copy_blocks_kernel(vec_t* key_cache, vec_t* value_cache, const i
   for (int64_t i = threadIdx.x; i < block_vecs; i += blockDim.x) to[i] = from[i];
 }
 
+// The float dtypes (the shared checks allow no other).
 template <typename F>
-void dispatch_dtype(at::ScalarType dtype, const char* what, F&& f) {
+void dispatch_dtype(at::ScalarType dtype, F&& f) {
   switch (dtype) {
     case at::kFloat: f(float{}); break;
     case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, what, " must be float32, float16 or bfloat16, got ", dtype);
+    default: f(__nv_bfloat16{}); break;
   }
-}
-
-void check_cache_pair(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  TORCH_CHECK(key_cache.is_cuda(), op, ": key_cache must be a CUDA tensor, got ", key_cache.device());
-  TORCH_CHECK(value_cache.device() == key_cache.device(), op, ": value_cache is on ", value_cache.device(),
-              ", key_cache on ", key_cache.device());
-  TORCH_CHECK(key_cache.dim() == 4, op, ": key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes());
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": value_cache ", value_cache.sizes(),
-              " must match key_cache ", key_cache.sizes());
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache dtype ",
-              value_cache.scalar_type(), " != key_cache dtype ", key_cache.scalar_type());
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op, ": caches must be contiguous");
-}
-
-void check_block_mapping(const char* op, const at::Tensor& block_mapping) {
-  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2, op,
-              ": block_mapping must be [num_pairs, 2] (src, dst), got ", block_mapping.sizes());
-  TORCH_CHECK(block_mapping.scalar_type() == at::kLong, op, ": block_mapping must be int64, got ",
-              block_mapping.scalar_type());
 }
 
 }  // namespace
 
 // Writes key/value [num_tokens, num_kv_heads, head_size] into their cache slots; slot_mapping
 // [num_tokens] int64 on the caches' device, a negative slot is padding and is skipped. key and value
-// may be strided views (e.g. slices of a fused qkv projection) with a contiguous last dimension, and
-// are converted to the cache dtype. Slots must be < num_blocks * block_size (larger ones are
-// skipped: checking them on the host would need a device sync).
+// may be strided views (e.g. slices of a fused qkv projection), and are converted to the cache
+// dtype. Slots must be < num_blocks * block_size (larger ones are skipped: checking them on the host
+// would need a device sync; the CPU kernel raises).
 void reshape_and_cache(const at::Tensor& key,          // [num_tokens, num_kv_heads, head_size]
                        const at::Tensor& value,        // [num_tokens, num_kv_heads, head_size]
                        const at::Tensor& key_cache,    // [num_blocks, block_size, num_kv_heads, head_size]
                        const at::Tensor& value_cache,  // [num_blocks, block_size, num_kv_heads, head_size]
                        const at::Tensor& slot_mapping) {  // [num_tokens] int64
-  const char* op = "reshape_and_cache";
-  check_cache_pair(op, key_cache, value_cache);
-  for (const at::Tensor* t : {&key, &value, &slot_mapping})
-    TORCH_CHECK(t->device() == key_cache.device(), op, ": all tensors must be on ", key_cache.device(), ", got one on ",
-                t->device());
-  TORCH_CHECK(key.dim() == 3, op, ": key must be [num_tokens, num_kv_heads, head_size], got ", key.sizes());
-  TORCH_CHECK(value.sizes() == key.sizes(), op, ": value ", value.sizes(), " must match key ", key.sizes());
-  TORCH_CHECK(value.strides() == key.strides(), op, ": key and value must have the same strides");
-  TORCH_CHECK(value.scalar_type() == key.scalar_type(), op, ": value dtype ", value.scalar_type(), " != key dtype ",
-              key.scalar_type());
-  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), op, ": key ", key.sizes(),
-              " does not fit cache ", key_cache.sizes());
-  TORCH_CHECK(key.size(2) <= 1 || key.stride(2) == 1, op, ": key and value must be contiguous in head_size");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), op,
-              ": slot_mapping must be [num_tokens=", key.size(0), "], got ", slot_mapping.sizes());
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, op, ": slot_mapping must be int64, got ",
-              slot_mapping.scalar_type());
-  TORCH_CHECK(slot_mapping.is_contiguous(), op, ": slot_mapping must be contiguous");
+  checks::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, c10::DeviceType::CUDA);
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
-  TORCH_CHECK(num_tokens < INT_MAX && num_kv_heads * head_size < INT_MAX, op, ": sizes out of range");
   if (num_tokens == 0 || num_kv_heads * head_size == 0) return;
 
   const c10::cuda::CUDAGuard guard(key_cache.device());
@@ -122,15 +89,15 @@ void reshape_and_cache(const at::Tensor& key,          // [num_tokens, num_kv_he
   const int64_t row = num_kv_heads * head_size;
   const int threads = row >= 512 ? 512 : int((row + 31) / 32 * 32);
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  dispatch_dtype(key_cache.scalar_type(), "reshape_and_cache: key_cache", [&](auto cache_zero) {
+  const Strides ks{key.stride(0), key.stride(1), key.stride(2)}, vs{value.stride(0), value.stride(1), value.stride(2)};
+  dispatch_dtype(key_cache.scalar_type(), [&](auto cache_zero) {
     using cache_t = decltype(cache_zero);
-    dispatch_dtype(key.scalar_type(), "reshape_and_cache: key", [&](auto in_zero) {
+    dispatch_dtype(key.scalar_type(), [&](auto in_zero) {
       using in_t = decltype(in_zero);
       reshape_and_cache_kernel<cache_t, in_t><<<unsigned(num_tokens), threads, 0, stream>>>(
           static_cast<const in_t*>(key.data_ptr()), static_cast<const in_t*>(value.data_ptr()),
           static_cast<cache_t*>(key_cache.data_ptr()), static_cast<cache_t*>(value_cache.data_ptr()),
-          slot_mapping.data_ptr<int64_t>(), num_slots, key.stride(0), key.stride(1), int(num_kv_heads),
-          int(head_size));
+          slot_mapping.data_ptr<int64_t>(), num_slots, ks, vs, int(num_kv_heads), int(head_size));
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -145,19 +112,13 @@ void reshape_and_cache(const at::Tensor& key,          // [num_tokens, num_kv_he
 void copy_blocks(const at::Tensor& key_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
                  const at::Tensor& value_cache,    // [num_blocks, block_size, num_kv_heads, head_size]
                  const at::Tensor& block_mapping) {  // [num_pairs, 2] int64 (src, dst)
-  const char* op = "copy_blocks";
-  check_cache_pair(op, key_cache, value_cache);
-  check_block_mapping(op, block_mapping);
+  checks::copy_blocks(key_cache, value_cache, block_mapping, c10::DeviceType::CUDA);
   const int64_t num_pairs = block_mapping.size(0), num_blocks = key_cache.size(0);
-  TORCH_CHECK(num_pairs < INT_MAX, op, ": too many pairs");
-  if (num_pairs == 0 || key_cache.numel() == 0) return;
   if (!block_mapping.is_cuda()) {
     const at::Tensor host = block_mapping.contiguous();
-    const int64_t* pairs = host.data_ptr<int64_t>();
-    for (int64_t i = 0; i < 2 * num_pairs; ++i)
-      TORCH_CHECK(pairs[i] >= 0 && pairs[i] < num_blocks, op, ": block_mapping[", i / 2, "] refers to block ",
-                  pairs[i], ", outside [0, ", num_blocks, ")");
+    checks::block_mapping_values("copy_blocks", host.data_ptr<int64_t>(), num_pairs, num_blocks, num_blocks);
   }
+  if (num_pairs == 0 || key_cache.numel() == 0) return;
 
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key_cache.get_device()).stream();
@@ -192,29 +153,12 @@ void copy_blocks(const at::Tensor& key_cache,      // [num_blocks, block_size, n
 void swap_blocks(const at::Tensor& src,             // [num_src_blocks, ...]
                  const at::Tensor& dst,             // [num_dst_blocks, ...] same trailing shape, written
                  const at::Tensor& block_mapping) {  // [num_pairs, 2] int64 (src block, dst block)
-  const char* op = "swap_blocks";
-  TORCH_CHECK(src.is_cuda() || dst.is_cuda(), op, ": one of src / dst must be a CUDA tensor, got ", src.device(),
-              " and ", dst.device());
-  TORCH_CHECK((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()), op,
-              ": src and dst must be CUDA or CPU tensors");
-  TORCH_CHECK(src.dim() >= 1 && src.dim() == dst.dim() && src.sizes().slice(1) == dst.sizes().slice(1), op,
-              ": src ", src.sizes(), " and dst ", dst.sizes(), " must have the same block shape");
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), op, ": src dtype ", src.scalar_type(), " != dst dtype ",
-              dst.scalar_type());
-  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), op, ": src and dst must be contiguous");
-  check_block_mapping(op, block_mapping);
-  const int64_t num_pairs = block_mapping.size(0);
-  if (num_pairs == 0 || src.numel() == 0) return;
-
+  checks::swap_blocks(src, dst, block_mapping, c10::DeviceType::CUDA);
+  const int64_t num_pairs = block_mapping.size(0), num_src = src.size(0), num_dst = dst.size(0);
   const at::Tensor host = block_mapping.to(at::kCPU).contiguous();
   const int64_t* pairs = host.data_ptr<int64_t>();
-  const int64_t num_src = src.size(0), num_dst = dst.size(0);
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    TORCH_CHECK(pairs[2 * i] >= 0 && pairs[2 * i] < num_src, op, ": block_mapping[", i, "] src block ", pairs[2 * i],
-                " outside [0, ", num_src, ")");
-    TORCH_CHECK(pairs[2 * i + 1] >= 0 && pairs[2 * i + 1] < num_dst, op, ": block_mapping[", i, "] dst block ",
-                pairs[2 * i + 1], " outside [0, ", num_dst, ")");
-  }
+  checks::block_mapping_values("swap_blocks", pairs, num_pairs, num_src, num_dst);
+  if (num_pairs == 0 || src.numel() == 0) return;
 
   const at::Device gpu = src.is_cuda() ? src.device() : dst.device();
   const c10::cuda::CUDAGuard guard(gpu);

@@ -123,11 +123,24 @@ __device__ __forceinline__ RowSpan row_span(const int* query_start_loc, const in
   return r;
 }
 
+// A value the host could not check without a device sync is bad (a block id outside the cache):
+// stop before it is used. On the GPU a trap: the launch fails ("unspecified launch failure" at the
+// next synchronising call) and the CUDA context is lost, as after a failed device-side assertion in
+// PyTorch; no memory outside the cache is touched. Under the host emulation (tests/cuda_emulation)
+// the trap is recorded and the caller goes on with a safe value.
+__device__ __forceinline__ void trap_bad_value() {
+#if defined(__CUDA_ARCH__)
+  __trap();
+#elif defined(PAGEDGEN_CUDA_EMULATION)
+  pagedgen_emu::record_trap();
+#endif
+}
+
 // Element offset of token `t`'s row for KV head `kv_head` in a cache
 // [num_blocks, block_size, num_kv_heads, head_size]: block_table[t / block_size] is the physical
-// block, t % block_size the slot inside it.
+// block, t % block_size the slot inside it. A physical block outside [0, num_blocks) traps.
 __device__ __forceinline__ int64_t token_offset(const int* block_table, int t, int block_size, int block_size_log2,
-                                                int64_t kv_token_stride, int64_t kv_head_offset) {
+                                                int64_t num_blocks, int64_t kv_token_stride, int64_t kv_head_offset) {
   int logical, slot;
   if (block_size_log2 >= 0) {
     logical = t >> block_size_log2;
@@ -136,7 +149,11 @@ __device__ __forceinline__ int64_t token_offset(const int* block_table, int t, i
     logical = t / block_size;
     slot = t - logical * block_size;
   }
-  const int64_t physical = __ldg(block_table + logical);
+  int64_t physical = __ldg(block_table + logical);
+  if (physical < 0 || physical >= num_blocks) {
+    trap_bad_value();
+    physical = 0;  // emulation only: the GPU stopped above
+  }
   return (physical * block_size + slot) * kv_token_stride + kv_head_offset;
 }
 

@@ -1,4 +1,5 @@
-// pagedgen::paged_attention on CUDA (the varlen op of csrc/ops.cpp): checks the arguments, picks the
+// pagedgen::paged_attention on CUDA (the varlen op of csrc/ops.cpp): checks the arguments (the checks
+// shared with the CPU kernel, csrc/op_checks.h, before any pointer is read), picks the
 // kernel (fast or generic) and the work split (single pass or split-K), and launches on the current
 // stream of query's device. Nothing is read back from the GPU: the row -> sequence map is looked up by
 // the kernels in query_start_loc (attention_params.cuh).
@@ -14,9 +15,9 @@
 
 #include <array>
 #include <atomic>
-#include <climits>
 #include <cstdint>
 
+#include "../op_checks.h"
 #include "attention_params.cuh"
 
 namespace pagedgen {
@@ -62,59 +63,12 @@ void paged_attention(
     const at::Tensor& seq_lens,         // [num_seqs] int32
     const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
     double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.is_cuda(), "paged_attention: query must be a CUDA tensor, got ", query.device());
-  for (const at::Tensor* t : {&out, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc})
-    TORCH_CHECK(t->device() == query.device(), "paged_attention: all tensors must be on ", query.device(),
-                ", got one on ", t->device());
-  TORCH_CHECK(query.dim() == 3, "paged_attention: query must be [num_tokens, num_heads, head_size], got ", query.sizes());
+  const checks::AttentionSizes sz = checks::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                            query_start_loc, sliding_window, c10::DeviceType::CUDA);
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "paged_attention: query must be float32, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(out.sizes() == query.sizes(), "paged_attention: out ", out.sizes(), " must match query ", query.sizes());
-  TORCH_CHECK(out.scalar_type() == dtype, "paged_attention: out dtype ", out.scalar_type(), " != query dtype ", dtype);
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1,
-              "paged_attention: query and out must be contiguous in the head_size dimension");
-  TORCH_CHECK(key_cache.dim() == 4,
-              "paged_attention: key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes());
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "paged_attention: value_cache ", value_cache.sizes(),
-              " must match key_cache ", key_cache.sizes());
-  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "paged_attention: key_cache and value_cache must have query's dtype ", dtype);
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_attention: key_cache and value_cache must be contiguous");
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, "paged_attention: cache head_size ", key_cache.size(3),
-              " != query head_size ", head_size);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: num_heads (", num_heads,
-              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(block_size > 0 && head_size > 0, "paged_attention: block_size and head_size must be positive");
-  TORCH_CHECK(block_tables.dim() == 2, "paged_attention: block_tables must be [num_seqs, max_blocks_per_seq], got ",
-              block_tables.sizes());
-  const int64_t num_seqs = block_tables.size(0);
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "paged_attention: block_tables must be int32, got ",
-              block_tables.scalar_type());
-  TORCH_CHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1,
-              "paged_attention: block_tables rows must be contiguous");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, "paged_attention: seq_lens must be [num_seqs=",
-              num_seqs, "], got ", seq_lens.sizes());
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "paged_attention: seq_lens must be int32, got ",
-              seq_lens.scalar_type());
-  TORCH_CHECK(seq_lens.is_contiguous(), "paged_attention: seq_lens must be contiguous");
-  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1,
-              "paged_attention: query_start_loc must be [num_seqs + 1=", num_seqs + 1, "], got ",
-              query_start_loc.sizes());
-  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt, "paged_attention: query_start_loc must be int32, got ",
-              query_start_loc.scalar_type());
-  TORCH_CHECK(query_start_loc.is_contiguous(), "paged_attention: query_start_loc must be contiguous");
-  TORCH_CHECK(sliding_window >= 0 && sliding_window < INT_MAX,
-              "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t max_context = max_blocks * block_size;  // every span is clamped to this
-  TORCH_CHECK(num_tokens < INT_MAX && num_seqs < INT_MAX && max_context < INT_MAX && num_heads < 65536,
-              "paged_attention: sizes out of range (num_tokens ", num_tokens, ", num_seqs ", num_seqs,
-              ", max_blocks_per_seq * block_size ", max_context, ", num_heads ", num_heads, ")");
+  const int64_t num_tokens = sz.num_tokens, num_heads = sz.num_heads, head_size = sz.head_size;
+  const int64_t block_size = sz.block_size, num_kv_heads = sz.num_kv_heads, num_seqs = sz.num_seqs;
+  const int64_t max_blocks = sz.max_blocks_per_seq;
   if (num_tokens == 0 || num_heads == 0) return;
 
   const c10::cuda::CUDAGuard guard(query.device());
@@ -148,13 +102,12 @@ void paged_attention(
   p.group_size = int(num_heads / num_kv_heads);
   p.block_size = int(block_size);
   p.max_blocks_per_seq = int(max_blocks);
+  p.num_blocks = sz.num_blocks;
   p.scale_log2 = float(scale * 1.4426950408889634);  // log2(e): the kernels use exp2
   plan_attention(p, fast, multiprocessor_count(device));
   if (!fast) {
     const size_t smem = attention_generic_smem_bytes(p);
-    const int limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    TORCH_CHECK(smem <= size_t(limit), "paged_attention: head_size ", head_size, " needs ", smem,
-                " bytes of shared memory in the generic kernel, the device allows ", limit);
+    checks::attention_shared_memory(head_size, smem, device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   }
 
   at::Tensor tmp_out, max_logits, exp_sums;  // split-K scratch, see attention_params.cuh

@@ -50,11 +50,13 @@ void run(const AttentionParams& p, bool fast) {
 
 // dtype: 0 float32, 1 float16, 2 bfloat16. Tensors as in csrc/ops.cpp (host memory, the caches
 // contiguous): num_rows query rows, num_seqs sequences (block_tables, seq_lens, query_start_loc).
-// plan (out) [4]: partition_size, max_partitions, heads_per_block, fast kernel used.
+// plan (out) [4]: partition_size, max_partitions, heads_per_block, fast kernel used. Returns 0, or 2
+// when a kernel trapped (a block id outside [0, num_blocks): the GPU would have stopped there).
 extern "C" int emu_paged_attention(int dtype, void* out, const void* query, const void* key_cache,
                                    const void* value_cache, const int* block_tables, const int* seq_lens,
                                    const int* query_start_loc, int num_rows, int num_seqs, int num_heads,
-                                   int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
+                                   int num_kv_heads, int head_size, int num_blocks, int block_size,
+                                   int max_blocks_per_seq,
                                    int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row,
                                    int64_t out_stride_head, int64_t block_table_stride, float scale,
                                    int sliding_window, int num_sms, int allow_fast, int* plan) {
@@ -76,6 +78,7 @@ extern "C" int emu_paged_attention(int dtype, void* out, const void* query, cons
   p.out_stride_head = out_stride_head;
   p.block_table_stride = block_table_stride;
   p.kv_token_stride = int64_t(num_kv_heads) * head_size;
+  p.num_blocks = num_blocks;
   p.num_rows = num_rows;
   p.num_seqs = num_seqs;
   p.num_heads = num_heads;
@@ -101,11 +104,12 @@ extern "C" int emu_paged_attention(int dtype, void* out, const void* query, cons
   plan[1] = p.max_partitions;
   plan[2] = p.heads_per_block;
   plan[3] = fast;
+  pagedgen_emu::trapped.store(false);
   switch (dtype) {
     case 0: run<float>(p, fast); break;
     case 1: run<__half>(p, fast); break;
     case 2: run<__nv_bfloat16>(p, fast); break;
     default: return 1;
   }
-  return 0;
+  return pagedgen_emu::trapped.load() ? 2 : 0;
 }

@@ -31,7 +31,16 @@
 #undef __shared__
 #define __shared__
 
+#include <atomic>
+
+#define PAGEDGEN_CUDA_EMULATION 1  // kernel_utils.cuh: trap_bad_value() records instead of __trap()
+
 namespace pagedgen_emu {
+
+// Set by a kernel's trap_bad_value() (the GPU would stop there with a trap); read and reset by the
+// entry points.
+inline std::atomic<bool> trapped{false};
+inline void record_trap() { trapped.store(true); }
 
 inline thread_local uint3 thread_idx, block_idx;
 inline thread_local dim3 block_dim, grid_dim;

@@ -1,0 +1,191 @@
+// The argument checks shared by the CPU and CUDA kernels (declared and explained in op_checks.h).
+#include "op_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <climits>
+#include <initializer_list>
+#include <utility>
+
+namespace pagedgen::checks {
+namespace {
+
+const char* kernel_name(c10::DeviceType kernel) { return kernel == c10::DeviceType::CUDA ? "CUDA" : "CPU"; }
+
+bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+// Every named tensor on `device`, which must be of the kernel's device type.
+void same_device(const char* op, c10::DeviceType kernel, const at::Device& device,
+                 std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  TORCH_CHECK(device.type() == kernel, op, " (", kernel_name(kernel), " kernel): tensors must be on a ",
+              kernel_name(kernel), " device, got ", device);
+  for (const auto& [name, t] : tensors)
+    TORCH_CHECK(t->device() == device, op, ": all tensors must be on one device, got ", name, " on ", t->device(),
+                " and the others on ", device);
+}
+
+// A block mapping's metadata: [num_pairs, 2] int64.
+void block_mapping_meta(const char* op, const at::Tensor& block_mapping) {
+  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2, op,
+              ": block_mapping must be [num_pairs, 2] (src, dst), got ", block_mapping.sizes());
+  TORCH_CHECK(block_mapping.scalar_type() == at::kLong, op, ": block_mapping must be int64, got ",
+              block_mapping.scalar_type());
+  TORCH_CHECK(block_mapping.size(0) < INT_MAX, op, ": block_mapping has too many pairs (", block_mapping.size(0), ")");
+}
+
+}  // namespace
+
+AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t sliding_window,
+                               c10::DeviceType kernel) {
+  const char* op = "paged_attention";
+  const bool cuda = kernel == c10::DeviceType::CUDA;
+  // ranks and sizes
+  TORCH_CHECK(query.dim() == 3, op, ": query must be [num_tokens, num_heads, head_size], got ", query.sizes());
+  TORCH_CHECK(out.sizes() == query.sizes(), op, ": out ", out.sizes(), " must match query ", query.sizes());
+  TORCH_CHECK(key_cache.dim() == 4, op, ": key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+              key_cache.sizes());
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": value_cache ", value_cache.sizes(),
+              " must match key_cache ", key_cache.sizes());
+  AttentionSizes s{};
+  s.num_tokens = query.size(0), s.num_heads = query.size(1), s.head_size = query.size(2);
+  s.num_blocks = key_cache.size(0), s.block_size = key_cache.size(1), s.num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == s.head_size, op, ": key_cache head_size ", key_cache.size(3),
+              " != query head_size ", s.head_size);
+  TORCH_CHECK(s.block_size > 0 && s.head_size > 0, op, ": block_size (", s.block_size, ") and head_size (",
+              s.head_size, ") must be positive");
+  TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op, ": num_heads (", s.num_heads,
+              ") must be a multiple of num_kv_heads (", s.num_kv_heads, ")");
+  TORCH_CHECK(block_tables.dim() == 2, op, ": block_tables must be [num_seqs, max_blocks_per_seq], got ",
+              block_tables.sizes());
+  s.num_seqs = block_tables.size(0), s.max_blocks_per_seq = block_tables.size(1);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == s.num_seqs, op, ": seq_lens must be [num_seqs=", s.num_seqs,
+              "], got ", seq_lens.sizes());
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == s.num_seqs + 1, op,
+              ": query_start_loc must be [num_seqs + 1=", s.num_seqs + 1, "], got ", query_start_loc.sizes());
+  TORCH_CHECK(s.num_seqs > 0 || s.num_tokens == 0, op, ": ", s.num_tokens,
+              " query rows but no sequence (block_tables has 0 rows)");
+  TORCH_CHECK(sliding_window >= 0 && sliding_window < INT_MAX, op, ": sliding_window must be in [0, ", INT_MAX,
+              ") (0: none), got ", sliding_window);
+  // dtypes
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(is_float(dtype), op, ": query dtype must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              op, ": out, query, key_cache and value_cache must share one dtype, got ", out.scalar_type(), ", ", dtype,
+              ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt, op, ": block_tables must be int32, got ",
+              block_tables.scalar_type());
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt, op, ": seq_lens must be int32, got ", seq_lens.scalar_type());
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt, op, ": query_start_loc must be int32, got ",
+              query_start_loc.scalar_type());
+  // strides
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+              ": key_cache and value_cache must be contiguous");
+  if (cuda) {
+    TORCH_CHECK(query.stride(2) == 1 || s.head_size == 1, op,
+                ": query must be contiguous in its head_size dimension on CUDA, got strides ", query.strides());
+    TORCH_CHECK(out.stride(2) == 1 || s.head_size == 1, op,
+                ": out must be contiguous in its head_size dimension on CUDA, got strides ", out.strides());
+    TORCH_CHECK(block_tables.stride(1) == 1 || s.max_blocks_per_seq <= 1, op,
+                ": block_tables rows must be contiguous on CUDA, got strides ", block_tables.strides());
+    TORCH_CHECK(seq_lens.is_contiguous() && query_start_loc.is_contiguous(), op,
+                ": seq_lens and query_start_loc must be contiguous on CUDA");
+  }
+  // size limits (the CUDA kernels index rows, sequences, heads and positions with int32)
+  TORCH_CHECK(s.num_tokens < INT_MAX && s.num_seqs < INT_MAX && s.max_blocks_per_seq * s.block_size < INT_MAX &&
+                  s.num_heads < 65536,
+              op, ": sizes out of range (num_tokens ", s.num_tokens, ", num_seqs ", s.num_seqs,
+              ", max_blocks_per_seq * block_size ", s.max_blocks_per_seq * s.block_size, ", num_heads ", s.num_heads,
+              ")");
+  // devices
+  same_device(op, kernel, query.device(),
+              {{"out", &out}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+               {"block_tables", &block_tables}, {"seq_lens", &seq_lens}, {"query_start_loc", &query_start_loc}});
+  return s;
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& slot_mapping, c10::DeviceType kernel) {
+  const char* op = "reshape_and_cache";
+  TORCH_CHECK(key_cache.dim() == 4, op, ": key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+              key_cache.sizes());
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": value_cache ", value_cache.sizes(),
+              " must match key_cache ", key_cache.sizes());
+  TORCH_CHECK(key.dim() == 3 && key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), op,
+              ": key must be [num_tokens, num_kv_heads=", key_cache.size(2), ", head_size=", key_cache.size(3),
+              "], got ", key.sizes(), " (it does not fit key_cache ", key_cache.sizes(), ")");
+  TORCH_CHECK(value.sizes() == key.sizes(), op, ": value ", value.sizes(), " must match key ", key.sizes());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), op,
+              ": slot_mapping must be [num_tokens=", key.size(0), "], got ", slot_mapping.sizes());
+  TORCH_CHECK(is_float(key_cache.scalar_type()) && value_cache.scalar_type() == key_cache.scalar_type(), op,
+              ": key_cache and value_cache must share one dtype, float32, float16 or bfloat16, got ",
+              key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  TORCH_CHECK(is_float(key.scalar_type()) && value.scalar_type() == key.scalar_type(), op,
+              ": key and value must share one dtype, float32, float16 or bfloat16, got ", key.scalar_type(), " and ",
+              value.scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, op, ": slot_mapping must be int64, got ",
+              slot_mapping.scalar_type());
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+              ": key_cache and value_cache must be contiguous");
+  TORCH_CHECK(slot_mapping.is_contiguous(), op, ": slot_mapping must be contiguous");
+  TORCH_CHECK(key.size(0) < INT_MAX && key.size(1) * key.size(2) < INT_MAX, op, ": sizes out of range (key ",
+              key.sizes(), ")");
+  same_device(op, kernel, key_cache.device(),
+              {{"key", &key}, {"value", &value}, {"value_cache", &value_cache}, {"slot_mapping", &slot_mapping}});
+}
+
+void copy_blocks(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_mapping,
+                 c10::DeviceType kernel) {
+  const char* op = "copy_blocks";
+  TORCH_CHECK(key_cache.dim() >= 1, op, ": key_cache must be [num_blocks, ...], got a scalar");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": value_cache ", value_cache.sizes(),
+              " must match key_cache ", key_cache.sizes());
+  block_mapping_meta(op, block_mapping);
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache dtype ",
+              value_cache.scalar_type(), " != key_cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+              ": key_cache and value_cache must be contiguous");
+  same_device(op, kernel, key_cache.device(), {{"value_cache", &value_cache}});
+  TORCH_CHECK(block_mapping.is_cpu() || block_mapping.device() == key_cache.device(), op,
+              ": block_mapping must be on the CPU or on the caches' device ", key_cache.device(), ", got ",
+              block_mapping.device());
+}
+
+void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping,
+                 c10::DeviceType kernel) {
+  const char* op = "swap_blocks";
+  TORCH_CHECK(src.dim() >= 1 && src.dim() == dst.dim() && src.sizes().slice(1) == dst.sizes().slice(1), op,
+              ": src ", src.sizes(), " and dst ", dst.sizes(), " must have the same block shape");
+  block_mapping_meta(op, block_mapping);
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), op, ": src dtype ", src.scalar_type(), " != dst dtype ",
+              dst.scalar_type());
+  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), op, ": src and dst must be contiguous");
+  if (kernel == c10::DeviceType::CPU) {
+    same_device(op, kernel, src.device(), {{"dst", &dst}, {"block_mapping", &block_mapping}});
+    return;
+  }
+  TORCH_CHECK(src.is_cuda() || dst.is_cuda(), op, " (CUDA kernel): src or dst must be on a CUDA device, got ",
+              src.device(), " and ", dst.device());
+  TORCH_CHECK((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()), op,
+              ": src and dst must be on the CPU or a CUDA device, got ", src.device(), " and ", dst.device());
+  TORCH_CHECK(block_mapping.is_cpu() || block_mapping.device() == src.device() ||
+                  block_mapping.device() == dst.device(),
+              op, ": block_mapping must be on the CPU or on the device of src or dst, got ", block_mapping.device());
+}
+
+void block_mapping_values(const char* op, const int64_t* pairs, int64_t num_pairs, int64_t num_src, int64_t num_dst) {
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    TORCH_CHECK(pairs[2 * i] >= 0 && pairs[2 * i] < num_src, op, ": block_mapping[", i, "] source block ",
+                pairs[2 * i], " is outside [0, ", num_src, ")");
+    TORCH_CHECK(pairs[2 * i + 1] >= 0 && pairs[2 * i + 1] < num_dst, op, ": block_mapping[", i,
+                "] destination block ", pairs[2 * i + 1], " is outside [0, ", num_dst, ")");
+  }
+}
+
+void attention_shared_memory(int64_t head_size, size_t bytes, int64_t limit) {
+  TORCH_CHECK(bytes <= size_t(limit), "paged_attention: head_size ", head_size, " needs ", bytes,
+              " bytes of shared memory in the generic CUDA kernel, the device allows ", limit);
+}
+
+}  // namespace pagedgen::checks
