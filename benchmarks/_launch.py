@@ -54,19 +54,25 @@ def describe(system: str, vllm_venv: str, extra_env: dict) -> str:
     return " ".join(filter(None, [env, *map(shlex.quote, command(system, vllm_venv)), "JOB.json RESULT.json"]))
 
 
-def run_job(system: str, job: dict, workdir: str, tag: str, vllm_venv: str, extra_env: dict) -> dict:
+def run_job(system: str, job: dict, workdir: str, tag: str, vllm_venv: str, extra_env: dict,
+            timeout: float | None = None) -> dict:
     """Run ``job`` on ``system`` in a subprocess; return its result (benchmarks/_job.py).
 
-    The runner's stdout and stderr go to ``workdir/<tag>.log``; a failed run raises RuntimeError with
-    the log's tail.
+    The runner's stdout and stderr go to ``workdir/<tag>.log``; a failed run, or one still running
+    after ``timeout`` seconds (then killed), raises RuntimeError with the log's tail.
     """
     job_path, result_path, log_path = (os.path.join(workdir, f"{tag}.{ext}") for ext in ("job.json", "result.json", "log"))
     _job.write_json(job_path, dict(job, system=system))
     env = dict(os.environ, **extra_env)
     with open(log_path, "w") as log:
-        proc = subprocess.run([*command(system, vllm_venv), job_path, result_path], stdout=log, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0 or not os.path.isfile(result_path):
+        try:
+            proc = subprocess.run([*command(system, vllm_venv), job_path, result_path], stdout=log, stderr=subprocess.STDOUT,
+                                  env=env, timeout=timeout)
+            why = f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:  # subprocess.run has killed the runner
+            proc, why = None, f"timed out after {timeout:.0f} s, killed"
+    if proc is None or proc.returncode != 0 or not os.path.isfile(result_path):
         with open(log_path) as f:
             tail = f.read()[-3000:]
-        raise RuntimeError(f"{system} failed (exit status {proc.returncode}); the end of {log_path}:\n{tail}")
+        raise RuntimeError(f"{system} failed ({why}); the end of {log_path}:\n{tail}")
     return _job.read_json(result_path)

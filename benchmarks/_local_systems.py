@@ -14,7 +14,9 @@ prefix cache); an untimed warm-up on prompts that share no prefix with the timed
   generate_batch  transformers continuous batching (the manager under model.generate_batch). generate_batch
                   itself takes one max_new_tokens for all requests, so requests are added one by one with
                   their own max_new_tokens (ContinuousBatchingManager.add_request), on a KV cache of the
-                  same size and block (page) size as pagedgen's.
+                  same size and block (page) size as pagedgen's. On CUDA the same code runs (transformers
+                  5.17 on the H200 machine, whose ContinuousBatchingConfig names the page size
+                  block_size: cb_config picks the field the installed version has).
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ def timed(fn, device: str):
     return time.perf_counter() - start, out
 
 
-def run_pagedgen(job: dict) -> dict:
-    from pagedgen import LLM, SamplingParams, ops
+def pagedgen_llm(job: dict):
+    """pagedgen's LLM with the job's settings (also benchmarks/gpu_profile.py's)."""
+    from pagedgen import LLM
 
     opts = job["options"]
     kwargs = dict(dtype=job["dtype"], num_kv_blocks=opts["num_kv_blocks"], block_size=opts["block_size"],
@@ -45,7 +48,14 @@ def run_pagedgen(job: dict) -> dict:
         kwargs["device"] = job["device"]
     if "batch_invariant" in opts:  # throughput.py --batch-invariant
         kwargs["batch_invariant"] = opts["batch_invariant"] and job["device"] == "cpu"
-    llm = LLM(job["model"], **kwargs)
+    return LLM(job["model"], **kwargs)
+
+
+def run_pagedgen(job: dict) -> dict:
+    from pagedgen import SamplingParams, ops
+
+    opts = job["options"]
+    llm = pagedgen_llm(job)
     prompts, max_tokens = _job.token_ids(job), job["max_tokens"]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(_job.token_ids(job, "warmup_prompts"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -113,18 +123,31 @@ def run_static(job: dict) -> dict:
                 computed_tokens=sum(len(b) * max(m) for b, m in batches), info=dict(batch_size=bs) | device_memory(job))
 
 
+def cb_config(opts: dict):
+    """transformers' ContinuousBatchingConfig for ``opts``: pagedgen's KV cache size and page size, its
+    batch limits. The page size is ``page_size`` in newer transformers, ``block_size`` in older ones
+    (5.17, the H200 machine's): whichever the installed version takes."""
+    import inspect
+
+    from transformers import ContinuousBatchingConfig
+
+    names = inspect.signature(ContinuousBatchingConfig).parameters
+    page = "page_size" if "page_size" in names else "block_size"
+    return ContinuousBatchingConfig(**{page: opts["block_size"]}, num_blocks=opts["num_kv_blocks"],
+                                    max_requests_per_batch=opts["max_num_seqs"], max_batch_tokens=opts["max_num_batched_tokens"])
+
+
 def run_generate_batch(job: dict) -> dict:
     import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     opts = job["options"]
     model = load_hf(job, opts["cb_attn"])
     prompts, max_tokens = _job.token_ids(job), job["max_tokens"]
     # eos_token_id=-1 turns EOS off (None would be replaced by the model's EOS)
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=-1)
-    # without num_blocks it sizes its cache from 90% of the machine's RAM on CPU
-    cb_config = ContinuousBatchingConfig(page_size=opts["block_size"], num_blocks=opts["num_kv_blocks"],
-                                         max_requests_per_batch=opts["max_num_seqs"], max_batch_tokens=opts["max_num_batched_tokens"])
+    # without num_blocks it sizes its cache from 90% of the machine's RAM on CPU (of free GPU memory on CUDA)
+    config = cb_config(opts)
 
     def collect(manager, tag: str, batch: list[list[int]], limits: list[int]) -> list[list[int]]:
         for i, (p, m) in enumerate(zip(batch, limits)):
@@ -141,13 +164,14 @@ def run_generate_batch(job: dict) -> dict:
         return [list(results[f"{tag}-{i}"]) for i in range(len(batch))]
 
     with torch.no_grad(), model.continuous_batching_context_manager(
-        generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=5
+        generation_config=gen_config, continuous_batching_config=config, block=True, timeout=5
     ) as manager:
         warm = _job.token_ids(job, "warmup_prompts")
         collect(manager, "warmup", warm, [4] * len(warm))
         seconds, outputs = timed(lambda: collect(manager, "run", prompts, max_tokens), job["device"])
+        used = getattr(model.config, "_attn_implementation", None)  # what transformers switched it to (paged|...)
     _job.check_lengths("generate_batch", outputs, max_tokens)
-    info = dict(attn_implementation=opts["cb_attn"], kv_blocks=opts["num_kv_blocks"]) | device_memory(job)
+    info = dict(attn_implementation=opts["cb_attn"], attn_used=used, kv_blocks=opts["num_kv_blocks"]) | device_memory(job)
     return dict(output_token_ids=outputs, seconds=seconds, computed_tokens=sum(max_tokens), info=info)
 
 

@@ -15,6 +15,9 @@ identical requests and where the others first differ).
     python benchmarks/throughput.py --model random-135m --dtype bfloat16 --systems pagedgen,vllm --repeats 3
     python benchmarks/throughput.py --model random-135m --workload sharegpt --systems pagedgen,vllm --dry-run
     python benchmarks/throughput.py --model random-1b --device cuda --repeats 3 --out gpu_results/
+    python benchmarks/throughput.py --model random-1b --device cuda --workload sharegpt --num-prompts 512 \
+        --systems pagedgen,static,generate_batch --static-batch-sizes 256 --cb-attn 'paged|sdpa' --time-limit 250
+                                                                        # scripts/gpu_check.sh's end-to-end stage
     python benchmarks/throughput.py --model random-135m --systems pagedgen --profile   # + where pagedgen's time goes
 
 Systems (--systems, any of them; default pagedgen,static,generate_batch):
@@ -23,7 +26,12 @@ Systems (--systems, any of them; default pagedgen,static,generate_batch):
                   (benchmarks/vllm_runner.py; prompts as token ids, max_model_len 2048, enforce_eager).
   static          transformers model.generate on left-padded batches, one row per --static-batch-sizes
                   entry; the best counts.
-  generate_batch  transformers continuous batching with per-request limits.
+  generate_batch  transformers continuous batching with per-request limits (CPU and CUDA; on CUDA it captures
+                  its CUDA graphs in an untimed warm-up, as its context manager does by default).
+
+--time-limit S bounds the whole run: each runner process gets the seconds left (less a reserve for the
+report) and is killed when they run out; that row is then reported as failed (timed out: fewer than
+useful tokens / seconds tok/s), and the rows already done keep their figures (scripts/gpu_check.sh).
 
 Workloads: tinystories (256 TinyStories openings, max_tokens 16-256) and sharegpt (128 first-turn
 ShareGPT prompts tokenised with the model's tokenizer, cut to 1,024 tokens; max_tokens from the
@@ -105,8 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help=f"KV cache of pagedgen and continuous batching, in blocks of {BLOCK_SIZE} tokens (default: enough "
                          f"for max-num-seqs of the longest request, capped at {KV_MEMORY_FRACTION * 100:.0f}%% of available memory)")
-    ap.add_argument("--cb-attn", default="sdpa", choices=["sdpa", "paged|eager"],
-                    help="attn_implementation for continuous batching (sdpa is the faster on CPU)")
+    ap.add_argument("--cb-attn", default="sdpa", choices=["sdpa", "paged|sdpa", "paged|eager"],
+                    help="attn_implementation for continuous batching (sdpa is the faster on CPU; transformers turns "
+                         "sdpa into a flash kernel where one is installed, else into paged|sdpa)")
     ap.add_argument("--vllm-venv", default=_launch.default_vllm_venv(),
                     help=f"vLLM's virtual environment (default ${_launch.VLLM_VENV_ENV} or benchmarks/.vllm-venv)")
     ap.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE, GiB")
@@ -123,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="after the timed runs, one more pagedgen run under cProfile and torch.profiler (torch on one thread, "
                          "CPU time): where its time goes, per component and per operator (benchmarks/_profile.py); "
                          "not part of the table")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds for the whole run: a runner still going when they run out is killed and its row "
+                         "reported as timed out; later rows are not started (default: no limit)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (no model built, loaded or run)")
     args = ap.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -139,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("need 1 <= --min-tokens <= --max-tokens, and --num-prompts, --repeats, --max-num-seqs, --roofline-runs >= 1")
     if "vllm" in args.systems and args.device != "cpu":
         ap.error("--systems vllm is vLLM's CPU backend: it runs with --device cpu only")
+    if args.time_limit is not None and args.time_limit <= 0:
+        ap.error(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     return args
 
 
@@ -271,8 +285,17 @@ def measure_roofline(args, su: Setup, say) -> dict:
                 flops_per_s_by_path=by_path, mm_size=size, mm_flops_per_s=mm, formula=_roofline.FORMULA)
 
 
-def run_all(args, su: Setup, job: dict, workdir: str, say) -> tuple[dict, dict]:
-    """Every row once per repeat, interleaved; a row that fails is reported and left out from then on.
+REPORT_RESERVE_S = 10.0  # of --time-limit, kept for the report after the last runner
+
+
+def job_timeout(deadline: float | None, now: float) -> float | None:
+    """Seconds a runner may take under --time-limit (None: no limit); <= 0 when none are left."""
+    return None if deadline is None else deadline - REPORT_RESERVE_S - now
+
+
+def run_all(args, su: Setup, job: dict, workdir: str, say, deadline: float | None = None) -> tuple[dict, dict]:
+    """Every row once per repeat, interleaved; a row that fails (or outruns ``deadline``, a
+    time.monotonic() value) is reported and left out from then on.
     Returns (label -> results of its runs, label -> error of a failed row)."""
     runs: dict[str, list[dict]] = {label: [] for label in su.rows}
     useful = sum(su.max_tokens)
@@ -282,11 +305,19 @@ def run_all(args, su: Setup, job: dict, workdir: str, say) -> tuple[dict, dict]:
             if label in failed:
                 continue
             tag = f"{label.replace(', ', '-').replace(' ', '')}-{rep + 1}"
+            timeout = job_timeout(deadline, time.monotonic())
+            if timeout is not None and timeout < 1:
+                failed[label] = f"not run: --time-limit {args.time_limit:g} s used up"
+                say(f"run {rep + 1}/{args.repeats} {label}: NOT RUN, {failed[label]}")
+                continue
             try:
                 result = _launch.run_job(system, dict(job, options=options), workdir, tag, args.vllm_venv,
-                                         su.vllm_env if system == "vllm" else {})
+                                         su.vllm_env if system == "vllm" else {}, timeout=timeout)
             except RuntimeError as e:
                 failed[label] = str(e)
+                if timeout is not None and "timed out after" in str(e):
+                    failed[label] = (f"timed out after {timeout:.0f} s (--time-limit): under {_report.rate(useful / timeout)} "
+                                     f"tok/s, model load included")
                 say(f"run {rep + 1}/{args.repeats} {label}: FAILED\n{e}")
                 continue
             runs[label].append(result)
@@ -308,6 +339,7 @@ def run_profile(args, su: Setup, job: dict, workdir: str, say) -> dict | None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     lines: list[str] = []
 
     def say(line: str = "") -> None:
@@ -340,7 +372,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="pagedgen-bench-") as tmp:
         workdir = os.path.join(args.out, "logs") if args.out else tmp
         os.makedirs(workdir, exist_ok=True)
-        runs, failed = run_all(args, su, job, workdir, say)
+        runs, failed = run_all(args, su, job, workdir, say, deadline)
         profile = run_profile(args, su, job, workdir, say) if args.profile and "pagedgen" in su.rows else None
     if not runs:
         raise SystemExit("throughput.py: every system failed (see above)")
@@ -358,8 +390,9 @@ def main(argv=None) -> None:
         v = runs["vllm"][-1]["info"]
         say(f"vllm: {v['version']}, max_num_seqs {v['max_num_seqs']}, max_num_batched_tokens {v['max_num_batched_tokens']}, "
             f"{v['torch_threads']} torch threads; env {' '.join(f'{k}={x}' for k, x in su.vllm_env.items())}")
-    for label in failed:
-        say(f"{label}: failed, not in the table (its log is quoted above)")
+    for label, why in failed.items():
+        short = why if why.startswith(("timed out", "not run")) else "its log is quoted above"
+        say(f"{label}: failed, not in the table ({short})")
     if profile is not None:
         _profile.describe(profile, say)
 
