@@ -17,7 +17,7 @@ cannot compile is a ValueError when the request is added (naming the request), b
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -49,7 +49,6 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = False
-    _key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json is not None:
@@ -76,7 +75,7 @@ class StructuredOutputsParams:
                 f"StructuredOutputsParams needs exactly one of {', '.join(_KINDS)}, got "
                 f"{', '.join(given) if given else 'none'}"
             )
-        self._key = (given[0], self._text(given[0]), self.disable_any_whitespace)
+        self._key = (given[0], self._text(given[0]), self.disable_any_whitespace)  # not a field: no part of eq, repr or asdict
 
     def _text(self, kind: str) -> str:
         value = getattr(self, kind)
@@ -95,8 +94,7 @@ class StructuredOutputsParams:
         return self._key
 
     def __repr__(self) -> str:
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                 if f.init and getattr(self, f.name) not in (None, False)]
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) not in (None, False)]
         return f"StructuredOutputsParams({', '.join(parts)})"
 
 
