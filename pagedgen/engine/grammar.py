@@ -115,8 +115,8 @@ class _Vocabulary:
                     out.append(token)
                     pos += size
                     break
-            else:
-                pos += 1  # a byte no token holds: the grammar cannot produce it (a dead end, reported)
+            else:  # a byte no token holds: the grammar cannot produce it (llguidance then reports an error)
+                raise ValueError(f"no token of the vocabulary holds the byte {data[pos:pos + 1]!r}")
         return out
 
 
@@ -183,19 +183,23 @@ class GrammarCompiler:
                 raise ValueError(f"invalid {spec.kind}: {exc}") from None
             vocab = self._vocabulary(eos)
             template = llg.LLMatcher(vocab.ll_tokenizer, text, log_level=0)
-            if not template.is_error():  # an empty language shows in its first mask: EOS alone, not accepting
-                mask = torch.zeros(1, self.num_words, dtype=torch.int32)
-                fill_bitmask_rows([(template, 0)], mask)
-                if not template.is_error() and _only_eos(mask[0], vocab.eos_token_id) and not template.is_accepting():
-                    raise ValueError(f"no token sequence of this vocabulary satisfies the {spec.kind} constraint")
             if template.is_error():
-                raise ValueError(f"invalid {spec.kind}: {template.get_error().strip()}")
+                raise ValueError(f"invalid {spec.kind}: {_message(template)}")
+            mask = torch.zeros(1, self.num_words, dtype=torch.int32)  # an empty language shows in the first mask
+            fill_bitmask_rows([(template, 0)], mask)
+            if template.is_error() or (_only_eos(mask[0], vocab.eos_token_id) and not template.is_accepting()):
+                raise ValueError(f"no token sequence of this vocabulary satisfies the {spec.kind} constraint")
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - start
             self._templates[key] = template
             if len(self._templates) > MAX_CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
             return template
+
+
+def _message(matcher) -> str:
+    """llguidance's error message, without the parser-state dump it may append."""
+    return matcher.get_error().split("\n<state>")[0].strip()
 
 
 def _only_eos(row: torch.Tensor, eos: Optional[int]) -> bool:
@@ -223,7 +227,7 @@ class Grammar:
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if not self.matcher.rollback(num_tokens):
-            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {self.matcher.get_error()}")
+            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {_message(self.matcher)}")
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` ([R, W] int32, CPU)."""
@@ -306,7 +310,7 @@ class StructuredOutputManager:
                 raise ValueError(
                     f"request {seq.request_id!r}: no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
                     f"constraint after {seq.num_output_tokens} generated tokens ({text[-60:]!r}): the constraint cannot be "
-                    f"completed with this tokenizer" + (f" ({matcher.get_error().strip()})" if matcher.is_error() else "")
+                    f"completed with this tokenizer" + (f" ({_message(matcher)})" if matcher.is_error() else "")
                 )
 
     def accept(self, seqs: list, token_ids: list[int]) -> None:
@@ -321,4 +325,4 @@ class StructuredOutputManager:
                 continue  # not constrained, or EOS after a grammar that ended by itself (NoExtension)
             if not entry[1].accept([token]):
                 raise RuntimeError(f"request {seq.request_id!r}: the grammar refused token {token}, which its bitmask allowed: "
-                                   f"{entry[1].matcher.get_error()}")
+                                   f"{_message(entry[1].matcher)}")
