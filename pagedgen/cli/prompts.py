@@ -83,7 +83,7 @@ class RequestBuilder:
         spec = self.spec
         if spec.mode == "openai":
             req = openai_batch.parse_request(fields)
-            params = self._with(req.overrides)
+            params = self._with(structured.compact_overrides(req.overrides, spec.compact_json))
             truncate = self._truncation(req.truncate_prompt_tokens, params)
             if req.kind == "chat":
                 ids = self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message)

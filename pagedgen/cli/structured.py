@@ -82,6 +82,15 @@ def row_params(params: SamplingParams, fields: dict, schema_field: Optional[str]
         raise BadRow(f"{schema_field}: {exc}") from None
 
 
+def compact_overrides(overrides: dict, compact: bool) -> dict:
+    """An OpenAI body's SamplingParams fields with its response_format's JSON made compact when
+    ``--disable-any-whitespace`` is given."""
+    spec = overrides.get("structured_outputs")
+    if not compact or spec is None or spec.disable_any_whitespace:
+        return overrides
+    return {**overrides, "structured_outputs": dataclasses.replace(spec, disable_any_whitespace=True)}
+
+
 def response_format(value) -> Optional[StructuredOutputsParams]:
     """The constraint of an OpenAI body's ``response_format`` (None for ``{"type": "text"}``). Raises BadRow."""
     kind = value.get("type") if isinstance(value, dict) else None
