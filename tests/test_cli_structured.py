@@ -6,8 +6,10 @@ import re
 import signal
 import time
 
-import jsonschema
 import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
 
 from cli_util import error_lines, popen_cli, read_jsonl, run_cli
 from conftest import story_openings

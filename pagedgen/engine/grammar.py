@@ -86,7 +86,10 @@ class _Vocabulary:
 
         full = llguidance.hf.from_tokenizer(tokenizer)
         eos = sorted(t for t in eos_token_ids if t < vocab_size)
-        self.eos_token_id = eos[0] if eos else None
+        if not eos:  # the grammar could never end the completion
+            raise ValueError(f"structured outputs need an EOS token inside the vocabulary [0, {vocab_size}); the model's "
+                             f"EOS ids are {sorted(eos_token_ids)} (set LLM.eos_token_ids)")
+        self.eos_token_id = eos[0]
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
         self.tokens = [
             full.decode_bytes([i]) if i < full.vocab_size and i not in eos_token_ids and not full.is_special_token(i)
@@ -140,7 +143,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._executor = None
         self.num_compiled = 0  # compilations so far (a cache hit compiles nothing)
-        self.compile_seconds = 0.0
+        self.compile_seconds = 0.0  # their time, without the token table's (built once per EOS set)
+        self.vocabulary_seconds = 0.0
 
     def check(self, spec: StructuredOutputsParams, where: str) -> None:
         """Compile ``spec`` (or find it compiled). Raises ValueError ``"{where}: ..."`` with the
@@ -163,7 +167,11 @@ class GrammarCompiler:
     def _vocabulary(self, eos: frozenset[int]) -> _Vocabulary:
         vocab = self._vocabularies.get(eos)
         if vocab is None:
+            import time
+
+            start = time.perf_counter()
             vocab = self._vocabularies[eos] = _Vocabulary(self.tokenizer, self.vocab_size, eos)
+            self.vocabulary_seconds += time.perf_counter() - start
         return vocab
 
     def _template(self, spec: StructuredOutputsParams, eos: frozenset[int]):
@@ -175,13 +183,13 @@ class GrammarCompiler:
             if template is not None:
                 self._templates.move_to_end(key)
                 return template
+            vocab = self._vocabulary(eos)
             start = time.perf_counter()
             llg = _llguidance()
             try:
                 text = grammar_text(spec)
             except ValueError as exc:
                 raise ValueError(f"invalid {spec.kind}: {exc}") from None
-            vocab = self._vocabulary(eos)
             template = llg.LLMatcher(vocab.ll_tokenizer, text, log_level=0)
             if template.is_error():
                 raise ValueError(f"invalid {spec.kind}: {_message(template)}")
@@ -202,11 +210,10 @@ def _message(matcher) -> str:
     return matcher.get_error().split("\n<state>")[0].strip()
 
 
-def _only_eos(row: torch.Tensor, eos: Optional[int]) -> bool:
+def _only_eos(row: torch.Tensor, eos: int) -> bool:
     """True when bitmask row [W] int32 allows token ``eos`` and nothing else (or nothing at all)."""
     allowed = row.clone()
-    if eos is not None:
-        allowed[eos // 32] &= ~(1 << (eos % 32))
+    allowed[eos // 32] &= ~(1 << (eos % 32))
     return not bool(allowed.any())
 
 
@@ -299,9 +306,8 @@ class StructuredOutputManager:
     def _check_dead_ends(self, sampling: list, bitmask: torch.Tensor) -> None:
         """ValueError for a sequence whose grammar is in error or can only stop while incomplete."""
         eos = self.compiler._vocabulary(frozenset(sampling[0].eos_token_ids)).eos_token_id
-        suspects = range(len(sampling))
-        if eos is not None:  # only rows that allow EOS can be dead ends (llguidance allows EOS alone there)
-            suspects = ((bitmask[:, eos // 32] >> (eos % 32)) & 1).nonzero().flatten().tolist()
+        # only rows that allow EOS can be dead ends (llguidance allows EOS alone there, and errors end in EOS too)
+        suspects = ((bitmask[:, eos // 32] >> (eos % 32)) & 1).nonzero().flatten().tolist()
         for row in suspects:
             seq = sampling[row]
             matcher = self._grammars[seq.seq_id][1].matcher
