@@ -12,7 +12,7 @@ import torch
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")  # a core dependency; absent only from a foreign image (the GPU machine's)
 
-from conftest import story_openings
+from conftest import GPT2_TOKENIZER, STORIES as STORIES_PATH, story_openings  # noqa: F401 (benchmarks/grammar_backends.py)
 from pagedgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagedgen.engine import grammar as grammar_mod
 from pagedgen.engine.token_bitmask import GrammarBitmask, apply_token_bitmask, apply_token_bitmask_reference
