@@ -1,6 +1,8 @@
 """Turns the logits of the sequences that finish a step into their next tokens (and logprobs).
 
 Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
+0. the grammar bitmask of structured outputs, on the constrained rows (engine/token_bitmask.py;
+   vLLM applies it just before its sampler);
 1. logprobs, if a row asks: log-softmax of the raw logits (see engine/logprobs.py);
 2. allowed_token_ids, logit bias and min_tokens (EOS / stop tokens banned while fewer than
    min_tokens are generated);
