@@ -92,6 +92,17 @@ def test_token_bitmask_matches_reference(vocab, dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_token_bitmask_on_the_gpu_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (7, 1536), dtype=torch.int32, generator=g)  # 49,152 tokens
+    logits = torch.randn(7, 49152, generator=g).to(torch.bfloat16)
+    got = logits.cuda()
+    apply_token_bitmask(got, bitmask)
+    assert torch.equal(got.cpu(), apply_token_bitmask_reference(logits, bitmask))
+
+
 def test_params_checks():
     S = StructuredOutputsParams
     with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object, got none"):

@@ -3,16 +3,18 @@ matcher per constrained sequence, and the step's token bitmask.
 
 Backend: llguidance (https://github.com/guidance-ai/llguidance), chosen over xgrammar 0.2.9 after
 measuring both on our tokenizers (stories260K's SentencePiece-style vocabulary of 512 with byte
-fallback, GPT-2's BPE in full and cut to the tiny test models' first 4,096 ids), over ten JSON
-schemas walked with random allowed tokens (benchmarks/grammar_backends.py; docs/structured_outputs.md):
-  - coverage: every llguidance walk ended in JSON that validates against its schema; xgrammar let
-    2 of 20 walks through invalid output (bytes that are not UTF-8 inside a maxLength string on
-    stories260K, a raw control character inside a string on the cut GPT-2 vocabulary);
-  - llguidance reports an unsatisfiable schema (minimum > maximum) or an empty regex when it is
-    compiled, with a message, and never raises from a matcher (errors are a state we check);
-  - compile time 0.4-0.8 ms a schema (xgrammar 1.4-6.7 ms); per-token mask 19-89 us (xgrammar
-    3-16 us), filled for all rows by llguidance's thread pool outside the GIL;
-  - one small wheel with no dependencies (xgrammar brings apache-tvm-ffi).
+fallback; GPT-2's BPE in full and cut to the tiny test models' first 4,096 ids, EOS the text token
+"!"), with the ten JSON schemas of tests/test_structured_outputs.py walked by random allowed tokens
+(benchmarks/grammar_backends.py; the table is in docs/structured_outputs.md):
+  - coverage: all 30 llguidance walks ended in JSON valid against its schema; 5 of 30 xgrammar walks
+    did not (``multipleOf`` ignored on every tokenizer, bytes that are not UTF-8 inside a
+    ``maxLength`` string on stories260K, output that is not JSON on the cut GPT-2 vocabulary);
+  - llguidance reports an unsatisfiable schema (minimum > maximum) or an empty language when it
+    compiles, with a message, and never raises from a matcher (an error is a state, checked here);
+  - compile time 0.6-1.4 ms a schema (xgrammar 1.9-9.3 ms); per-token masks cost more, 57-168 us
+    on one thread of the shared test machine (xgrammar 2-18 us), so a step fills all its rows on
+    llguidance's thread pool, outside the GIL;
+  - one abi3 wheel with no dependencies (xgrammar brings apache-tvm-ffi).
 
 Pieces:
     GrammarCompiler   tokenizer -> llguidance tokenizer (once), constraint -> a template matcher in
@@ -100,7 +102,7 @@ class _Vocabulary:
         self._full = full
         self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens))) if t and t[:1] != b"\xff"}  # bytes -> lowest id
         self._longest = max(map(len, self._ids), default=1)
-        self.ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(self), n_vocab=vocab_size, eos_token=eos or None)
+        self.ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(self), n_vocab=vocab_size, eos_token=eos)
 
     def __call__(self, text) -> list[int]:
         """Token ids of ``text`` (str or UTF-8 bytes), which llguidance asks for when a grammar

@@ -270,8 +270,8 @@ class LLMEngine:
         self._peak_savings = max(self._peak_savings, savings)
         batch = ScheduledBatch(plan, self.scheduler.scheduled)  # the Sequences of plan.seq_ids
         self._fork_parallel_samples(batch)
-        grammar_bitmask = self.grammars.bitmask(batch)  # None unless a sequence sampling now is constrained
-        out = self.model_runner.execute(batch, bm, grammar_bitmask)
+        batch.grammar_bitmask = self.grammars.bitmask(batch)  # structured outputs: None unless a sequence sampling now is constrained
+        out = self.model_runner.execute(batch, bm)
         for seq, n in zip(batch.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += n
         for child, parent in batch.forked:

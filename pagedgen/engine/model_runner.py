@@ -248,9 +248,8 @@ class ModelRunner:
             for k, v in self.kv_caches:
                 ops.copy_blocks(k, v, mapping)
 
-    def execute(self, batch: ScheduledBatch, block_manager: BlockManager, grammar_bitmask=None) -> StepOutput:
-        """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs.
-        ``grammar_bitmask``: None, or the step's structured-output rows, for the sampler."""
+    def execute(self, batch: ScheduledBatch, block_manager: BlockManager) -> StepOutput:
+        """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs."""
         if self.prefaulter is not None:
             self.prefaulter.before_step(batch.plan.block_table_updates, (batch.blocks_to_copy, batch.blocks_to_swap_in))
         self.move_blocks(batch)
@@ -262,7 +261,7 @@ class ModelRunner:
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
-            sampled = self.sampler(logits[:num_sampling], sampling, grammar_bitmask)
+            sampled = self.sampler(logits[:num_sampling], sampling, batch.grammar_bitmask)
             out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
         if beams:
             beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1)  # [B, vocab]
