@@ -112,6 +112,11 @@ def test_constraint_flags(stories_path, tmp_path, capsys, one_torch_thread):
     rc, err = run_cli(capsys, *base, "--output", tmp_path / "b.jsonl", "--choice", "red", "green", "--n", 3, "--temperature", 1, "--seed", 2)
     assert rc == 0, err
     assert {c["text"] for c in read_jsonl(tmp_path / "b.jsonl")[0]["completions"]} <= {"red", "green"}
+    grammar_file = tmp_path / "grammar.gbnf"
+    grammar_file.write_text('root ::= "The " animal "."\nanimal ::= "cat" | "dog"\n')
+    rc, err = run_cli(capsys, *base, "--output", tmp_path / "g.jsonl", "--grammar", grammar_file)
+    assert rc == 0, err
+    assert read_jsonl(tmp_path / "g.jsonl")[0]["completions"][0]["text"] in ("The cat.", "The dog.")
     for flags, message in (
         (("--choice", "a", "--regex", "b"), "--regex and --choice: give one structured-output constraint"),
         (("--json-schema", '{"type": "foo"}'), "invalid json: Invalid type: foo"),

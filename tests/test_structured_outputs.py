@@ -222,6 +222,13 @@ def test_json_object_and_whitespace(llm):
     assert _accepts(llm, S(json=schema, disable_any_whitespace=True), '{"name":"Tim","age":3}')
     assert not _accepts(llm, S(json=schema, disable_any_whitespace=True), '{"name": "Tim","age":3}')
     assert not _accepts(llm, S(json=schema), '{"name":"Tim","age":300}')
+    # validate does not advance; rollback undoes accepted tokens
+    vocab = llm.processor.grammars._vocabulary(llm.eos_token_ids)
+    g = llm.processor.grammars.grammar(S(regex="(ab|cd)e"), llm.eos_token_ids)
+    ab, cd = vocab("ab"), vocab("cd")
+    assert g.validate(ab + vocab("x")) == len(ab) and g.accept(ab)
+    g.rollback(len(ab))
+    assert g.accept(cd + vocab("e")) and g.is_terminated()  # nothing can follow: the grammar has ended
 
 
 # ----- regexes, choices and grammars -----------------------------------------------------------------
@@ -258,6 +265,21 @@ def test_eos_only_where_the_grammar_may_end_and_length_mid_structure(llm):
     for o in outs:
         c = o.outputs[0]
         assert c.finish_reason == "length" and len(c.token_ids) == 5 and '{"person":{"first":'.startswith(c.text)
+
+
+def test_generate_stream(llm):
+    """Constrained items of generate_stream follow their constraints; a bad one is reported by index
+    after the items before it."""
+    S = StructuredOutputsParams
+    items = [(p, SamplingParams(temperature=1.0, seed=i, max_tokens=160, structured_outputs=SPECS[i % 10])) for i, p in enumerate(story_openings(12))]
+    outs = sorted(llm.generate_stream(iter(items), use_tqdm=False), key=lambda o: o.index)
+    _assert_valid_json(outs, SCHEMAS)
+    items[5] = (items[5][0], SamplingParams(structured_outputs=S(regex="(")))
+    seen = []
+    with pytest.raises(ValueError, match=r"prompts\[5\]\.structured_outputs: invalid regex"):
+        for out in llm.generate_stream(iter(items), use_tqdm=False, max_in_flight=2):
+            seen.append(out.index)
+    assert sorted(seen) == [0, 1, 2, 3, 4]
 
 
 def test_stop_strings_and_parallel_samples(llm):
