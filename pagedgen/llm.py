@@ -244,6 +244,7 @@ class LLM:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: frozenset[int]) -> None:
         self.llm_engine.eos_token_ids = frozenset(ids)
+        self.processor.grammars.eos_token_ids = frozenset(ids)  # structured outputs end on these
 
     # ----- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -359,6 +359,18 @@ def test_unconstrained_steps_do_no_grammar_work(llm, monkeypatch):
     assert len(outs) == 8 and len(llm.llm_engine.grammars) == 0
 
 
+def test_eos_set_on_the_llm(tiny_gpt2):
+    """LLM.eos_token_ids changed after construction: constraints are checked and end with the new EOS
+    (13, "."), which the grammar then never writes as text; the old one (0, "!") is text again."""
+    llm = LLM(tiny_gpt2, max_num_seqs=8)
+    llm.eos_token_ids = frozenset([13])
+    S = StructuredOutputsParams
+    outs = llm.generate(_tiny_prompts(4), SamplingParams(temperature=1.0, seed=3, max_tokens=8, structured_outputs=S(regex="[ab]!")), use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids[-1] == 13 and c.text in ("a!", "b!")
+
+
 def test_dead_end_is_reported_not_looped_on(tiny_gpt2):
     """"!" is the tiny model's EOS, so no token of its vocabulary writes "!". The regex a!b is refused
     when it is compiled; [ab]! can start but never finish: the step names the request (the LLM is
