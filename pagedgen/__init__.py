@@ -9,11 +9,13 @@ from pagedgen.engine.llm_engine import LLMEngine
 from pagedgen.llm import LLM
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.sampling_params import SamplingParams
+from pagedgen.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "LLMEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "BeamSearchParams",

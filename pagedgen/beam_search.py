@@ -20,6 +20,8 @@ class BeamSearchParams:
         early_stopping: transformers' ``early_stopping``: True stops once ``beam_width`` beams have
             finished; False (the default) stops when no running beam can beat the worst finished one
             at its current length; "never" only when none could at its best possible length.
+        structured_outputs: must stay None: beam search with a grammar constraint is refused
+            (vLLM does not offer it either; sample with ``SamplingParams(n=..., structured_outputs=...)``).
 
     Raises:
         ValueError / TypeError: a field outside its range or of the wrong type (naming the field).
@@ -30,8 +32,12 @@ class BeamSearchParams:
     ignore_eos: bool = False
     length_penalty: float = 1.0
     early_stopping: Union[bool, str] = False
+    structured_outputs: None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            raise ValueError("BeamSearchParams.structured_outputs: beam search with a structured-output constraint is not "
+                             "supported (vLLM does not offer it either); use SamplingParams(n=..., structured_outputs=...)")
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -21,6 +21,7 @@ from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.engine import kv_sizing
 from pagedgen.engine.beam_group import beam_score
 from pagedgen.engine.block_manager import cdiv
+from pagedgen.engine.grammar import GrammarCompiler
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
 from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Request, RequestProcessor
@@ -233,7 +234,8 @@ class LLM:
         self.scheduler_config = scheduler_config
         use_graphs = device.type == "cuda" and not enforce_eager
         runner = ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=max_num_seqs if use_graphs else 0, max_model_len=max_model_len)
-        self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs)
+        grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
+        self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)
         self.llm_engine = LLMEngine(cache_config, scheduler_config, runner, self.processor, eos_token_ids)
         self._lock = threading.Lock()
         self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
@@ -255,6 +257,7 @@ class LLM:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: frozenset[int]) -> None:
         self.llm_engine.eos_token_ids = frozenset(ids)
+        self.processor.grammars.eos_token_ids = frozenset(ids)  # structured outputs end on these
 
     # ----- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True) -> list[RequestOutput]:

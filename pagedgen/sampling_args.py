@@ -17,8 +17,9 @@ _HELP = arg_utils.docstring_fields(SamplingParams.__doc__, "Attributes")
 
 
 def sampling_fields() -> tuple[dataclasses.Field, ...]:
-    """The fields of ``SamplingParams`` (one flag each)."""
-    return dataclasses.fields(SamplingParams)
+    """The fields of ``SamplingParams`` (one flag each), less ``structured_outputs``, whose flags
+    are ``--json-schema``, ``--regex``, ``--choice`` and ``--schema-field`` (pagedgen/cli/structured.py)."""
+    return tuple(f for f in dataclasses.fields(SamplingParams) if f.name != "structured_outputs")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, title: str = "sampling (SamplingParams fields)") -> argparse.ArgumentParser:

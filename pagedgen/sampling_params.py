@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pagedgen import _repr
+from pagedgen.structured_outputs import StructuredOutputsParams, check_sampling_params
 
 _GREEDY_EPS = 1e-5  # temperature below this means greedy, as in vLLM
 
@@ -72,6 +73,10 @@ class SamplingParams:
         allowed_token_ids: None, or a non-empty list of the only token ids that may be sampled (the
             others' logits become -inf before sampling; logprobs stay those of the raw model
             distribution). Token ids >= 0 (and inside the vocabulary, checked by ``LLM``).
+        structured_outputs: None, or a ``StructuredOutputsParams``: a JSON schema, regex, choice
+            or grammar every completion follows (docs/structured_outputs.md). Not with
+            ignore_eos, min_tokens or allowed_token_ids (the grammar decides which tokens may
+            come and where the completion may end).
 
     Raises:
         ValueError: a field outside its range (the message names the field and the range).
@@ -100,6 +105,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
@@ -162,6 +168,8 @@ class SamplingParams:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "None or a non-empty list of token ids", self.allowed_token_ids)
             _check(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids", "non-negative token ids", self.allowed_token_ids)
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.structured_outputs is not None:
+            check_sampling_params(self)
 
     @staticmethod
     def _stop_list(stop) -> list[str]:

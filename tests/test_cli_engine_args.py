@@ -59,6 +59,11 @@ def test_every_sampling_field_has_a_documented_flag():
     ap = _parser()
     by_dest = {a.dest: a for a in ap._actions}
     for f in dataclasses.fields(SamplingParams):
+        if f.name == "structured_outputs":  # its flags: --json-schema, --regex, --choice, --grammar, --schema-field
+            from pagedgen.cli.args import build_parser
+
+            assert {"json_schema", "regex", "choice", "grammar", "schema_field"} <= {a.dest for a in build_parser()._actions}
+            continue
         action = by_dest[arg_utils.flag_dest(f)]
         assert action.option_strings[0] == "--" + f.name.replace("_", "-")
         doc = arg_utils.docstring_fields(SamplingParams.__doc__, "Attributes").get(f.name)

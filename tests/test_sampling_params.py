@@ -31,6 +31,7 @@ VLLM_DEFAULTS = dict(
     include_stop_str_in_output=False,
     logit_bias=None,
     allowed_token_ids=None,
+    structured_outputs=None,
 )
 
 

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import sys
 
+from pagedgen.cli import structured
 from pagedgen.cli.errors import EXIT_USAGE
 from pagedgen.cli.readers import FORMATS
 from pagedgen.engine_args import EngineArgs
@@ -132,4 +133,5 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                     help="same as --no-enable-prefix-caching (kept for compatibility)")
     add_sampling_args(ap)
+    structured.add_args(ap)
     return ap

@@ -21,5 +21,6 @@ def check_params_fit_model(llm, params, model: str) -> None:
         llm.processor.check_params(params, "sampling_params")
     except (ValueError, TypeError) as exc:
         flags = {f.name: arg_utils.flag_name(f) for f in sampling_fields()}
+        flags["structured_outputs"] = "the structured-output flag (--json-schema, --regex, --choice or --grammar)"
         message = _FIELD.sub(lambda m: flags.get(m.group(1), m.group(0)), one_line(exc))
         raise CLIError(f"{message} (a command-line value that does not fit the model {model!r})") from exc

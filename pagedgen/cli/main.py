@@ -15,7 +15,7 @@ import time
 from typing import Iterator, Optional
 
 from pagedgen.cli import progress as progress_mod
-from pagedgen.cli import checks, readers, resume, sidecar
+from pagedgen.cli import checks, readers, resume, sidecar, structured
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
 from pagedgen.cli.lock import OutputLock, lock_path
@@ -74,7 +74,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
     from pagedgen.sampling_args import sampling_params_from_args
 
     with _UserErrors(""):
-        params = sampling_params_from_args(args)
+        params = structured.with_constraint(sampling_params_from_args(args), args)
     engine_args = EngineArgs.from_cli_args(args)
     fmt = _check_input(args)
     out_sidecar, out_errors = sidecar.paths_for(args.output)
@@ -229,7 +229,8 @@ def _prompt_spec(args, fmt: str) -> PromptSpec:
     mode = "openai" if fmt == "openai" else "messages" if args.messages_field else "prompt"
     return PromptSpec(mode=mode, prompt_field=args.prompt_field, messages_field=args.messages_field,
                       index_field=args.index_field, output_field=args.output_field, chat_template=template,
-                      truncate_prompt_tokens=None if ENGINE_TRUNCATES else args.truncate_prompt_tokens)
+                      truncate_prompt_tokens=None if ENGINE_TRUNCATES else args.truncate_prompt_tokens,
+                      schema_field=args.schema_field, compact_json=args.disable_any_whitespace)
 
 
 def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
@@ -240,7 +241,7 @@ def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
         prompt_field=spec.prompt_field, messages_field=spec.messages_field, index_field=spec.index_field,
         output_field=spec.output_field, truncate_prompt_tokens=spec.truncate_prompt_tokens, unordered=args.unordered,
         chat_template_sha256=hashlib.sha256(spec.chat_template.encode()).hexdigest() if spec.chat_template else None,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name, schema_field=spec.schema_field, compact_json=spec.compact_json,
     )
     return json.loads(json.dumps(values))  # as it reads back from the sidecar (dict keys become str)
 

@@ -17,7 +17,8 @@ Body fields: OpenAI's (``max_tokens``, ``max_completion_tokens``, ``temperature`
 ``top_logprobs``) and vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
-``add_generation_prompt``, ``continue_final_message``). A field the body leaves out takes the
+``add_generation_prompt``, ``continue_final_message``), and ``response_format`` (``text``,
+``json_object``, or ``json_schema`` with its ``schema``: structured outputs). A field the body leaves out takes the
 command line's value. Anything else (streaming, tools, echo, suffix...) makes the request a bad row.
 """
 from __future__ import annotations
@@ -25,17 +26,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedgen.cli import structured
 from pagedgen.cli.errors import BadRow
 
 URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _SAMPLING = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
              "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
              "spaces_between_special_tokens", "include_stop_str_in_output", "allowed_token_ids")
-_COMMON = set(_SAMPLING) | {"model", "max_tokens", "logit_bias", "user", "metadata", "stream", "best_of", "truncate_prompt_tokens"}
+_COMMON = set(_SAMPLING) | {"model", "max_tokens", "logit_bias", "user", "metadata", "stream", "best_of", "truncate_prompt_tokens",
+                            "response_format"}
 _FIELDS = {
     "completions": _COMMON | {"prompt", "logprobs", "echo", "suffix"},
     "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
-                       "continue_final_message", "response_format"},
+                       "continue_final_message"},
 }
 _MUST_BE_OFF = {"stream": (None, False), "echo": (None, False), "suffix": (None, "")}
 
@@ -77,10 +80,10 @@ def parse_request(line: dict) -> OpenAIRequest:
     for name, allowed in _MUST_BE_OFF.items():
         if body.get(name) not in allowed:
             raise BadRow(f"body.{name}={body[name]!r} is not supported in a batch")
-    if kind == "chat" and body.get("response_format") not in (None, {"type": "text"}):
-        raise BadRow("body.response_format other than {'type': 'text'} is not supported")
     req = OpenAIRequest(custom_id=line["custom_id"], kind=kind, model=body.get("model"))
     over = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    if body.get("response_format") is not None:  # structured outputs: json_schema or json_object (cli/structured.py)
+        over["structured_outputs"] = structured.response_format(body["response_format"])
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if kind == "chat" else body.get("max_tokens")
     if max_tokens is not None:
         over["max_tokens"] = max_tokens

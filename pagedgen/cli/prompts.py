@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pagedgen.cli import openai_batch
+from pagedgen.cli import openai_batch, structured
 from pagedgen.cli.errors import BadRow
 from pagedgen.cli.readers import Row
 from pagedgen.sampling_params import SamplingParams
@@ -35,6 +35,8 @@ class PromptSpec:
         index_field, output_field: names the output adds to each row (a row may not have them).
         chat_template: a Jinja template overriding the tokenizer's, or None.
         truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len), or None.
+        schema_field: a field holding a row's own JSON Schema (``cli/structured.py``), or None;
+        compact_json: that schema's JSON without whitespace (``--disable-any-whitespace``).
     """
 
     mode: str
@@ -44,6 +46,8 @@ class PromptSpec:
     output_field: str = "completions"
     chat_template: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = None
+    schema_field: Optional[str] = None
+    compact_json: bool = False
 
 
 @dataclass
@@ -79,7 +83,7 @@ class RequestBuilder:
         spec = self.spec
         if spec.mode == "openai":
             req = openai_batch.parse_request(fields)
-            params = self._with(req.overrides)
+            params = self._with(structured.compact_overrides(req.overrides, spec.compact_json))
             truncate = self._truncation(req.truncate_prompt_tokens, params)
             if req.kind == "chat":
                 ids = self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message)
@@ -92,13 +96,14 @@ class RequestBuilder:
         if self.params.prompt_logprobs is not None and "prompt_logprobs" in fields:
             raise BadRow("the row has its own field 'prompt_logprobs', which --prompt-logprobs adds to the output")
         truncate = self._truncation(None, self.params)
+        params = structured.row_params(self.params, fields, spec.schema_field, spec.compact_json)
         if spec.mode == "messages":
             if spec.messages_field not in fields:
                 raise BadRow(f"no field {spec.messages_field!r} (fields: {', '.join(map(str, fields))}); use --messages-field")
-            return Request(self._fit(self._chat_ids(fields[spec.messages_field], True, False), truncate), self.params)
+            return Request(self._fit(self._chat_ids(fields[spec.messages_field], True, False), truncate), params)
         if spec.prompt_field not in fields:
             raise BadRow(f"no field {spec.prompt_field!r} (fields: {', '.join(map(str, fields))}); use --prompt-field")
-        return Request(self._prompt(fields[spec.prompt_field], spec.prompt_field, truncate), self.params)
+        return Request(self._prompt(fields[spec.prompt_field], spec.prompt_field, truncate), params)
 
     def build_many(self, rows: list[Row]) -> list[tuple[Row, Union[Request, str]]]:
         """``build`` for each row, in order: (row, its Request) or (row, why it cannot run). The

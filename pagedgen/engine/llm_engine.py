@@ -32,6 +32,7 @@ from pagedgen import _repr
 from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.block_manager import BlockManager
+from pagedgen.engine.grammar import StructuredOutputManager
 from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Params, Request, RequestProcessor
 from pagedgen.engine.sampler import make_generator
@@ -121,6 +122,7 @@ class LLMEngine:
         self._savings_sum = 0.0
         self._peak_savings = 0.0
         self.step_log: Optional[StepLog] = None  # set by LLM.start_recording(): one record per step
+        self.grammars = StructuredOutputManager(processor.grammars)  # structured outputs: one matcher per constrained sequence
 
     # ----- the request API -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None) -> None:
@@ -151,6 +153,7 @@ class LLMEngine:
         seq = self._new_sequence(request)
         self._clean = False
         try:
+            self.grammars.add(seq)
             self._requests[request.request_id] = request
             request.seqs.append(seq)
             self.scheduler.add(seq)
@@ -203,6 +206,7 @@ class LLMEngine:
         self._clean = False
         self.scheduler.abort_all()
         self._requests = {}
+        self.grammars.clear()
         for bm in (self.block_manager, self.scheduler.cpu_block_manager):
             if bm is not None:
                 problems = bm.repair()
@@ -266,6 +270,7 @@ class LLMEngine:
         self._peak_savings = max(self._peak_savings, savings)
         batch = ScheduledBatch(plan, self.scheduler.scheduled)  # the Sequences of plan.seq_ids
         self._fork_parallel_samples(batch)
+        batch.grammar_bitmask = self.grammars.bitmask(batch)  # structured outputs: None unless a sequence sampling now is constrained
         out = self.model_runner.execute(batch, bm)
         for seq, n in zip(batch.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += n
@@ -280,6 +285,7 @@ class LLMEngine:
             for seq, tok, entry in zip(out.seqs, out.token_ids, out.logprobs):
                 if entry is not None:
                     seq.add_logprobs(entry, tok)
+        self.grammars.accept(out.seqs, out.token_ids)
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
         self.num_generated_tokens += len(out.token_ids)
         if self.step_log is not None:

@@ -261,7 +261,7 @@ class ModelRunner:
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
-            sampled = self.sampler(logits[:num_sampling], sampling)
+            sampled = self.sampler(logits[:num_sampling], sampling, batch.grammar_bitmask)
             out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
         if beams:
             beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1)  # [B, vocab]

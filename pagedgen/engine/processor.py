@@ -68,14 +68,16 @@ class RequestProcessor:
         vocab_size: the model's vocabulary size (token ids must lie in [0, vocab_size)).
         max_model_len: most tokens of prompt + output; a prompt must leave room for one token.
         max_num_seqs: most sequences in a step (``n`` and ``beam_width`` cannot exceed it).
+        grammars: compiles structured-output constraints (``engine/grammar.py``); None refuses them.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, grammars=None) -> None:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.grammars = grammars
         self._last_checked: Optional[tuple[SamplingParams, SamplingParams]] = None  # (caller's object, checked copy)
 
     # ----- in ------------------------------------------------------------------------------------
@@ -92,6 +94,8 @@ class RequestProcessor:
         """The requests of a ``generate`` / ``chat`` call, already tokenized: ``sampling_params`` one
         SamplingParams (or None) for all, or one per prompt. Request ids are the indices."""
         params = inputs.check_sampling_params(ids, sampling_params, self.vocab_size, self.max_model_len, self.max_num_seqs)
+        for i, sp in enumerate(params):  # each distinct constraint compiled (and checked) once
+            self.check_structured_outputs(sp, f"sampling_params[{i}]" if isinstance(sampling_params, (list, tuple)) else "sampling_params")
         return [Request(str(i), t, p, sp, i) for i, (t, p, sp) in enumerate(zip(texts, ids, params))]
 
     def process_stream_items(self, first_index: int, items: list, default: SamplingParams) -> tuple[list[Request], Optional[Exception]]:
@@ -152,8 +156,19 @@ class RequestProcessor:
         if last is not None and last[0] is params and params == last[1]:
             return last[1]
         checked = inputs.checked_params(params, where, self.vocab_size, self.max_num_seqs)
+        self.check_structured_outputs(checked, where)
         self._last_checked = (params, checked)
         return checked
+
+    def check_structured_outputs(self, params: SamplingParams, where: str) -> None:
+        """Compile ``params.structured_outputs`` (once per distinct constraint). Raises ValueError
+        ``"{where}.structured_outputs: <the backend's message>"``."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise ValueError(f"{where}.structured_outputs: this engine has no grammar compiler")
+        self.grammars.check(spec, f"{where}.structured_outputs")
 
     def new_stream(self, request: Request):
         """An incremental detokenizer for one completion of ``request`` when it has stop strings

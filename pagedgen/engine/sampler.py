@@ -1,6 +1,8 @@
 """Turns the logits of the sequences that finish a step into their next tokens (and logprobs).
 
 Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
+0. the grammar bitmask of structured outputs, on the constrained rows (engine/token_bitmask.py;
+   vLLM applies it just before its sampler);
 1. logprobs, if a row asks: log-softmax of the raw logits (see engine/logprobs.py);
 2. allowed_token_ids, logit bias and min_tokens (EOS / stop tokens banned while fewer than
    min_tokens are generated);
@@ -33,6 +35,7 @@ from pagedgen import ops
 from pagedgen.engine import logits_processors as lp
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sequence import Sequence
+from pagedgen.engine.token_bitmask import GrammarBitmask
 from pagedgen.outputs import Logprob
 
 _PLAIN_GREEDY = attrgetter("plain_greedy")
@@ -84,9 +87,13 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask] = None) -> SamplerOutput:
         """logits: [num_seqs, vocab] on the CPU (float32 or the model's bf16/fp16), row i for seqs[i].
-        The fast path takes the argmax in the logits' own dtype; every other path works in float32."""
+        The fast path takes the argmax in the logits' own dtype; every other path works in float32.
+        ``grammar_bitmask``: the structured-output rows of this step (engine/grammar.py), applied
+        first, in place (vLLM's order: logprobs are then those of the masked logits)."""
+        if grammar_bitmask is not None:
+            logits = grammar_bitmask.apply(logits, seqs)
         if all(map(_PLAIN_GREEDY, seqs)):  # the fast path: one argmax
             return SamplerOutput(greedy_ids(logits).tolist())
         params = [s.sampling_params for s in seqs]

@@ -79,6 +79,7 @@ class ScheduledBatch:
     plan: SchedulerOutput
     seqs: list[Any]
     forked: list[tuple[Any, Any]] = field(default_factory=list)
+    grammar_bitmask: Any = None  # structured outputs: the step's GrammarBitmask (engine/grammar.py), for the sampler
 
     @property
     def num_new_tokens(self) -> list[int]:

@@ -1,0 +1,140 @@
+"""Structured outputs at batch speed (issue 33): the same requests with a JSON schema and without.
+
+random-135m (SmolLM-135M's shape, random bf16 weights, built once by benchmarks/_workload.py) and
+its GPT-2 tokenizer; N TinyStories openings, temperature 1 with a seed per request. An untimed
+first pass runs every request under a JSON schema (objects, an enum array, integer and number
+ranges, bounded strings) until its JSON ends (EOS) or max_tokens, which gives each request's length
+(and touches every KV page once); then, timed, the same requests unconstrained with ignore_eos and
+each one's max_tokens set to that length, and the constrained requests again, so both sides
+generate the same tokens per request and output tok/s compare one for one.
+Reported: output tok/s of each side and their ratio (the target is >= 0.9), the schema's compile
+time and the token table's (once per tokenizer), the mean per-step time of filling the bitmask (and
+per constrained row), and how many constrained outputs parse and validate (all must).
+
+The model has no EOS of its own; the benchmark makes id 50 of its vocabulary the EOS (a byte-level
+BPE token like any other, which the grammar then never uses as text) for both sides.
+
+    python benchmarks/structured.py                                 # 256 requests, max_tokens 256
+    python benchmarks/structured.py --requests 16 --max-tokens 64 --model stories260K   # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import _workload  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["happy", "sad", "brave", "kind", "small"]}, "minItems": 1, "maxItems": 3},
+        "score": {"type": "number", "multipleOf": 0.25, "minimum": -10, "maximum": 10},
+        "friend": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "years": {"type": "integer", "minimum": 0, "maximum": 99}},
+                   "required": ["name", "years"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "tags", "score", "friend"],
+    "additionalProperties": False,
+}
+EOS_ID = 50  # random-135m has no EOS: this id becomes one (see the module docstring)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random-135m", help="random-135m (default), or stories260K / a checkpoint folder")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=True,
+                    help="compact JSON (default on: a random model left free writes whitespace runs)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from pagedgen import LLM, SamplingParams, StructuredOutputsParams
+
+    if args.model in _workload.RANDOM_MODELS:
+        folder, built = _workload.ensure_random_model(args.model, args.dtype)
+        print(f"{args.model}: {'built' if built else 'cached'} at {folder}", flush=True)
+    elif args.model == "stories260K":
+        folder = _workload.asset("models/stories260K", "stories260K")
+    else:
+        folder = args.model
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    llm = LLM(folder, dtype=args.dtype, max_num_seqs=args.max_num_seqs, device=args.device)
+    vocab = llm.model_config.vocab_size
+    if args.model in _workload.RANDOM_MODELS:
+        llm.eos_token_ids = frozenset([EOS_ID])
+    prompts, _ = _workload.load_workload("tinystories", tokenizer, num_prompts=args.requests, min_tokens=1, max_tokens=1,
+                                         max_prompt_tokens=None, max_model_len=llm.scheduler_config.max_model_len - args.max_tokens, seed=0)
+    prompts, _ = _workload.fold_ids(prompts, vocab)
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=args.disable_any_whitespace)
+
+    warm = _workload.warmup_prompts(prompts)
+    llm.generate(warm, [SamplingParams(temperature=1.0, seed=i, max_tokens=8, structured_outputs=spec) for i in range(len(warm))],
+                 use_tqdm=False)  # untimed: first-step costs, and the token table and the schema's compile (reported apart)
+
+    compiler, grammars = llm.processor.grammars, llm.llm_engine.grammars
+    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, structured_outputs=spec) for i in range(len(prompts))]
+    # untimed first pass: each request's length under the schema (and every KV page touched once)
+    lengths = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, constrained, use_tqdm=False)]
+    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
+    start = time.perf_counter()
+    outs_free = llm.generate(prompts, free, use_tqdm=False)
+    t_free = time.perf_counter() - start
+    free_tokens = sum(len(o.outputs[0].token_ids) for o in outs_free)
+
+    steps0, mask0, masks0 = llm.get_stats().num_steps, grammars.mask_seconds, grammars.num_masks
+    start = time.perf_counter()
+    outs = llm.generate(prompts, constrained, use_tqdm=False)
+    t_constrained = time.perf_counter() - start
+    constrained_steps, mask_s = llm.get_stats().num_steps - steps0, grammars.mask_seconds - mask0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)  # = free_tokens where runs are batch invariant (the CPU's default)
+    valid, finish = 0, {}
+    for o in outs:
+        c = o.outputs[0]
+        finish[c.finish_reason] = finish.get(c.finish_reason, 0) + 1
+        try:
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+
+    result = {
+        "model": args.model, "dtype": args.dtype, "device": str(llm.device), "requests": len(prompts), "max_tokens": args.max_tokens,
+        "output_tokens": tokens, "unconstrained_output_tokens": free_tokens,
+        "constrained_tok_s": tokens / t_constrained, "unconstrained_tok_s": free_tokens / t_free,
+        "ratio": (tokens / t_constrained) / (free_tokens / t_free),
+        "schema_compile_ms": 1e3 * compiler.compile_seconds, "num_compiled": compiler.num_compiled,
+        "token_table_ms": 1e3 * compiler.vocabulary_seconds,
+        "mask_ms_per_step": 1e3 * mask_s / max(1, constrained_steps),
+        "mask_us_per_row": 1e6 * mask_s / max(1, grammars.num_masks - masks0),
+        "mask_share_of_constrained_time": mask_s / t_constrained,
+        "valid": valid, "finish_reasons": finish,
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if valid != finish.get("stop", 0):
+        raise SystemExit(f"{finish.get('stop', 0) - valid} outputs that ended on EOS are not valid JSON of the schema")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The command line's structured outputs (docs/cli.md, docs/structured_outputs.md).
+
+One constraint for every row: ``--json-schema FILE`` (or the schema's JSON itself), ``--regex
+PATTERN``, ``--choice A B C``, ``--grammar FILE`` (Lark or GBNF); ``--disable-any-whitespace``
+for compact JSON. One per row: ``--schema-field NAME``, a field holding the row's JSON Schema (an
+object, or its JSON text); a row whose field is missing or null takes the command line's
+constraint, if any. In the OpenAI batch format, a body's ``response_format`` (``{"type":
+"json_schema", "json_schema": {"schema": {...}}}`` or ``{"type": "json_object"}``) does the same.
+A schema the grammar backend refuses is a bad row (``--on-error``); a bad command-line constraint
+stops the run before any row is read.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from pagedgen.cli.errors import BadRow, CLIError
+from pagedgen.sampling_params import SamplingParams
+from pagedgen.structured_outputs import StructuredOutputsParams
+
+FLAGS = ("--json-schema", "--regex", "--choice", "--grammar")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured outputs (one constraint for every row, or one per row)")
+    group.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="every completion is JSON valid against this JSON Schema (a file, or the schema's JSON itself)")
+    group.add_argument("--regex", default=None, metavar="PATTERN", help="every completion full-matches this regular expression")
+    group.add_argument("--choice", nargs="+", default=None, metavar="TEXT", help="every completion is one of these strings")
+    group.add_argument("--grammar", default=None, metavar="FILE", help="every completion follows this Lark or GBNF grammar (a file)")
+    group.add_argument("--disable-any-whitespace", action="store_true", help="JSON without whitespace between tokens")
+    group.add_argument("--schema-field", default=None, metavar="NAME",
+                       help="a field holding each row's own JSON Schema (object or JSON text); rows without it take the flags above")
+
+
+def with_constraint(params: SamplingParams, args: argparse.Namespace) -> SamplingParams:
+    """The command line's SamplingParams with its structured-output flags. Raises CLIError."""
+    given = [(flag, getattr(args, flag[2:].replace("-", "_"))) for flag in FLAGS]
+    given = [(flag, value) for flag, value in given if value is not None]
+    if len(given) > 1:
+        raise CLIError(f"{' and '.join(f for f, _ in given)}: give one structured-output constraint (or --schema-field per row)")
+    if args.schema_field is not None and not args.schema_field.strip():
+        raise CLIError(f"--schema-field must be a non-empty field name, got {args.schema_field!r}")
+    if not given:
+        return params
+    flag, value = given[0]
+    try:
+        if flag == "--json-schema":
+            spec = StructuredOutputsParams(json=_read(flag, value, inline_if=lambda t: t.lstrip().startswith("{")),
+                                           disable_any_whitespace=args.disable_any_whitespace)
+        elif flag == "--grammar":
+            spec = StructuredOutputsParams(grammar=_read(flag, value, inline_if=lambda t: False))
+        else:
+            spec = StructuredOutputsParams(**{flag[2:]: value})
+        return dataclasses.replace(params, structured_outputs=spec)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(f"{flag}: {exc}") from None
+
+
+def _read(flag: str, value: str, inline_if) -> str:
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CLIError(f"cannot read {flag} {value!r}: {exc}") from None
+    if inline_if(value):
+        return value
+    raise CLIError(f"{flag} {value!r}: no such file")
+
+
+def row_params(params: SamplingParams, fields: dict, schema_field: Optional[str], compact: bool) -> SamplingParams:
+    """``params`` with the JSON Schema of the row's ``schema_field`` (if it has one). Raises BadRow."""
+    if schema_field is None or fields.get(schema_field) is None:
+        return params
+    try:
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=fields[schema_field], disable_any_whitespace=compact))
+    except (TypeError, ValueError) as exc:
+        raise BadRow(f"{schema_field}: {exc}") from None
+
+
+def compact_overrides(overrides: dict, compact: bool) -> dict:
+    """An OpenAI body's SamplingParams fields with its response_format's JSON made compact when
+    ``--disable-any-whitespace`` is given."""
+    spec = overrides.get("structured_outputs")
+    if not compact or spec is None or spec.disable_any_whitespace:
+        return overrides
+    return {**overrides, "structured_outputs": dataclasses.replace(spec, disable_any_whitespace=True)}
+
+
+def response_format(value) -> Optional[StructuredOutputsParams]:
+    """The constraint of an OpenAI body's ``response_format`` (None for ``{"type": "text"}``). Raises BadRow."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            inner = value.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema"), (dict, str)):
+                raise BadRow("body.response_format.json_schema must be an object with a 'schema' (a JSON Schema object)")
+            return StructuredOutputsParams(json=inner["schema"])
+    except (TypeError, ValueError) as exc:
+        raise BadRow(f"body.response_format: {exc}") from None
+    raise BadRow(f"body.response_format must have type 'text', 'json_object' or 'json_schema', got {json.dumps(value)[:100]}")

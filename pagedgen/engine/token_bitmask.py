@@ -1,0 +1,74 @@
+"""Grammar bitmasks: which tokens each constrained row may sample, applied to its logits.
+
+    bitmask: [rows, ceil(vocab / 32)] int32, bit j (least significant first) of word w allows token
+             32 * w + j; a 0 bit sets that token's logit to -inf before sampling.
+
+The layout is llguidance's and xgrammar's (and vLLM's). A bitmask may be wider than the logits
+(the grammar's vocabulary padded to 32): bits past the logits' last column are ignored.
+``apply_token_bitmask_reference`` is the plain oracle; ``apply_token_bitmask`` unpacks the bits with
+``numpy.unpackbits`` on the CPU (one byte per token, at memory speed) and with shifts elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import numpy as np
+import torch
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits: [R, V]; bitmask: [R, W >= ceil(V / 32)] int32. A new tensor: logits[r, t] where bit
+    t of row r is set, else -inf."""
+    t = torch.arange(logits.shape[1], device=logits.device)  # [V]
+    bits = (bitmask.to(logits.device)[:, t // 32] >> (t % 32).to(torch.int32)) & 1  # [R, V]
+    return logits.masked_fill(bits == 0, float("-inf"))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits [R, V] (any float dtype, any device) get -inf where bitmask [R, W] int32
+    (on the CPU) has a 0 bit; same result as ``apply_token_bitmask_reference``. Runs under
+    ``torch.inference_mode`` (the model's logits are inference tensors, written in place here)."""
+    with torch.inference_mode():
+        _apply(logits, bitmask)
+
+
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    rows, vocab = logits.shape
+    if logits.device.type == "cpu":
+        packed = bitmask.contiguous().numpy().view(np.uint8)  # [R, 4W], little-endian: byte 0 = tokens 0-7
+        allowed = torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab, bitorder="little"))  # [R, V] uint8
+    else:
+        words = bitmask.to(logits.device, non_blocking=True)
+        allowed = ((words.unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1).view(rows, -1)[:, :vocab]  # [R, V]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+@dataclass
+class GrammarBitmask:
+    """The bitmask rows of one step: ``bitmask[i]`` is for the sequence ``seq_ids[i]``; the
+    sampler finds each one's logits row (vLLM's ``GrammarOutput``: request ids and their rows)."""
+
+    seq_ids: list[int]
+    bitmask: torch.Tensor  # [len(seq_ids), ceil(vocab / 32)] int32, CPU
+
+    def apply(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
+        """Mask ``logits`` [len(seqs), V] (row i for seqs[i]) in place, on the constrained rows only."""
+        with torch.inference_mode():
+            return self._apply(logits, seqs)
+
+    def _apply(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
+        where = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in where]
+        order = [where[seqs[i].seq_id] for i in rows]
+        bitmask = self.bitmask if order == list(range(len(self.seq_ids))) else self.bitmask[order]
+        if len(rows) == logits.shape[0]:
+            _apply(logits, bitmask)
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            part = logits.index_select(0, index)  # [len(rows), V]
+            _apply(part, bitmask)
+            logits.index_copy_(0, index, part)
+        return logits
