@@ -96,8 +96,9 @@ def _inject(monkeypatch, llm, point, kind):
         w = _failing(ops.reshape_and_cache, at, kind)  # the layer's keys and values are written, then it fails
         monkeypatch.setattr(ops, "reshape_and_cache", w)
     elif point == "sampling":
-        w = _failing(engine.model_runner.sampler, FAIL_AT_STEP, kind)
-        monkeypatch.setattr(engine.model_runner, "sampler", w)
+        runner = engine.model_runner or engine.executor.worker.runner  # in process, or the pickling executor's worker
+        w = _failing(runner.sampler, FAIL_AT_STEP, kind)
+        monkeypatch.setattr(runner, "sampler", w)
     elif point == "detokenizer":
         w = _failing(IncrementalDetokenizer.append, 6, kind)
         monkeypatch.setattr(IncrementalDetokenizer, "append", w)
