@@ -218,7 +218,7 @@ def test_greedy_rows_take_the_argmax_of_processed_logits():
 def test_extreme_uniform_draw_never_picks_a_filtered_token(monkeypatch, u):
     """The smallest and largest U[0, 1) draws pick the first and last token that has probability
     (never a filtered one before, between or after them, never an index past the vocabulary)."""
-    monkeypatch.setattr(sampler_module, "counter_uniforms", lambda keys, streams, positions: torch.full(keys.shape, u, dtype=torch.float64))
+    monkeypatch.setattr(sampler_module, "counter_uniforms", lambda keys, streams, positions: torch.full((len(keys),), u, dtype=torch.float64))
     inf = float("-inf")
     logits = torch.tensor([[inf, 0.0, inf, 1.0, inf, inf]]).expand(8, -1).clone()
     seqs = [_seq([1], [], SamplingParams(), i) for i in range(4)] + [_seq([1], [], SamplingParams(seed=i), i) for i in range(4)]

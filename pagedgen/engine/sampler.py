@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Optional, Sequence as Seq
 
+import numpy as np
 import torch
 
 from pagedgen import ops
 from pagedgen.engine import logits_processors as lp
-from pagedgen.engine.block_tables import int_tensor
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sequence import Sequence
 from pagedgen.outputs import Logprob
@@ -73,24 +73,25 @@ def unseeded_key(engine_seed: int) -> int:
     return as_int64(_mix((engine_seed & _M64) ^ _UNSEEDED))
 
 
-def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (``>>`` on a signed tensor is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
+_G_U64, _MUL1_U64, _MUL2_U64 = np.uint64(_GOLDEN), np.uint64(_MUL1), np.uint64(_MUL2)
+_S11, _S27, _S30, _S31 = (np.uint64(k) for k in (11, 27, 30, 31))
 
 
-def _mix_t(z: torch.Tensor) -> torch.Tensor:  # [R] int64, arithmetic mod 2**64 (two's complement wraps)
-    z = z + as_int64(_GOLDEN)
-    z = (z ^ _lsr(z, 30)) * as_int64(_MUL1)
-    z = (z ^ _lsr(z, 27)) * as_int64(_MUL2)
-    return z ^ _lsr(z, 31)
+def _mix_u64(z: np.ndarray) -> np.ndarray:  # [R] uint64; numpy's unsigned arithmetic wraps mod 2**64
+    z = z + _G_U64
+    z = (z ^ (z >> _S30)) * _MUL1_U64
+    z = (z ^ (z >> _S27)) * _MUL2_U64
+    return z ^ (z >> _S31)
 
 
-def counter_uniforms(keys: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One U[0, 1) float64 draw per row, a pure function of (key, stream, position), each [R]
-    int64: bit for bit ``counter_uniform`` of each row (tests/test_sampling_draws.py), in a dozen
-    tensor ops whatever R."""
-    h = _mix_t(_mix_t(_mix_t(keys) ^ streams) ^ positions)  # [R] int64
-    return _lsr(h, 11).double() * 2.0**-53
+def counter_uniforms(keys, streams, positions) -> torch.Tensor:
+    """One U[0, 1) float64 draw per row, a pure function of (key, stream, position) (each R
+    int64 values: lists or arrays): bit for bit ``counter_uniform`` of each row
+    (tests/test_sampling_draws.py). Returns [R] float64. In numpy, whose uint64 arithmetic wraps
+    and whose ops on small arrays cost a fraction of torch's: a dozen ops whatever R."""
+    k, s, p = (np.asarray(x, dtype=np.int64).view(np.uint64) for x in (keys, streams, positions))
+    h = _mix_u64(_mix_u64(_mix_u64(k) ^ s) ^ p)  # [R] uint64
+    return torch.from_numpy((h >> _S11).astype(np.float64) * 2.0**-53)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -238,7 +239,7 @@ class Sampler:
         keys = [unseeded if s.seed is None else s.seed for s in seqs]
         streams = [s.seq_id if s.seed is None else s.index for s in seqs]
         positions = [len(s.token_ids) for s in seqs]
-        return counter_uniforms(int_tensor(keys, torch.int64), int_tensor(streams, torch.int64), int_tensor(positions, torch.int64))
+        return counter_uniforms(keys, streams, positions)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
