@@ -83,7 +83,7 @@ class LLM:
         max_model_len: most tokens (prompt + output) per sequence; default and upper bound the
             model's ``max_position_embeddings``. The KV cache must hold one sequence of this many
             tokens (else ValueError: a larger cache, or a smaller max_model_len).
-        seed: seed of the sampler's generator (requests without their own seed).
+        seed: the key of the random draws of requests without their own seed (docs/sampling.md).
         enforce_extension: raise instead of falling back to the PyTorch reference ops when the
             compiled extension ``pagedgen._C`` is missing.
         enable_prefix_caching: share the cached full blocks of equal prompt prefixes between
@@ -103,7 +103,8 @@ class LLM:
         distributed_executor_backend: where the model runs. None (the default): in this process.
             "mp": in a worker process that holds the model, the KV cache and the sampler and gets
             each step as a plain-data record (docs/architecture.md); end it with ``shutdown()``
-            or ``with LLM(...) as llm:``. "pickle": the same worker in this process behind a pickled
+            or ``with LLM(...) as llm:``. The worker is spawned: a script's top level must be
+            guarded by ``if __name__ == "__main__":``, as for any spawned process. "pickle": the same worker in this process behind a pickled
             boundary (for tests and debugging).
         tensor_parallel_size: 1 (tensor parallelism is not built yet; other values raise
             NotImplementedError).
@@ -249,7 +250,7 @@ class LLM:
             preemption_mode=preemption_mode,
         )
         self.device = device
-        self.seed = seed  # the engine generator's seed, for requests without their own
+        self.seed = seed  # the draw key of requests without their own seed
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
