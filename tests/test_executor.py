@@ -196,3 +196,30 @@ def test_sizes_and_backends_not_built_are_refused_before_any_process(stories_pat
         LLM(stories_path, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(stories_path, tensor_parallel_size=0)
+
+
+def test_records_carry_each_sequence_once_then_deltas(stories_path, prompts):
+    """A sequence travels whole once (again only after its table was freed: preempted), and a
+    decode step carries no new sequences but the parallel samples forked in an earlier step (sent
+    for their fork step only)."""
+    llm = LLM(stories_path, distributed_executor_backend="pickle", **KW)
+    worker = llm.llm_engine.executor.worker
+    real, records = worker.execute, []
+
+    def recording(record):
+        records.append(record)
+        return real(record)
+
+    worker.execute = recording
+    llm.generate(prompts, [MIXED[i % len(MIXED)] for i in range(len(prompts))], use_tqdm=False)
+    sent, freed, forked = {}, set(), set()
+    for record in records:
+        freed.update(record.plan.freed_seq_ids)
+        for new in record.new_seqs:
+            assert new.seq_id not in sent or new.seq_id in freed, f"sequence {new.seq_id} sent twice without being freed"
+            sent[new.seq_id] = record.step_id
+            freed.discard(new.seq_id)
+        if sum(record.plan.num_new_tokens) == len(record.plan.seq_ids) and not record.plan.freed_seq_ids:
+            assert {new.seq_id for new in record.new_seqs} <= forked  # deltas only, but first steps of forks
+        forked.update(new.seq_id for new in record.forked)
+    assert len(sent) >= len(prompts) and forked and llm.get_stats().num_preemptions > 0
