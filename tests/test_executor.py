@@ -223,3 +223,13 @@ def test_records_carry_each_sequence_once_then_deltas(stories_path, prompts):
             assert {new.seq_id for new in record.new_seqs} <= forked  # deltas only, but first steps of forks
         forked.update(new.seq_id for new in record.forked)
     assert len(sent) >= len(prompts) and forked and llm.get_stats().num_preemptions > 0
+
+
+def _unpicklable(worker):
+    return lambda: None
+
+
+def test_a_reply_that_does_not_pickle_is_an_error_not_a_dead_worker(mp_llm, prompts, expected):
+    with pytest.raises(RuntimeError, match="worker rank 0 raised .* the reply could not be sent"):
+        mp_llm.llm_engine.executor.collective_rpc(_unpicklable)
+    assert _run(mp_llm, prompts) == expected

@@ -70,8 +70,12 @@ def worker_main(spec: WorkerSpec, rank: int, conn) -> None:
                 raise TypeError(f"unknown message {type(msg).__name__}")
         except Exception as exc:  # noqa: BLE001 - the driver raises it
             reply = WorkerError(rank, call_id, type(exc).__name__, str(exc), traceback.format_exc())
-        if not _send(conn, reply):
-            return
+        try:
+            if not _send(conn, reply):
+                return
+        except Exception as exc:  # noqa: BLE001 - a reply that does not pickle (nothing was written yet)
+            if not _send(conn, WorkerError(rank, call_id, type(exc).__name__, f"the reply could not be sent: {exc}", traceback.format_exc())):
+                return
 
 
 def _send(conn, msg) -> bool:
