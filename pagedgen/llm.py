@@ -267,9 +267,10 @@ class LLM:
         self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
 
     def shutdown(self) -> None:
-        """End the worker processes of ``distributed_executor_backend="mp"`` (nothing to do in
-        process); a later generate raises RuntimeError. Leaving ``with LLM(...) as llm:`` calls
-        it; garbage collection and interpreter exit end the workers too."""
+        """End the worker processes of ``distributed_executor_backend="mp"``, after which its calls
+        raise RuntimeError (in process there is nothing to end). Idempotent. Leaving
+        ``with LLM(...) as llm:`` calls it; garbage collection and interpreter exit end the
+        workers too."""
         self.llm_engine.executor.shutdown()
 
     def __enter__(self) -> "LLM":

@@ -18,7 +18,7 @@ travels as a key, not a state: the draws are a function of (seed, completion ind
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -113,8 +113,8 @@ class StepReply:
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
-    prompt_logprobs: list[tuple[int, int, list[dict[int, Logprob]]]] = None
-    beam_seq_ids: list[int] = None
+    prompt_logprobs: list[tuple[int, int, list[dict[int, Logprob]]]] = field(default_factory=list)
+    beam_seq_ids: list[int] = field(default_factory=list)
     beam_logprobs: Optional[torch.Tensor] = None
 
 
