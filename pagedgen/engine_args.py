@@ -58,6 +58,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(0.9, name="gpu_memory_utilization")
     enforce_eager: bool = _arg(False, name="enforce_eager")
     batch_invariant: Optional[bool] = _arg(None, name="batch_invariant")
+    distributed_executor_backend: Optional[str] = _arg(None, name="distributed_executor_backend")
+    tensor_parallel_size: int = _arg(1, name="tensor_parallel_size")
+    pipeline_parallel_size: int = _arg(1, name="pipeline_parallel_size")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, title: str = "engine (LLM arguments)") -> argparse.ArgumentParser:

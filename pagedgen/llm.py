@@ -27,6 +27,10 @@ from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Request, RequestProcessor
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.step_log import StepLog
+from pagedgen.executor import BACKENDS
+from pagedgen.executor.multiproc import MultiprocExecutor
+from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
+from pagedgen.executor.worker import WorkerSpec
 from pagedgen.layers.linear import choose_matmul, prepare_matmuls
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
@@ -93,7 +97,7 @@ class LLM:
         max_model_len: most tokens (prompt + output) per sequence; default and upper bound the
             model's ``max_position_embeddings``. The KV cache must hold one sequence of this many
             tokens (else ValueError: a larger cache, or a smaller max_model_len).
-        seed: seed of the sampler's generator (requests without their own seed).
+        seed: the key of the random draws of requests without their own seed (docs/sampling.md).
         enforce_extension: raise instead of falling back to the PyTorch reference ops when the
             compiled extension ``pagedgen._C`` is missing.
         enable_prefix_caching: share the cached full blocks of equal prompt prefixes between
@@ -110,6 +114,16 @@ class LLM:
         batch_invariant: a request's tokens and logprobs do not depend, bit for bit, on the other
             requests of its steps (docs/determinism.md). None (the default): on for the CPU, off on
             GPUs; True on a GPU raises ValueError (no such mode there yet).
+        distributed_executor_backend: where the model runs. None (the default): in this process.
+            "mp": in a worker process that holds the model, the KV cache and the sampler and gets
+            each step as a plain-data record (docs/architecture.md); end it with ``shutdown()``
+            or ``with LLM(...) as llm:``. The worker is spawned: a script's top level must be
+            guarded by ``if __name__ == "__main__":``, as for any spawned process. "pickle": the same worker in this process behind a pickled
+            boundary (for tests and debugging).
+        tensor_parallel_size: 1 (tensor parallelism is not built yet; other values raise
+            NotImplementedError).
+        pipeline_parallel_size: 1 (pipeline parallelism is not built yet; other values raise
+            NotImplementedError).
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -140,6 +154,9 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         batch_invariant: Optional[bool] = None,
+        distributed_executor_backend: Optional[str] = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"LLM model must be a folder path, got {type(model).__name__}")
@@ -151,8 +168,18 @@ class LLM:
             ("max_num_batched_tokens", max_num_batched_tokens, True),
             ("max_model_len", max_model_len, True),
             ("swap_space_bytes", swap_space_bytes, True),
+            ("tensor_parallel_size", tensor_parallel_size, False),
+            ("pipeline_parallel_size", pipeline_parallel_size, False),
         ):
             inputs.check_positive_int(name, value, opt)
+        for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+            if size != 1:
+                raise NotImplementedError(
+                    f"LLM {name}={size}: only 1 is built (one worker holds the whole model); what exists is "
+                    "distributed_executor_backend=None (in process) or 'mp' (one worker process)"
+                )
+        if distributed_executor_backend not in BACKENDS:
+            raise ValueError(f"LLM distributed_executor_backend must be one of {BACKENDS}, got {distributed_executor_backend!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
         if not -(2**63) <= seed < 2**64:
@@ -199,8 +226,17 @@ class LLM:
         self.tokenizer = loader.load_tokenizer(tok_path)
         eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
 
-        self.model = loader.load_model(model, hf_config, model_config, device)
-        prepare_matmuls(self.model, self.matmul_config)
+        in_process = distributed_executor_backend is None
+        if in_process:
+            self.model = loader.load_model(model, hf_config, model_config, device)
+            prepare_matmuls(self.model, self.matmul_config)
+        else:
+            self.model = None  # the worker loads it; the driver holds no model and no device tensors
+            if device.type == "cuda" and num_kv_blocks is None and kv_cache_memory_bytes is None:
+                raise ValueError(
+                    f"LLM distributed_executor_backend={distributed_executor_backend!r} on a GPU needs num_kv_blocks or "
+                    "kv_cache_memory_bytes (the KV cache is not sized by a profiling run in the worker yet)"
+                )
 
         block_bytes = model_config.kv_bytes_per_token() * block_size
         sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
@@ -228,17 +264,35 @@ class LLM:
             preemption_mode=preemption_mode,
         )
         self.device = device
-        self.seed = seed  # the engine generator's seed, for requests without their own
+        self.seed = seed  # the draw key of requests without their own seed
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         use_graphs = device.type == "cuda" and not enforce_eager
-        runner = ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=max_num_seqs if use_graphs else 0, max_model_len=max_model_len)
+        graph_seqs = max_num_seqs if use_graphs else 0
+        if in_process:
+            executor = InProcessExecutor(ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=graph_seqs, max_model_len=max_model_len))
+        else:
+            spec = WorkerSpec(model, model_config.dtype, device, self.matmul_config, cache_config, max_model_len, seed, graph_seqs, torch.get_num_threads())
+            executor = MultiprocExecutor(spec) if distributed_executor_backend == "mp" else PicklingExecutor(spec)
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
         self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)
-        self.llm_engine = LLMEngine(cache_config, scheduler_config, runner, self.processor, eos_token_ids)
+        self.llm_engine = LLMEngine(cache_config, scheduler_config, executor, self.processor, eos_token_ids)
         self._lock = threading.Lock()
         self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
+
+    def shutdown(self) -> None:
+        """End the worker processes of ``distributed_executor_backend="mp"``, after which its calls
+        raise RuntimeError (in process there is nothing to end). Idempotent. Leaving
+        ``with LLM(...) as llm:`` calls it; garbage collection and interpreter exit end the
+        workers too."""
+        self.llm_engine.executor.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     @property
     def engine(self) -> LLMEngine:

@@ -51,8 +51,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 means all. Default 0 (off).
         min_p: drop tokens whose probability is below min_p times the most likely token's.
             Range [0, 1]. Default 0.0 (off).
-        seed: seed of this request's own random generator; the same seed gives the same completion
-            whatever else shares the batch. None: the engine's generator (seeded by ``LLM(seed=...)``).
+        seed: the key of this request's random draws (each a hash of the seed, the completion index
+            and the position: docs/sampling.md); the same seed gives the same completion whatever
+            else shares the batch. None: the engine's key (``LLM(seed=...)``) and the sequence id.
         stop: strings that end the completion when they appear in its text; the text is cut before
             the stop string (see ``include_stop_str_in_output``). A str or a list of non-empty str.
         stop_token_ids: token ids that end the completion (kept in ``token_ids``), besides EOS.

@@ -75,3 +75,49 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--executor-backend",
+        default=None,
+        choices=("mp", "pickle"),
+        help="run every LLM made without an explicit distributed_executor_backend through this backend "
+        "('pickle': the worker behind a pickled record/reply boundary; 'mp': a worker process)",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def executor_backend(request):
+    """With ``--executor-backend``, LLMs default to that backend: the engine tests run through the
+    driver/worker boundary (``pytest --executor-backend=pickle tests/test_engine.py``)."""
+    backend = request.config.getoption("--executor-backend")
+    if backend is None:
+        yield None
+        return
+    import functools
+
+    from pagedgen import llm as llm_module
+
+    real = llm_module.LLM.__init__
+
+    @functools.wraps(real)
+    def init(self, *args, **kwargs):
+        kwargs.setdefault("distributed_executor_backend", backend)
+        real(self, *args, **kwargs)
+
+    llm_module.LLM.__init__ = init
+    try:
+        yield backend
+    finally:
+        llm_module.LLM.__init__ = real
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "in_process: reaches into the in-process model runner (skipped with --executor-backend)")
+
+
+@pytest.fixture(autouse=True)
+def _skip_in_process_only(request, executor_backend):
+    if executor_backend is not None and request.node.get_closest_marker("in_process") is not None:
+        pytest.skip(f"reaches into the in-process model runner; --executor-backend={executor_backend}")

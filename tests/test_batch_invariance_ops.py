@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pagedgen import ops
 from pagedgen.engine.logprobs import logprob_dicts
-from pagedgen.engine.sampler import Sampler, make_generator
+from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.sequence import Sequence
 from pagedgen.layers import linear as lin
 from pagedgen.layers.activation import ActAndMul
@@ -339,7 +339,7 @@ def test_log_softmax_and_logprob_dicts_rows_independent(vocab):
 
 def _seq(i: int, params: SamplingParams, history: list[int]) -> Sequence:
     return Sequence(seq_id=i, request_id=str(i), token_ids=list(history), num_prompt_tokens=3, sampling_params=params,
-                    eos_token_ids=frozenset({2}), max_model_len=512, generator=make_generator(params.seed))
+                    eos_token_ids=frozenset({2}), max_model_len=512, seed=params.seed)
 
 
 OTHER_PARAMS = [
@@ -367,7 +367,7 @@ def test_sampler_rows_independent(target):
             logits = torch.randn(n, vocab, generator=g) * 3
             logits[at] = row
             seqs = [_seq(i, OTHER_PARAMS[i % len(OTHER_PARAMS)], torch.randint(0, vocab, (5,), generator=g).tolist()) for i in range(n)]
-            seqs[at] = _seq(at, target, history)  # a fresh generator from the seed: the same draws
+            seqs[at] = _seq(at, target, history)  # keyed by its seed, index and position: the same draws
             out = Sampler(seed=n + at)(logits, seqs)  # other engine seeds: rows without a seed differ
             results.append((out.token_ids[at], None if out.logprobs is None else out.logprobs[at]))
     assert all(r == results[0] for r in results), results

@@ -106,6 +106,7 @@ def test_generate_refuses_to_mix_with_engine_requests(llm, prompts, expected):
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[:1], GREEDY, use_tqdm=False)] == [expected[(0, "greedy")]]
 
 
+@pytest.mark.in_process
 @pytest.mark.parametrize("caching, mode", [(True, "recompute"), (False, "swap")])
 def test_scheduler_output_is_plain_data_a_worker_can_apply(stories_path, prompts, caching, mode):
     """Every step's SchedulerOutput survives pickling, and applying its block-table deltas to a
@@ -114,7 +115,8 @@ def test_scheduler_output_is_plain_data_a_worker_can_apply(stories_path, prompts
     engine, mirror, seen = llm.llm_engine, {}, {"steps": 0, "preempted": 0, "cow": 0, "freed": 0}
     real = engine.model_runner.execute
 
-    def checked(batch, bm):
+    def checked(batch):
+        bm = engine.block_manager
         plan = pickle.loads(pickle.dumps(batch.plan))
         plan.apply_block_tables(mirror)
         for seq, seq_id, start, n, tokens in zip(batch.seqs, plan.seq_ids, plan.num_computed_tokens, plan.num_new_tokens, plan.token_ids):
@@ -125,7 +127,7 @@ def test_scheduler_output_is_plain_data_a_worker_can_apply(stories_path, prompts
         seen["preempted"] += len(plan.preempted_seq_ids)
         seen["cow"] += len(plan.blocks_to_copy)
         seen["freed"] += len(plan.freed_seq_ids)
-        return real(batch, bm)
+        return real(batch)
 
     engine.model_runner.execute = checked
     outs = llm.generate(prompts * 2, [GREEDY, SEEDED] * 6, use_tqdm=False)

@@ -88,6 +88,8 @@ def _failing(real, at, kind, before=False):
 def _inject(monkeypatch, llm, point, kind):
     """Arm the fault; returns the wrapper (its ``calls`` say whether it fired)."""
     engine = llm.llm_engine
+    if point in ("first layer", "last layer", "sampling") and engine.model_runner is None and not hasattr(engine.executor, "worker"):
+        pytest.skip("the model runs in a worker process (tests/test_executor.py injects faults there)")
     if point in ("before scheduling", "after scheduling"):
         w = _failing(engine.scheduler.schedule, FAIL_AT_STEP, kind, before=point == "before scheduling")
         monkeypatch.setattr(engine.scheduler, "schedule", w)
@@ -96,8 +98,9 @@ def _inject(monkeypatch, llm, point, kind):
         w = _failing(ops.reshape_and_cache, at, kind)  # the layer's keys and values are written, then it fails
         monkeypatch.setattr(ops, "reshape_and_cache", w)
     elif point == "sampling":
-        w = _failing(engine.model_runner.sampler, FAIL_AT_STEP, kind)
-        monkeypatch.setattr(engine.model_runner, "sampler", w)
+        runner = engine.model_runner or engine.executor.worker.runner  # in process, or the pickling executor's worker
+        w = _failing(runner.sampler, FAIL_AT_STEP, kind)
+        monkeypatch.setattr(runner, "sampler", w)
     elif point == "detokenizer":
         w = _failing(IncrementalDetokenizer.append, 6, kind)
         monkeypatch.setattr(IncrementalDetokenizer, "append", w)

@@ -55,16 +55,17 @@ def test_empty_list_and_empty_prompt(llm, expected):
     _assert_clean_and_working(llm, expected)
 
 
+@pytest.mark.in_process
 def test_error_during_a_step_frees_everything(llm, expected, monkeypatch):
     runner = llm.llm_engine.model_runner
     real = runner.execute
     calls = {"n": 0}
 
-    def failing(batch, bm):
+    def failing(batch):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real(batch, bm)
+        return real(batch)
 
     monkeypatch.setattr(runner, "execute", failing)
     with pytest.raises(RuntimeError, match="boom"):

@@ -10,7 +10,8 @@ import torch
 from transformers.generation import logits_process as hf
 
 from pagedgen.engine import logits_processors as lp
-from pagedgen.engine.sampler import Sampler, inverse_cdf_sample, make_generator
+from pagedgen.engine import sampler as sampler_module
+from pagedgen.engine.sampler import Sampler, inverse_cdf_sample
 from pagedgen.engine.sequence import Sequence
 from pagedgen.sampling_params import SamplingParams
 
@@ -18,7 +19,7 @@ VOCAB = 64
 EOS = 2
 
 
-def _seq(prompt: list[int], output: list[int], params: SamplingParams, seq_id: int = 0, generator=None) -> Sequence:
+def _seq(prompt: list[int], output: list[int], params: SamplingParams, seq_id: int = 0) -> Sequence:
     return Sequence(
         seq_id=seq_id,
         request_id=str(seq_id),
@@ -27,7 +28,7 @@ def _seq(prompt: list[int], output: list[int], params: SamplingParams, seq_id: i
         sampling_params=params,
         eos_token_ids=frozenset([EOS]),
         max_model_len=10_000,
-        generator=generator,
+        seed=params.seed,
     )
 
 
@@ -217,10 +218,10 @@ def test_greedy_rows_take_the_argmax_of_processed_logits():
 def test_extreme_uniform_draw_never_picks_a_filtered_token(monkeypatch, u):
     """The smallest and largest U[0, 1) draws pick the first and last token that has probability
     (never a filtered one before, between or after them, never an index past the vocabulary)."""
-    monkeypatch.setattr(torch, "rand", lambda *size, dtype=None, generator=None: torch.full(size, u, dtype=dtype))
+    monkeypatch.setattr(sampler_module, "counter_uniforms", lambda keys, streams, positions: torch.full((len(keys),), u, dtype=torch.float64))
     inf = float("-inf")
     logits = torch.tensor([[inf, 0.0, inf, 1.0, inf, inf]]).expand(8, -1).clone()
-    seqs = [_seq([1], [], SamplingParams(), i) for i in range(4)] + [_seq([1], [], SamplingParams(seed=i), i, generator=make_generator(i)) for i in range(4)]
+    seqs = [_seq([1], [], SamplingParams(), i) for i in range(4)] + [_seq([1], [], SamplingParams(seed=i), i) for i in range(4)]
     assert set(Sampler(0)(logits, seqs).token_ids) == ({1} if u == 0.0 else {3})
 
 

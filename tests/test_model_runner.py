@@ -8,7 +8,7 @@ from conftest import story_openings
 from pagedgen import LLM, SamplingParams
 from pagedgen.engine.block_tables import BlockTables
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.in_process]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SEEDED = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
@@ -19,8 +19,9 @@ def _watch(llm, seen):
     runner = llm.llm_engine.model_runner
     real = runner.prepare
 
-    def checked(batch, bm):
-        (input_ids, positions, attn, _), sampling, beams, plan = out = real(batch, bm)
+    def checked(batch):
+        bm = llm.llm_engine.block_manager
+        (input_ids, positions, attn, _), sampling, beams, plan = out = real(batch)
         bs = runner.cache_config.block_size
         want_ids, want_pos, want_slots = [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -69,11 +70,11 @@ def test_block_tables_after_an_aborted_step(stories_path):
     runner = llm.llm_engine.model_runner
     real, calls = runner.execute, {"n": 0}
 
-    def failing(batch, bm):
+    def failing(batch):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected")
-        return real(batch, bm)
+        return real(batch)
 
     runner.execute = failing
     with pytest.raises(RuntimeError, match="injected"):

@@ -8,7 +8,7 @@ from conftest import story_openings
 from pagedgen import LLM, SamplingParams, ops
 from pagedgen.engine.prefault import Prefaulter
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.in_process]
 
 
 def _caches(num_blocks=16, layers=2):

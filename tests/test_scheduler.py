@@ -1,4 +1,7 @@
 """Scheduler without a model: admission order, limits, chunked prefill and preemption."""
+import random
+from typing import Optional
+
 from pagedgen.config import SchedulerConfig
 from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.scheduler import Scheduler
@@ -141,3 +144,47 @@ def test_step_accounting_matches_the_plan_under_budget_cuts_and_preemption():
         assert bm.num_free_blocks == bm.num_blocks and bm.check() == []
         preemptions += sched.stats.num_preemptions
     assert preemptions > 0  # the pools are small enough to preempt
+
+
+def _mirror_case(seed: int) -> Optional[int]:
+    """Random arrivals, tight blocks, and sequences left with nothing to compute for a while (as a
+    beam waiting for its group), which makes the scheduler preempt and readmit in one step. A
+    worker's mirror applies every output (freed ids, then updates); returns the first step whose
+    scheduled tables differ from the block manager's, or None."""
+    rng = random.Random(seed)
+    bm = BlockManager(rng.randint(6, 12), 4, enable_prefix_caching=rng.random() < 0.5)
+    sched = Scheduler(SchedulerConfig(rng.randint(2, 4), rng.randint(8, 32), 1000), bm)
+    mirror, waiting_for_group, next_id = {}, set(), 0
+    for step in range(60):
+        if rng.random() < 0.4:
+            sched.add(_seq(next_id, rng.randint(2, 14), max_tokens=10))
+            next_id += 1
+        for seq_id in sorted(waiting_for_group):
+            if rng.random() < 0.5:
+                waiting_for_group.discard(seq_id)
+                if seq_id in sched.seqs:
+                    sched.seqs[seq_id].token_ids.append(7)
+        if not sched.has_unfinished():
+            continue
+        out = sched.schedule()
+        out.apply_block_tables(mirror)
+        if any(mirror.get(seq_id) != bm.block_table(seq_id) for seq_id in out.seq_ids):
+            return step
+        finished = []
+        for seq, n in zip(sched.scheduled, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                if rng.random() < 0.3:
+                    waiting_for_group.add(seq.seq_id)
+                elif seq.append_token(7) or rng.random() < 0.05:
+                    finished.append(seq)
+        sched.finish_many(finished)
+    return None
+
+
+def test_mirror_follows_a_sequence_preempted_and_readmitted_in_one_step():
+    """A sequence preempted (its table freed) and readmitted in the same step gets its table sent
+    whole in that output; the freed id must come in the same output, before the update, not in the
+    next one (which made a worker forget the fresh table: 125 of 3,000 such random runs before)."""
+    bad = [seed for seed in range(400) if _mirror_case(seed) is not None]
+    assert bad == []

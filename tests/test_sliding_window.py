@@ -90,10 +90,10 @@ def _watch_blocks(llm: LLM) -> list[tuple[int, int, int]]:
             assert mirror[seq_id] == bm.block_table(seq_id), f"the mirror of sequence {seq_id}'s table is stale"
         return plan
 
-    def watched(batch, block_manager):
+    def watched(batch):
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seen.append((seq.num_computed_tokens, n, len(bm.held_blocks(seq.seq_id))))
-        return execute(batch, block_manager)
+        return execute(batch)
 
     engine.scheduler.schedule, engine.model_runner.execute = watched_schedule, watched
     return seen
@@ -130,6 +130,7 @@ def _check_greedy(mistral: Mistral, outputs, indices) -> None:
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
+@pytest.mark.in_process
 def test_the_engine_gets_the_window(mistral, tmp_path):
     assert LLM(mistral.path, block_size=BS).llm_engine.block_manager.sliding_window == W
     qwen2 = str(tmp_path / "qwen2")
@@ -149,6 +150,7 @@ SMALL_POOL = dict(num_kv_blocks=30, max_model_len=120, enable_prefix_caching=Fal
     dict(SMALL_POOL, preemption_mode="recompute"),
     dict(SMALL_POOL, preemption_mode="swap"),
 ], ids=["default", "recompute", "swap"])
+@pytest.mark.in_process
 def test_bounded_blocks_match_transformers(mistral, kwargs):
     llm = LLM(mistral.path, block_size=BS, **kwargs)
     seen = _watch_blocks(llm)
@@ -170,6 +172,7 @@ def test_bounded_blocks_match_transformers(mistral, kwargs):
         _check_pool_whole(llm)
 
 
+@pytest.mark.in_process
 def test_parallel_samples_share_and_release_blocks(mistral):
     """n > 1: greedy completions all equal transformers'; seeded sampled ones (n = 3) have
     transformers' logprobs for the tokens drawn (so every fork read the right keys)."""

@@ -318,6 +318,7 @@ def test_outputs_do_not_depend_on_preemption_chunking_or_prefix_cache(stories_pa
         assert llm.get_stats().num_preemptions > 0
 
 
+@pytest.mark.in_process
 def test_interrupted_step_and_aborts_leave_a_fresh_engine(llm, monkeypatch):
     prompts, params = _mixed_requests(12)
     reference = _ids(llm.generate(prompts, params, use_tqdm=False))

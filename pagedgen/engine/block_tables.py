@@ -17,13 +17,13 @@ The runner sees every step's output in order, so the mirror always equals the bl
 tables (``tests/test_model_runner.py`` checks it through preemption, swapping and copy-on-write).
 A step that raises rolls the engine back: every request is aborted and the scheduler frees every
 table it had sent, so the next output frees every row, whatever the interrupted step left here.
-A sequence scheduled without a row (only after such a rollback, if at all) is filled from the
-block manager, the source of truth.
+A table freed and sent again in one output (a sequence preempted and readmitted in the same step)
+is freed first: ``apply`` forgets before it writes.
 """
 from __future__ import annotations
 
 from array import array
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -80,15 +80,18 @@ class BlockTables:
                 self._set(seq_id, start, blocks)
         self._flush()
 
-    def gather(self, seq_ids: list[int], width: int, fallback: Callable[[int], list[int]]) -> torch.Tensor:
+    def gather(self, seq_ids: list[int], width: int, fallback: Optional[Callable[[int], list[int]]] = None) -> torch.Tensor:
         """[len(seq_ids), width] int32: the tables of ``seq_ids`` in that order, cut or padded to
-        ``width`` columns. ``fallback(seq_id)`` gives the table of a sequence without a row."""
+        ``width`` columns. ``fallback(seq_id)`` gives the table of a sequence without a row; without
+        one, such a sequence is a RuntimeError (its table never reached this mirror)."""
         rows = self._row
         try:
             index = [rows[s] for s in seq_ids]
-        except KeyError:  # only after a rolled-back step, if at all
+        except KeyError:
             for seq_id in seq_ids:
                 if seq_id not in rows:
+                    if fallback is None:
+                        raise RuntimeError(f"the block table of sequence {seq_id} never reached this worker's mirror") from None
                     self._set(seq_id, 0, fallback(seq_id))
             self._flush()
             index = [rows[s] for s in seq_ids]

@@ -16,7 +16,8 @@ same happens at the next call if an interrupt landed inside ``add_request``, ``a
 that rollback itself (``_clean`` is False from the first change of such a call to its end).
 
 Not thread-safe: one thread at a time (``LLM`` serialises its calls with a lock). Tensor-free apart
-from the model runner it drives and the beam-search step.
+from the executor it drives (``pagedgen.executor``: the model runner in this process, or worker
+processes that see only plain-data step records) and the beam-search step.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.grammar import StructuredOutputManager
 from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Params, Request, RequestProcessor
-from pagedgen.engine.sampler import make_generator
+from pagedgen.engine.sampler import as_int64
 from pagedgen.engine.scheduler import Scheduler
 from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence, SequenceStatus
@@ -89,7 +90,8 @@ class LLMEngine:
 
     Args:
         cache_config, scheduler_config: frozen limits (validated by ``LLM``).
-        model_runner: tensors and the model; shares ``cache_config``.
+        executor: runs each step's model work (``pagedgen.executor``): the model runner in this
+            process, or worker processes fed plain-data step records; shares ``cache_config``.
         processor: checks and tokenizes requests, builds their outputs.
         eos_token_ids: tokens that end a sequence (or a beam) unless its request sets ignore_eos.
 
@@ -100,7 +102,7 @@ class LLMEngine:
         self,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
-        model_runner: ModelRunner,
+        executor,
         processor: RequestProcessor,
         eos_token_ids: frozenset[int],
     ) -> None:
@@ -109,7 +111,9 @@ class LLMEngine:
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, cache_config.sliding_window)
         cpu_blocks = BlockManager(cache_config.num_cpu_blocks, cache_config.block_size) if cache_config.num_cpu_blocks else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, cpu_blocks)
-        self.model_runner = model_runner
+        self.executor = executor
+        # the in-process model runner (None when the model lives in worker processes)
+        self.model_runner: Optional[ModelRunner] = getattr(executor, "model_runner", None)
         self.processor = processor
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}  # unfinished requests, in arrival order
@@ -229,9 +233,10 @@ class LLMEngine:
         once its prompt is computed, sharing its blocks."""
         params = request.params
         if isinstance(params, SamplingParams):
-            seq = self._sequence(request, params, make_generator(params.seed, 0), self.processor.new_stream(request))
+            seed = None if params.seed is None else as_int64(params.seed)
+            seq = self._sequence(request, params, seed, self.processor.new_stream(request))
             # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
-            seq.pending_forks = [(j, make_generator(params.seed, j), self.processor.new_stream(request)) for j in range(1, params.n)]
+            seq.pending_forks = [(j, self.processor.new_stream(request)) for j in range(1, params.n)]
             return seq
         group = BeamGroup(params, len(request.prompt_token_ids), self.eos_token_ids, self.scheduler_config.max_model_len)
         seq = self._sequence(request, SamplingParams(temperature=0, max_tokens=None), None, None)
@@ -240,7 +245,7 @@ class LLMEngine:
         request.beam_group = group
         return seq
 
-    def _sequence(self, request: Request, params: SamplingParams, generator, detokenizer) -> Sequence:
+    def _sequence(self, request: Request, params: SamplingParams, seed: Optional[int], detokenizer) -> Sequence:
         """A new sequence of ``request``. Prompt logprobs are collected by completion 0 only."""
         return Sequence(
             seq_id=next(self._seq_ids),
@@ -250,7 +255,7 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.scheduler_config.max_model_len,
-            generator=generator,
+            seed=seed,
             detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
@@ -271,7 +276,7 @@ class LLMEngine:
         batch = ScheduledBatch(plan, self.scheduler.scheduled)  # the Sequences of plan.seq_ids
         self._fork_parallel_samples(batch)
         batch.grammar_bitmask = self.grammars.bitmask(batch)  # structured outputs: None unless a sequence sampling now is constrained
-        out = self.model_runner.execute(batch, bm)
+        out = self.executor.execute(batch, self.scheduler.seqs)
         for seq, n in zip(batch.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += n
         for child, parent in batch.forked:
@@ -302,9 +307,9 @@ class LLMEngine:
             del requests[r.request_id]
         return outputs
 
-    def _fork(self, parent: Sequence, index: int = 0, generator=None, detokenizer=None) -> Sequence:
+    def _fork(self, parent: Sequence, index: int = 0, detokenizer=None) -> Sequence:
         """A new sequence sharing ``parent``'s tokens and KV blocks (copy-on-write), queued beside it."""
-        child = parent.fork(next(self._seq_ids), index, generator, detokenizer)
+        child = parent.fork(next(self._seq_ids), index, detokenizer)
         if parent.status is SequenceStatus.RUNNING:
             self.block_manager.fork(parent.seq_id, child.seq_id)
         else:  # waiting or swapped: the child recomputes its tokens when admitted
@@ -318,8 +323,8 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.plan.num_new_tokens):
             if seq.pending_forks and seq.num_computed_tokens + n == seq.num_tokens:
                 request = self._requests[seq.request_id]
-                for index, generator, detokenizer in seq.pending_forks:
-                    child = self._fork(seq, index, generator, detokenizer)
+                for index, detokenizer in seq.pending_forks:
+                    child = self._fork(seq, index, detokenizer)
                     request.seqs.append(child)
                     batch.forked.append((child, seq))
                     batch.plan.forked.append((child.seq_id, seq.seq_id))

@@ -35,7 +35,6 @@ import torch
 
 from pagedgen import ops
 from pagedgen.config import CacheConfig
-from pagedgen.engine.block_manager import BlockManager
 from pagedgen.engine.block_tables import BlockTables, int_tensor
 from pagedgen.engine.cuda_graphs import CUDAGraphRunner
 from pagedgen.engine.logprobs import logprob_dicts
@@ -148,7 +147,7 @@ class ModelRunner:
             except RuntimeError as exc:  # run eagerly rather than not at all
                 warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {exc}", RuntimeWarning)
 
-    def prepare(self, batch: ScheduledBatch, block_manager: BlockManager):
+    def prepare(self, batch: ScheduledBatch):
         """The step's tensors (see the module docstring), built from the plan's plain data: its token
         ids, first positions and block-table deltas (applied to the persistent ``BlockTables``);
         positions and the slot mapping are computed by tensor ops, not per token in Python. Also
@@ -170,7 +169,7 @@ class ModelRunner:
         max_seq_len = max(ends)
 
         self.block_tables.apply(plan.freed_seq_ids, plan.block_table_updates)
-        tables = self.block_tables.gather(plan.seq_ids, -(-max_seq_len // bs), block_manager.block_table)  # [n, width]
+        tables = self.block_tables.gather(plan.seq_ids, -(-max_seq_len // bs))  # [n, width]
         starts_t = int_tensor(starts, torch.int64)  # [n]
         if num_tokens == n:
             seq_index, positions = None, starts_t  # [T]
@@ -248,12 +247,17 @@ class ModelRunner:
             for k, v in self.kv_caches:
                 ops.copy_blocks(k, v, mapping)
 
-    def execute(self, batch: ScheduledBatch, block_manager: BlockManager) -> StepOutput:
-        """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs.
+
+        Reads only the plan's plain data and, of each sequence (``batch.seqs``: the driver's own
+        Sequences in process, a worker's mirrors built from the step records otherwise), its
+        sampling parameters, seed and index, token ids, prompt-logprobs progress and whether it is
+        a beam: never the block manager."""
         if self.prefaulter is not None:
             self.prefaulter.before_step(batch.plan.block_table_updates, (batch.blocks_to_copy, batch.blocks_to_swap_in))
         self.move_blocks(batch)
-        (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch, block_manager)
+        (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices].cpu()  # pure decode step
         else:

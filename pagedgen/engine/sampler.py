@@ -14,9 +14,13 @@ Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
    exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` (vLLM's), needs one per vocabulary entry:
    over a 50k vocabulary on a CPU those draws cost more than the forward pass of a small model.
 
-A sequence with its own generator (its request has a seed) draws its ``u`` from it, one number
-per sampled token, and every step of the pipeline is row-wise: its tokens do not depend on what
-else shares the batch, on the batch order, or on preemption. Others share the engine's generator.
+Randomness is a function, not a state: the ``u`` of the token at position ``p`` of completion ``j``
+of a request with seed ``s`` is ``counter_uniform(s, j, p)``, a hash (splitmix64's finaliser,
+three rounds) of the three numbers, so no generator object lives anywhere: a worker in another
+process draws the same ``u`` from the step record alone, and a token drawn again after preemption
+or a rolled-back step is the same token. A request without a seed uses the key of the engine's
+seed (``LLM(seed=...)``) and its sequence id as the stream. Every step of the pipeline is row-wise:
+a row's token does not depend on what else shares the batch, on the batch order, or on preemption.
 
 Fast path: when every row is greedy and no row asks for logprobs, penalties, logit bias,
 allowed_token_ids or min_tokens, a step is one argmax; deciding that reads one flag per sequence
@@ -24,11 +28,11 @@ allowed_token_ids or min_tokens, a step is one argmax; deciding that reads one f
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Optional, Sequence as Seq
 
+import numpy as np
 import torch
 
 from pagedgen import ops
@@ -41,18 +45,56 @@ from pagedgen.outputs import Logprob
 _PLAIN_GREEDY = attrgetter("plain_greedy")
 
 
-def make_generator(seed: Optional[int], index: int = 0) -> Optional[torch.Generator]:
-    """The generator of completion ``index`` of a request with ``seed`` (None without a seed).
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser
+_UNSEEDED = 0x5EED_0F_E4_61_4E_5EED  # keeps the keys of unseeded requests apart from request seeds
 
-    Completion 0 uses the seed itself; completion j > 0 a 64-bit seed derived from (seed, j) by
-    BLAKE2b, so the n completions are different streams and each is reproducible on its own.
-    """
-    if seed is None:
-        return None
-    if index:
-        digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
-        seed = int.from_bytes(digest, "little")
-    return torch.Generator().manual_seed(seed)
+
+def as_int64(value: int) -> int:
+    """A 64-bit integer (signed or unsigned, as ``SamplingParams.seed`` allows) as a signed int64."""
+    value &= _M64
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def _mix(z: int) -> int:
+    z = (z + _GOLDEN) & _M64
+    z = ((z ^ (z >> 30)) * _MUL1) & _M64
+    z = ((z ^ (z >> 27)) * _MUL2) & _M64
+    return z ^ (z >> 31)
+
+
+def counter_uniform(key: int, stream: int, position: int) -> float:
+    """The plain Python reference of ``counter_uniforms`` for one row: U[0, 1) with 53 bits from
+    ``mix(mix(mix(key) ^ stream) ^ position)`` over unsigned 64-bit integers."""
+    h = _mix(_mix(_mix(key & _M64) ^ (stream & _M64)) ^ (position & _M64))
+    return (h >> 11) * 2.0**-53
+
+
+def unseeded_key(engine_seed: int) -> int:
+    """The draw key (int64) of the requests without a seed of an engine seeded with ``engine_seed``."""
+    return as_int64(_mix((engine_seed & _M64) ^ _UNSEEDED))
+
+
+_G_U64, _MUL1_U64, _MUL2_U64 = np.uint64(_GOLDEN), np.uint64(_MUL1), np.uint64(_MUL2)
+_S11, _S27, _S30, _S31 = (np.uint64(k) for k in (11, 27, 30, 31))
+
+
+def _mix_u64(z: np.ndarray) -> np.ndarray:  # [R] uint64; numpy's unsigned arithmetic wraps mod 2**64
+    z = z + _G_U64
+    z = (z ^ (z >> _S30)) * _MUL1_U64
+    z = (z ^ (z >> _S27)) * _MUL2_U64
+    return z ^ (z >> _S31)
+
+
+def counter_uniforms(keys, streams, positions) -> torch.Tensor:
+    """One U[0, 1) float64 draw per row, a pure function of (key, stream, position) (each R
+    int64 values: lists or arrays): bit for bit ``counter_uniform`` of each row
+    (tests/test_sampling_draws.py). Returns [R] float64. In numpy, whose uint64 arithmetic wraps
+    and whose ops on small arrays cost a fraction of torch's: a dozen ops whatever R."""
+    k, s, p = (np.asarray(x, dtype=np.int64).view(np.uint64) for x in (keys, streams, positions))
+    h = _mix_u64(_mix_u64(_mix_u64(k) ^ s) ^ p)  # [R] uint64
+    return torch.from_numpy((h >> _S11).astype(np.float64) * 2.0**-53)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -81,11 +123,11 @@ class Sampler:
     """Picks one token per row.
 
     Args:
-        seed: seed of the engine's generator, used by requests without a seed of their own.
+        seed: the engine's seed, the key of the draws of requests without a seed of their own.
     """
 
     def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.unseeded_key = unseeded_key(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask] = None) -> SamplerOutput:
         """logits: [num_seqs, vocab] on the CPU (float32 or the model's bf16/fp16), row i for seqs[i].
@@ -197,14 +239,14 @@ class Sampler:
         return sampled
 
     def _uniforms(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """One U[0, 1) float64 draw per row: from the sequence's own generator when its request has a
-        seed, else from the engine's (one call for all of those rows, in batch order)."""
-        own = [torch.rand(1, dtype=torch.float64, generator=s.generator).item() if s.generator is not None else 0.0 for s in seqs]
-        u = torch.tensor(own, dtype=torch.float64)  # [R]; one tensor from Python floats, not R element writes
-        shared = [i for i, s in enumerate(seqs) if s.generator is None]
-        if shared:
-            u[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.generator)
-        return u
+        """One U[0, 1) float64 draw per row (see the module docstring): keyed by the request's seed
+        and the completion index, or by the engine's key and the sequence id for a request
+        without a seed; the position is that of the token being drawn."""
+        unseeded = self.unseeded_key
+        keys = [unseeded if s.seed is None else s.seed for s in seqs]
+        streams = [s.seq_id if s.seed is None else s.index for s in seqs]
+        positions = [len(s.token_ids) for s in seqs]
+        return counter_uniforms(keys, streams, positions)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -87,8 +87,6 @@ class Scheduler:
         """Plan the next step. Allocates blocks for every planned token; ``scheduled`` then holds
         the Sequences of the output's ``seq_ids``, in order."""
         out = SchedulerOutput()
-        if self._freed:
-            out.freed_seq_ids, self._freed = self._freed, []
         self._planned = []  # the sequences of this step so far, in batch order
         self._grown = []  # those of them whose block table may differ from the one last sent
         self._num_decode = 0  # of their tokens, those computed one at a time after the prompt
@@ -127,6 +125,10 @@ class Scheduler:
 
         out.blocks_to_copy = bm.take_copies()
         self._fill_plan(out, self._planned)
+        # freed last: a sequence preempted in this step may be readmitted in it too, its table sent
+        # whole; a mirror forgets the freed tables before it applies the updates
+        if self._freed:
+            out.freed_seq_ids, self._freed = self._freed, []
         self.scheduled, self._planned, self._grown = self._planned, [], []
         stats = self.stats
         stats.num_steps += 1

@@ -8,8 +8,9 @@ token ids and the first position of each scheduled sequence it has every input o
 pass: positions, slot mapping, block tables, and which rows give logits. Sampling, stop checks and
 request state stay with the engine that owns the scheduler.
 
-``ScheduledBatch`` is the same step for the model runner in this process: the plan plus the
-Sequence objects its ids name (their sampling parameters, generators and logprobs state).
+``ScheduledBatch`` is the same step for a model runner: the plan plus the Sequence objects its ids
+name (in this process the driver's own; in a worker the mirrors it built from the step records,
+pagedgen/executor/worker.py).
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ class SchedulerOutput:
     block; blocks released before a sliding window become placeholders, sent from the first one
     newly released). A scheduled sequence not in it keeps its table: most decode steps take no
     new block.
-    ``freed_seq_ids``: sequences whose blocks were freed since the previous step (finished,
-    aborted, preempted): a mirror forgets their tables before applying the deltas.
+    ``freed_seq_ids``: sequences whose tables were freed since the previous output or while this
+    one was planned (finished, aborted, preempted): a mirror forgets them before applying the
+    deltas (a sequence preempted and readmitted in one step is in both, its table sent whole).
     Block moves to run before the model step, in this order, each a list of (src, dst) block ids:
     ``blocks_to_swap_out`` (device -> CPU swap space), ``blocks_to_swap_in`` (CPU -> device),
     ``blocks_to_copy`` (copy-on-write, within the device cache).

@@ -37,7 +37,8 @@ class Sequence:
         num_prompt_tokens: length of the prompt inside ``token_ids``.
         num_computed_tokens: tokens whose keys and values are in the KV cache.
         sampling_params: how to sample; ``eos_token_ids``: ids that end it unless ignore_eos.
-        generator: this sequence's own torch.Generator when its request has a seed (else None).
+        seed: its request's seed as a signed 64-bit int, the key of its random draws (None: the
+            request has none and draws with the engine's key; see engine/sampler.py).
         index: which of its request's ``n`` completions this is.
         detokenizer: an ``IncrementalDetokenizer`` when the request has stop strings (else None:
             the text is decoded once at the end).
@@ -55,7 +56,7 @@ class Sequence:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     max_model_len: int
-    generator: Optional[Any] = None
+    seed: Optional[int] = None
     index: int = 0
     detokenizer: Optional[Any] = None
     logprobs: Optional[list] = None
@@ -67,7 +68,7 @@ class Sequence:
     stop_reason: Union[int, str, None] = None
     num_preemptions: int = 0
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at admission
-    # parallel sampling: (index, generator, detokenizer) of the n - 1 completions that fork from this
+    # parallel sampling: (index, detokenizer) of the n - 1 completions that fork from this
     # one when its prompt is done, sharing its blocks (copy-on-write)
     pending_forks: list = field(default_factory=list)
     beam_group: Optional[Any] = None  # the BeamGroup of a beam-search sequence
@@ -86,14 +87,13 @@ class Sequence:
         self._max_len = limit if params.max_tokens is None else min(limit, self.num_prompt_tokens + params.max_tokens)
         self.plain_greedy = params.greedy and params.logprobs is None and not params.changes_logits
 
-    def fork(self, seq_id: int, index: int, generator=None, detokenizer=None) -> "Sequence":
+    def fork(self, seq_id: int, index: int, detokenizer=None) -> "Sequence":
         """A copy of this sequence's state under a new id (the block manager forks its blocks)."""
         child = dataclasses.replace(
             self,
             seq_id=seq_id,
             token_ids=list(self.token_ids),
             index=index,
-            generator=generator,
             detokenizer=detokenizer,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None,

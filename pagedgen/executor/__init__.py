@@ -1,0 +1,19 @@
+"""Executors: how the engine's driver runs each step's model work.
+
+The driver (``LLMEngine``: scheduler, block manager, Sequences, detokenizers, beam groups) calls
+``executor.execute(batch, seqs) -> StepOutput`` once per step. Backends
+(``LLM(distributed_executor_backend=...)``):
+
+- None (the default): ``InProcessExecutor``, the model runner in this process reading the
+  driver's Sequences directly, with no copies;
+- ``"mp"``: ``MultiprocExecutor``, a worker process that holds the model, the KV cache and the
+  sampler and sees only the plain-data ``StepRecord`` of each step, answering with a
+  ``StepReply`` (messages.py);
+- ``"pickle"``: ``PicklingExecutor``, the same worker in this process with every record and reply
+  pickled and unpickled: the test of the boundary without process start-up.
+
+Tensor and pipeline parallelism (several workers with a shard each) are not built yet.
+"""
+from __future__ import annotations
+
+BACKENDS = (None, "mp", "pickle")

@@ -1,0 +1,111 @@
+"""The worker: model, KV cache, sampler and the mirrors of the driver's state it needs.
+
+A worker sees only ``StepRecord``s and answers each with a ``StepReply``:
+
+    driver                                         worker
+    scheduler, block manager, Sequences,   ---->   model, KV cache (and swap space), sampler,
+    detokenizers, beam groups              record  block-table mirror (ModelRunner.block_tables),
+                                           <----   sequence mirrors {seq_id: Sequence}
+                                           reply
+
+The sequence mirrors hold what the model runner and the sampler read (sampling settings, seed and
+index, token ids, prompt-logprobs progress, whether it is a beam). Per step, in this order: forget
+the freed sequences (their blocks were freed: finished, aborted, preempted), add the new ones,
+write the step's token ids at their positions (a mirror starts with all of the driver's tokens,
+and a decode step appends the token sampled in the step before, so its tokens are the driver's), run the step, advance prompt-logprobs progress, forget this step's forked
+children. A mirror never needs a token back from the driver that is not in a record.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedgen.config import CacheConfig
+from pagedgen.engine.model_runner import ModelRunner, StepOutput
+from pagedgen.engine.sampler import Sampler
+from pagedgen.engine.scheduler_output import ScheduledBatch
+from pagedgen.engine.sequence import Sequence
+from pagedgen.executor.messages import StepRecord, StepReply
+from pagedgen.layers.linear import MatmulConfig, prepare_matmuls
+from pagedgen.model import loader
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build itself, checked by ``LLM`` before any worker starts.
+
+    ``dtype``: the resolved model dtype; ``num_threads``: torch intra-op threads (0: torch's own
+    default); ``cuda_graph_max_seqs``: as ``ModelRunner``'s.
+    """
+
+    model: str
+    dtype: torch.dtype
+    device: torch.device
+    matmul_config: MatmulConfig
+    cache_config: CacheConfig
+    max_model_len: int
+    seed: int
+    cuda_graph_max_seqs: int = 0
+    num_threads: int = 0
+
+
+class Worker:
+    """Builds the model and its runner from ``spec`` and runs step records.
+
+    Args:
+        spec: the model, device, cache and seed.
+        rank: this worker's rank (0 while there is one worker).
+    """
+
+    def __init__(self, spec: WorkerSpec, rank: int = 0) -> None:
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        self.rank = rank
+        hf_config = loader.load_hf_config(spec.model)
+        model_config = loader.model_config_from_hf(hf_config, spec.dtype)
+        model = loader.load_model(spec.model, hf_config, model_config, spec.device)
+        prepare_matmuls(model, spec.matmul_config)
+        self.runner = ModelRunner(model, spec.cache_config, Sampler(spec.seed), spec.cuda_graph_max_seqs, spec.max_model_len)
+        self.seqs: dict[int, Sequence] = {}  # the sequence mirrors, by seq id
+
+    def execute(self, record: StepRecord) -> StepReply:
+        plan, seqs, max_len = record.plan, self.seqs, self.spec.max_model_len
+        for seq_id in plan.freed_seq_ids:
+            seqs.pop(seq_id, None)
+        for new in record.new_seqs:
+            seqs[new.seq_id] = new.mirror(max_len)
+        scheduled = [seqs[seq_id] for seq_id in plan.seq_ids]
+        for seq, start, tokens in zip(scheduled, plan.num_computed_tokens, plan.token_ids):
+            seq.token_ids[start : start + len(tokens)] = tokens  # a decode token lands at the end
+        children = {new.seq_id: new.mirror(max_len) for new in record.forked}
+        forked = [(children[child], seqs[parent]) for child, parent in plan.forked]
+        out = self.runner.execute(ScheduledBatch(plan, scheduled, forked, record.grammar_bitmask))
+        for seq, first, entries in out.prompt_logprobs:
+            seq.add_prompt_logprobs(first, [None] * len(entries))
+        return reply_of(record.step_id, out)
+
+
+def reply_of(step_id: int, out: StepOutput) -> StepReply:
+    """The plain-data reply of a model runner's output."""
+    beams = out.beam_logprobs
+    return StepReply(
+        step_id=step_id,
+        seq_ids=[seq.seq_id for seq in out.seqs],
+        token_ids=out.token_ids,
+        logprobs=out.logprobs,
+        prompt_logprobs=[(seq.seq_id, first, entries) for seq, first, entries in out.prompt_logprobs],
+        beam_seq_ids=[seq.seq_id for seq, _ in beams],
+        beam_logprobs=torch.stack([row for _, row in beams]) if beams else None,
+    )
+
+
+def output_of(reply: StepReply, seqs: dict[int, Sequence]) -> StepOutput:
+    """The driver's ``StepOutput`` of a reply: ids back to the driver's Sequences (``seqs``: the
+    scheduler's unfinished sequences by id)."""
+    out = StepOutput([seqs[i] for i in reply.seq_ids], reply.token_ids, reply.logprobs)
+    out.prompt_logprobs = [(seqs[i], first, entries) for i, first, entries in reply.prompt_logprobs]
+    if reply.beam_seq_ids:
+        out.beam_logprobs = [(seqs[i], row) for i, row in zip(reply.beam_seq_ids, reply.beam_logprobs)]
+    return out
