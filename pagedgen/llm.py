@@ -27,11 +27,11 @@ from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Request, RequestProcessor
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.step_log import StepLog
-from pagedgen.executor import BACKENDS
 from pagedgen.executor.multiproc import MultiprocExecutor
 from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
 from pagedgen.executor.worker import WorkerSpec
 from pagedgen.layers.linear import choose_matmul, prepare_matmuls
+from pagedgen.llm_args import check_llm_args, check_use_tqdm
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
@@ -53,10 +53,6 @@ def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
         return batch, True, exc
     return batch, len(batch) < n, None
 
-
-def _check_use_tqdm(use_tqdm) -> None:
-    if not isinstance(use_tqdm, bool):
-        raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
 
 ChatMessage = dict  # {"role": str, "content": str}
 
@@ -158,50 +154,16 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
     ) -> None:
-        if not isinstance(model, (str, os.PathLike)):
-            raise TypeError(f"LLM model must be a folder path, got {type(model).__name__}")
-        for name, value, opt in (
-            ("block_size", block_size, False),
-            ("num_kv_blocks", num_kv_blocks, True),
-            ("kv_cache_memory_bytes", kv_cache_memory_bytes, True),
-            ("max_num_seqs", max_num_seqs, False),
-            ("max_num_batched_tokens", max_num_batched_tokens, True),
-            ("max_model_len", max_model_len, True),
-            ("swap_space_bytes", swap_space_bytes, True),
-            ("tensor_parallel_size", tensor_parallel_size, False),
-            ("pipeline_parallel_size", pipeline_parallel_size, False),
-        ):
-            inputs.check_positive_int(name, value, opt)
-        for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
-            if size != 1:
-                raise NotImplementedError(
-                    f"LLM {name}={size}: only 1 is built (one worker holds the whole model); what exists is "
-                    "distributed_executor_backend=None (in process) or 'mp' (one worker process)"
-                )
-        if distributed_executor_backend not in BACKENDS:
-            raise ValueError(f"LLM distributed_executor_backend must be one of {BACKENDS}, got {distributed_executor_backend!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
-        if not -(2**63) <= seed < 2**64:
-            raise ValueError(f"LLM seed must be a 64-bit integer, got {seed}")
-        if block_size > 1024:
-            raise ValueError(f"LLM block_size must be in [1, 1024] tokens, got {block_size}")
-        for name, flag in (("enforce_extension", enforce_extension), ("enable_prefix_caching", enable_prefix_caching), ("enforce_eager", enforce_eager)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"LLM {name} must be a bool, got {type(flag).__name__}")
-        if batch_invariant is not None and not isinstance(batch_invariant, bool):
-            raise TypeError(f"LLM batch_invariant must be a bool or None, got {type(batch_invariant).__name__}")
-        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
-            raise TypeError(f"LLM gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
-        if tokenizer is not None:
-            if not isinstance(tokenizer, (str, os.PathLike)):
-                raise TypeError(f"LLM tokenizer must be a folder path, got {type(tokenizer).__name__}")
-            if not os.path.isdir(tokenizer):
-                raise FileNotFoundError(f"tokenizer folder not found: {os.fspath(tokenizer)!r}")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"LLM preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        check_llm_args(
+            model=model, tokenizer=tokenizer, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
+            enforce_extension=enforce_extension, enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        )  # TypeError / ValueError / NotImplementedError before anything is loaded (llm_args.py)
         device = inputs.resolve_device(device)
         if enforce_extension and not ops.extension_available(device.type):
             raise RuntimeError(ops.extension_error(device.type))
@@ -334,7 +296,7 @@ class LLM:
             RuntimeError: requests added with ``llm_engine.add_request`` are still unfinished, or
                 this thread is inside a ``generate_stream`` of this LLM.
         """
-        _check_use_tqdm(use_tqdm)
+        check_use_tqdm(use_tqdm)
         with self._exclusive("generate"):
             texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
             return self._run(self.processor.process_batch(texts, ids, sampling_params), use_tqdm)
@@ -371,7 +333,7 @@ class LLM:
             TypeError: messages of the wrong shape.
             RuntimeError: as ``generate``.
         """
-        _check_use_tqdm(use_tqdm)
+        check_use_tqdm(use_tqdm)
         with self._exclusive("chat"):
             texts = inputs.render_chats(self.tokenizer, messages, chat_template, add_generation_prompt, continue_final_message)
             ids = inputs.fill_empty(self.tokenizer, [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]) if texts else []
@@ -402,7 +364,7 @@ class LLM:
         """
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        _check_use_tqdm(use_tqdm)
+        check_use_tqdm(use_tqdm)
         with self._exclusive("beam_search"):
             texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
             outputs = self._run(self.processor.beam_batch(texts, ids, params), use_tqdm, desc="Beam search")
@@ -456,7 +418,7 @@ class LLM:
         Closing the generator early (``close()``, ``break`` out of a loop that drops it), or a
         KeyboardInterrupt (from the source too), aborts the requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
         """
-        _check_use_tqdm(use_tqdm)
+        check_use_tqdm(use_tqdm)
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
         default = self.processor.check_params(sampling_params, "sampling_params")
