@@ -243,6 +243,25 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-(-n // PANEL), PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
 
 
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 weight -> [ceil(N / PANEL), ceil(K / 2), PANEL, 2] bf16 pairs: ``out[p, q, j, t] =
+    weight[PANEL p + j, 2 q + t]``, zeros past N and past K. The layout ``ops.packed_linear_bf16``
+    reads: one panel row [p, q] (64 bytes, one AVX-512 register) holds the input pair (2 q, 2 q + 1)'s
+    weights of PANEL consecutive outputs, as vdpbf16ps multiplies them.
+
+    Raises:
+        TypeError: ``weight`` is not a tensor.
+        ValueError: ``weight`` is not a 2-D bfloat16 tensor.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"pack_pairs needs a torch.Tensor weight, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"pack_pairs needs a 2-D bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, k % 2, 0, -n % PANEL))  # [P * PANEL, 2 Q]
+    return padded.view(-(-n // PANEL), PANEL, -(-k // 2), 2).transpose(1, 2).contiguous()  # [P, Q, PANEL, 2]
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] float32 or bfloat16 weight -> the same matrix in oneDNN's blocked inner-product
     layout (an opaque ``is_mkldnn`` tensor of shape [N, K] and the same dtype and element size),
@@ -359,11 +378,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Raises:
         ValueError: a panel-packed weight without ``out_features``.
     """
-    if weight.dim() == 3:  # packed panels: batch-invariant by construction, no row blocks
+    if weight.dim() in (3, 4):  # packed panels / pairs: batch-invariant by construction, no row blocks
         if out_features is None:
             raise ValueError("linear: a weight packed in panels needs out_features")
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # [T, N]
-        ops.packed_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
+        run = ops.packed_linear if weight.dim() == 3 else ops.packed_linear_bf16
+        run(out, x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
         return out
     out_dtype = x.dtype
     if weight.dtype != out_dtype:
