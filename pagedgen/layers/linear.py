@@ -123,6 +123,8 @@ class MatmulConfig:
             (0: ``max_rows``).
         panels: every weight is packed into panels (``pack_panels``) for pagedgen's own GEMM
             (``ops.packed_linear``), which gives each row the same bits in any batch by itself.
+        pairs: every weight (bf16) is packed into bf16 pairs (``pack_pairs``) for pagedgen's
+            AVX512-BF16 GEMM (``ops.packed_linear_bf16``), batch-invariant by itself as well.
     """
 
     weight_dtype: torch.dtype
@@ -134,11 +136,12 @@ class MatmulConfig:
     packed_max_rows: int = 0
     long_k_max_rows: int = 0
     panels: bool = False
+    pairs: bool = False
 
     @property
     def batch_invariant(self) -> bool:
         """True when a row's bits do not depend on the other rows of its GEMMs."""
-        return self.min_rows > 0 or self.panels
+        return self.min_rows > 0 or self.panels or self.pairs
 
     def row_blocks(self, weight: torch.Tensor) -> tuple[int, int]:
         """(min_rows, max_rows) for a GEMM with ``weight`` [out_features, in_features]."""
@@ -190,9 +193,11 @@ MATMUL_BACKENDS = ("auto", "pagedgen", "onednn", "mkl")
 PANEL = 16
 
 
-def cpu_matmul_backend() -> str:
+def cpu_matmul_backend(dtype: Optional[torch.dtype] = None) -> str:
     """The CPU matmul path ``PAGEDGEN_CPU_MATMUL`` asks for, "auto" resolved: "pagedgen" (packed
-    panels) on a CPU whose torch capability is AVX2 when the kernel is built, else "onednn".
+    panels) on a CPU whose torch capability is AVX2 when the kernel is built; "pagedgen" for a
+    bfloat16 model (``dtype``) on a CPU with AVX512-BF16 and no AMX where the bf16-pair kernel is
+    built (``bf16_pairs_available``); else "onednn".
 
     Raises:
         ValueError: ``PAGEDGEN_CPU_MATMUL`` is not one of ``MATMUL_BACKENDS``, or is "pagedgen" where
@@ -202,10 +207,31 @@ def cpu_matmul_backend() -> str:
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"PAGEDGEN_CPU_MATMUL must be one of {MATMUL_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pagedgen" if ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+        if ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2":
+            return "pagedgen"
+        # AVX512-BF16 without AMX (AMD EPYC Zen 4): the bf16-pair GEMM beat oneDNN's row-blocked GEMM at
+        # every random-135m/1b shape (docs/benchmarks.md, 2026-12-04). With AMX, oneDNN's AMX GEMM stays
+        # until an AMX micro-kernel is measured there.
+        return "pagedgen" if dtype == torch.bfloat16 and bf16_pairs_available() and not amx_available() else "onednn"
     if backend == "pagedgen" and not ops.has_kernel("packed_linear"):
         raise ValueError("PAGEDGEN_CPU_MATMUL=pagedgen needs pagedgen._C built with AVX2 and FMA (no packed_linear kernel here)")
     return backend
+
+
+def cpu_has_flag(flag: str) -> bool:
+    """True when /proc/cpuinfo lists ``flag`` (e.g. "avx512_bf16"); False where there is no such file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def bf16_pairs_available() -> bool:
+    """True when pagedgen's AVX512-BF16 GEMM (``ops.packed_linear_bf16``) runs here: the kernel is
+    built (a build with AVX512-BF16), torch's CPU capability is AVX512 and the CPU has AVX512-BF16."""
+    return (ops.has_kernel("packed_linear_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and cpu_has_flag("avx512_bf16"))
 
 
 def onednn_prepack_supported() -> bool:
@@ -322,7 +348,9 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         if batch_invariant:
             raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
-    if cpu_matmul_backend() == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
+    if cpu_matmul_backend(dtype) == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
+        if dtype == torch.bfloat16 and bf16_pairs_available():
+            return MatmulConfig(dtype, pairs=True, reason="pagedgen's AVX512-BF16 GEMM on bf16 pairs (vdpbf16ps, float32 sums)")
         return MatmulConfig(dtype, panels=True, reason=f"pagedgen's packed-panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 sums)")
     onednn = onednn_prepack_available()
     if dtype in (torch.bfloat16, torch.float16) and native_reduced_precision(dtype):
@@ -367,7 +395,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             converted to it and the result back to x's dtype, rounded once); dense, or
             ``prepack``-ed for oneDNN (float32, or bf16 on a CPU with oneDNN bf16); or
             [ceil(out_features / PANEL), in_features, PANEL] panels (``pack_panels``), run by
-            ``ops.packed_linear`` in float32 whatever the dtypes.
+            ``ops.packed_linear`` in float32 whatever the dtypes; or bf16 pairs [ceil(out_features /
+            PANEL), ceil(in_features / 2), PANEL, 2] (``pack_pairs``, bf16 x only), run by
+            ``ops.packed_linear_bf16``.
         bias: [out_features] or None, the weight's dtype.
         config: the model's MatmulConfig (None: a plain ``F.linear``, no row padding).
         out_features: N; needed for a panel-packed weight, whose shape rounds it up to PANEL.
@@ -422,13 +452,13 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
             p = getattr(module, name)
             if p is None:
                 continue
-            panels = config.panels and name == "weight"
+            panels = (config.panels or config.pairs) and name == "weight"
             pack = name == "weight" and 0 < config.prepack_min_numel <= p.numel() and config.weight_dtype in PACKABLE_DTYPES
             if p.dtype == config.weight_dtype and not pack and not panels:
                 continue
             shared = getattr(module, "tied", False) and name == "weight"
             new = p.detach().to(config.weight_dtype)
-            new = pack_panels(new) if panels else prepack(new) if pack else new
+            new = (pack_pairs(new) if config.pairs else pack_panels(new)) if panels else prepack(new) if pack else new
             extra += new.numel() * new.element_size() - (0 if shared else p.numel() * p.element_size())
             new = nn.Parameter(new, requires_grad=False)
             if shared:
