@@ -23,7 +23,9 @@
 // Layout of the work: a tile of R rows x C panels keeps R x C accumulators (R <= 12 with C = 2, R <= 6
 // with C = 4: at most 24 of the 32 vector registers) and, per pair, loads C panel rows and broadcasts
 // one input pair per row. Threads split the panels (each weight byte is read by one thread); within a
-// thread, blocks of rows (sized so that their inputs stay in L2) sweep the thread's panels.
+// thread, blocks of rows (sized so that their inputs stay in L2) sweep the thread's panels. From 7 rows on
+// a block's inputs are first copied pair by pair into tile order (pack_rows: one stream per tile, no
+// L1 set conflicts between rows 4 KiB apart); the copy moves bits, so the arithmetic is the same.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -34,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec.h"
 
@@ -43,27 +46,30 @@ namespace {
 constexpr int kPanel = 16;                      // outputs per panel: the float32 lanes of a 512-bit register
 constexpr int kTileRows = 12;                   // rows of a full tile (C = 2 panels)
 constexpr int kWideRows = 6;                    // at most this many rows: one tile of C = 4 panels
-constexpr int64_t kRowBlockBytes = 192 << 10;   // bf16 input rows kept in L2 while a thread sweeps its panels
+constexpr int64_t kRowBlockBytes = 512 << 10;   // bf16 input rows kept in L2 (1 MiB on Zen 4) while a thread sweeps its panels
 constexpr int64_t kMinMacsPerThread = 1 << 15;  // smaller GEMMs run on one thread
 
-// The input pair (x[2q], x[2q + 1]) in every 32-bit lane; with `half`, (x[2q], 0): an odd K's last pair.
+// The input pair (p[0], p[1]) in every 32-bit lane; with `half`, (p[0], 0): an odd K's last pair.
 template <bool half>
-PAGEDGEN_ALWAYS_INLINE __m512bh pair(const uint16_t* x, int64_t q) {
+PAGEDGEN_ALWAYS_INLINE __m512bh pair(const uint16_t* p) {
   uint32_t d;
   if constexpr (half) {
-    d = x[2 * q];
+    d = p[0];
   } else {
-    std::memcpy(&d, x + 2 * q, sizeof(d));
+    std::memcpy(&d, p, sizeof(d));
   }
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(d)));
 }
 
-// One tile: out[r, 16 c + j] for rows r < R of x (bf16 bits, row stride ldx) and the C panels at w
-// (panel c at w + c * ldw, ldw = Q * 32). Only rows r < R are read; each row's instructions are the
-// same for every R and C. ncols: outputs of the last panel that exist (16 but in the last panel of N).
+// One tile: out[r, 16 c + j] for rows r < R of x and the C panels at w (panel c at w + c * ldw, ldw =
+// Q * 32). Row r's pair q is the 32 bits at x + r * rs + q * qs (bf16 units): the rows themselves (rs =
+// the row stride, qs = 2; then an odd K's half pair is read as such) or a packed copy (rs = 2, qs = 2 R,
+// the half pair already padded with a zero: K even as far as the tile is concerned). Only rows r < R
+// are read; each row's instructions are the same for every R, C and x layout. ncols: outputs of the
+// last panel that exist (16 but in the last panel of N).
 template <int R, int C>
-PAGEDGEN_ALWAYS_INLINE void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, const float* bias,
-                                 c10::BFloat16* out, int64_t ldo, int ncols) {
+PAGEDGEN_ALWAYS_INLINE void tile(const uint16_t* x, int64_t rs, int64_t qs, const uint16_t* w, int64_t ldw, int64_t K,
+                                 const float* bias, c10::BFloat16* out, int64_t ldo, int ncols) {
   static_assert(R >= 1 && R * C <= 24 && (C == 1 || C == 2 || C == 4));
   __m512 acc[R][C];
 #pragma GCC unroll 24
@@ -77,7 +83,7 @@ PAGEDGEN_ALWAYS_INLINE void tile(const uint16_t* x, int64_t ldx, const uint16_t*
     for (int c = 0; c < C; ++c) wv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + c * ldw + q * 2 * kPanel));
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = pair<false>(x + r * ldx, q);
+      const __m512bh xv = pair<false>(x + r * rs + q * qs);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
@@ -88,7 +94,7 @@ PAGEDGEN_ALWAYS_INLINE void tile(const uint16_t* x, int64_t ldx, const uint16_t*
     for (int c = 0; c < C; ++c) wv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + c * ldw + pairs * 2 * kPanel));
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = pair<true>(x + r * ldx, pairs);
+      const __m512bh xv = pair<true>(x + r * rs + pairs * qs);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
@@ -121,17 +127,18 @@ struct Gemm {
   int64_t ldo;
 };
 
-// Rows [m0, m0 + R) (R = 1 .. kTileRows) of the C panels from p.
+// Rows [m, m + R) (R = 1 .. kTileRows) of the C panels from p, their pairs read from x (layout as in
+// tile: rs, qs; k: K, or K rounded up to even for a packed copy).
 template <int C>
-PAGEDGEN_ALWAYS_INLINE void rows_of_panels(const Gemm& g, int64_t p, int64_t m, int R) {
-  const uint16_t* x = g.x + m * g.ldx;
+PAGEDGEN_ALWAYS_INLINE void rows_of_panels(const Gemm& g, int64_t p, int64_t m, int R, const uint16_t* x, int64_t rs, int64_t qs,
+                                           int64_t k) {
   const uint16_t* w = g.w + p * g.ldw;
   const float* b = g.bias ? g.bias + p * kPanel : nullptr;
   c10::BFloat16* o = g.out + m * g.ldo + p * kPanel;
   const int ncols = static_cast<int>(std::min<int64_t>(kPanel, g.N - (p + C - 1) * kPanel));
   switch (R) {
 #define PAGEDGEN_TILE_CASE(r) \
-  case r: if constexpr (r * C <= 24) tile<r, C>(x, g.ldx, w, g.ldw, g.K, b, o, g.ldo, ncols); break;
+  case r: if constexpr (r * C <= 24) tile<r, C>(x, rs, qs, w, g.ldw, k, b, o, g.ldo, ncols); break;
     PAGEDGEN_TILE_CASE(1) PAGEDGEN_TILE_CASE(2) PAGEDGEN_TILE_CASE(3) PAGEDGEN_TILE_CASE(4) PAGEDGEN_TILE_CASE(5)
     PAGEDGEN_TILE_CASE(6) PAGEDGEN_TILE_CASE(7) PAGEDGEN_TILE_CASE(8) PAGEDGEN_TILE_CASE(9) PAGEDGEN_TILE_CASE(10)
     PAGEDGEN_TILE_CASE(11) PAGEDGEN_TILE_CASE(12)
@@ -140,25 +147,46 @@ PAGEDGEN_ALWAYS_INLINE void rows_of_panels(const Gemm& g, int64_t p, int64_t m, 
   }
 }
 
-// Rows [m0, m1) of panels [p0, p1): a few rows (<= kWideRows) take tiles of 4 panels, more rows tiles
-// of 2 panels and up to kTileRows rows; a leftover panel gets a tile of its own.
-void block(const Gemm& g, int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
+// Rows [m0, m1) of x copied into `packed` tile by tile (tiles of kTileRows rows from m0, the last one
+// shorter): tile t's pair q of row r is packed[t * kTileRows * Q + q * R_t + r] (R_t: its rows), an odd
+// K's last pair as (x[K - 1], 0). The tile then reads one sequential stream instead of R rows, which
+// for rows of 4 KiB (K = 2,048) would all fall in the same L1 sets.
+void pack_rows(const Gemm& g, int64_t m0, int64_t m1, uint32_t* packed) {
+  const int64_t Q = (g.K + 1) / 2, full = g.K / 2;
+  for (int64_t mt = m0; mt < m1; mt += kTileRows) {
+    const int R = static_cast<int>(std::min<int64_t>(kTileRows, m1 - mt));
+    uint32_t* dst = packed + (mt - m0) * Q;
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = g.x + (mt + r) * g.ldx;
+      for (int64_t q = 0; q < full; ++q) std::memcpy(dst + q * R + r, xr + 2 * q, sizeof(uint32_t));
+      if (g.K % 2) dst[full * R + r] = xr[2 * full];
+    }
+  }
+}
+
+// Rows [m0, m1) of panels [p0, p1): a few rows (<= kWideRows) take tiles of 4 panels, read from x as it
+// is; more rows are packed (pack_rows, into `packed`) and take tiles of 2 panels and up to kTileRows
+// rows; a leftover panel gets a tile of its own.
+void block(const Gemm& g, int64_t p0, int64_t p1, int64_t m0, int64_t m1, uint32_t* packed) {
   if (m1 - m0 <= kWideRows) {
     const int R = static_cast<int>(m1 - m0);
+    const uint16_t* x = g.x + m0 * g.ldx;
     int64_t p = p0;
-    for (; p + 4 <= p1; p += 4) rows_of_panels<4>(g, p, m0, R);
-    for (; p + 2 <= p1; p += 2) rows_of_panels<2>(g, p, m0, R);
-    if (p < p1) rows_of_panels<1>(g, p, m0, R);
+    for (; p + 4 <= p1; p += 4) rows_of_panels<4>(g, p, m0, R, x, g.ldx, 2, g.K);
+    for (; p + 2 <= p1; p += 2) rows_of_panels<2>(g, p, m0, R, x, g.ldx, 2, g.K);
+    if (p < p1) rows_of_panels<1>(g, p, m0, R, x, g.ldx, 2, g.K);
     return;
   }
-  int64_t p = p0;
-  for (; p < p1; p += 2) {
+  const int64_t Q = (g.K + 1) / 2;
+  pack_rows(g, m0, m1, packed);
+  for (int64_t p = p0; p < p1; p += 2) {
     for (int64_t m = m0; m < m1; m += kTileRows) {
       const int R = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(packed + (m - m0) * Q);
       if (p + 2 <= p1) {
-        rows_of_panels<2>(g, p, m, R);
+        rows_of_panels<2>(g, p, m, R, x, 2, 2 * R, 2 * Q);
       } else {
-        rows_of_panels<1>(g, p, m, R);
+        rows_of_panels<1>(g, p, m, R, x, 2, 2 * R, 2 * Q);
       }
     }
   }
@@ -167,18 +195,21 @@ void block(const Gemm& g, int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
 void run(const Gemm& g) {
   // rows per block: a multiple of the tile, its bf16 inputs about kRowBlockBytes
   const int64_t rows = std::max<int64_t>(kTileRows, kRowBlockBytes / (2 * std::max<int64_t>(g.K, 1)) / kTileRows * kTileRows);
+  const int64_t Q = (g.K + 1) / 2;
   const int64_t groups = (g.P + 3) / 4;  // the threads split groups of 4 panels (whole tiles)
   const int64_t macs_per_group = g.M * std::max<int64_t>(g.K, 1) * 4 * kPanel;
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_group);
   if (groups >= at::get_num_threads() || g.M <= rows) {  // threads split the panels
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      std::vector<uint32_t> packed(g.M > kWideRows ? std::min(g.M, rows) * Q : 0);
       const int64_t p0 = 4 * g0, p1 = std::min(g.P, 4 * g1);
-      for (int64_t m0 = 0; m0 < g.M; m0 += rows) block(g, p0, p1, m0, std::min(g.M, m0 + rows));
+      for (int64_t m0 = 0; m0 < g.M; m0 += rows) block(g, p0, p1, m0, std::min(g.M, m0 + rows), packed.data());
     });
   } else {  // fewer panel groups than threads: they split the row blocks
     const int64_t blocks = (g.M + rows - 1) / rows;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) block(g, 0, g.P, b * rows, std::min(g.M, (b + 1) * rows));
+      std::vector<uint32_t> packed(rows * Q);
+      for (int64_t b = b0; b < b1; ++b) block(g, 0, g.P, b * rows, std::min(g.M, (b + 1) * rows), packed.data());
     });
   }
 }
