@@ -7,11 +7,11 @@
 // vdpbf16ps (and AMX's tdpbf16ps, whose B tiles hold the same pairs) multiplies.
 //
 // Where it runs (pagedgen.layers.linear.choose_matmul): bf16 models on CPUs with AVX512-BF16 and no
-// AMX (measured on the AMD EPYC Zen 4, docs/benchmarks.md 2026-12-04). On a Xeon with AMX oneDNN's
-// AMX GEMM stays the default until an AMX micro-kernel is added here: it would read the same packed
-// pairs (a B tile is 16 pairs x 16 outputs = 16 panel rows), keep the same per-output order (pairs in
-// q order, one rounding at the end) only if its accumulation order per output matches this one, which
-// has to be measured bit for bit before it can share these weights' results.
+// AMX (the AMD EPYC Zen 4 kind; measured there, docs/benchmarks.md 2026-12-04). On a Xeon with AMX,
+// oneDNN's AMX GEMM (in row blocks) stays the default: an AMX micro-kernel (tdpbf16ps) can read these
+// same packed pairs (one B tile = 16 consecutive panel rows [q] of one panel: 16 pairs x 16 outputs)
+// and sit beside tile<R, C> below, chosen by the build's __AMX_BF16__ and the CPU; it is to be
+// chosen there only once measured faster and bitwise row-invariant (its bits need not be these).
 //
 // Batch invariance by construction: out[m, n] is always acc = 0; for q = 0 .. Q - 1: acc = vdpbf16ps(acc,
 // (x[m, 2q], x[m, 2q + 1]), (W[n, 2q], W[n, 2q + 1])) (one instruction per pair, in q order), then +

@@ -39,6 +39,17 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   1.1-2.8x oneDNN at 1-16 rows, about even from 256. In the engine, a 48-request random-135m bf16
   job spent 19.3 s in its GEMMs instead of 27.8 s. Needs the extension built with AVX2 and FMA
   (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks another path.
+- **pagedgen's AVX-512 BF16 GEMM on bf16 pairs (bf16 models on AVX-512 BF16 CPUs without AMX).**
+  Where torch's CPU capability is "AVX512", /proc/cpuinfo lists ``avx512_bf16``, there are no AMX
+  tiles and the extension is built with AVX512-BF16 (``bf16_pairs_available``: the AMD EPYC Zen 4
+  kind), every weight of a bf16 model is packed once into bf16 pairs (``pack_pairs``: [ceil(N / 16),
+  ceil(K / 2), 16, 2], the layout of ``vdpbf16ps`` and of AMX's B tiles) and ``linear`` runs
+  ``pagedgen.ops.packed_linear_bf16`` (csrc/cpu/linear_avx512.cpp): each output is a chain of
+  ``vdpbf16ps`` over the pairs in order, + bias, rounded once: batch-invariant by construction.
+  Measured there 2026-12-04 (docs/benchmarks.md; one thread, thread CPU time, weights cold):
+  1.2-4.6x oneDNN's row-blocked bf16 GEMM at 1-16 rows, about even (0.95-1.07x) at 256-1,024. On a
+  Xeon with AMX oneDNN's AMX GEMM stays (not measured there; an AMX micro-kernel would go into
+  linear_avx512.cpp); float32/fp16 models on this kind keep oneDNN (below).
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
   bf16/fp16 kernels (no AVX-512 BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
   False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``:
