@@ -47,7 +47,7 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   ``pagedgen.ops.packed_linear_bf16`` (csrc/cpu/linear_avx512.cpp): each output is a chain of
   ``vdpbf16ps`` over the pairs in order, + bias, rounded once: batch-invariant by construction.
   Measured there 2026-12-04 (docs/benchmarks.md; one thread, thread CPU time, weights cold):
-  1.2-4.6x oneDNN's row-blocked bf16 GEMM at 1-16 rows, about even (0.95-1.07x) at 256-1,024. On a
+  1.0-4.4x oneDNN's row-blocked bf16 GEMM at 1-4 rows, 0.94-1.45x at 16, 0.93-1.10x at 64-1,024. On a
   Xeon with AMX oneDNN's AMX GEMM stays (not measured there; an AMX micro-kernel would go into
   linear_avx512.cpp); float32/fp16 models on this kind keep oneDNN (below).
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
