@@ -47,6 +47,7 @@ constexpr int kPanel = 16;                      // outputs per panel: the float3
 constexpr int kTileRows = 12;                   // rows of a full tile (C = 2 panels)
 constexpr int kWideRows = 6;                    // at most this many rows: one tile of C = 4 panels
 constexpr int64_t kRowBlockBytes = 512 << 10;   // bf16 input rows kept in L2 (1 MiB on Zen 4) while a thread sweeps its panels
+constexpr int64_t kMinBlockRows = 96;           // rows per block at least
 constexpr int64_t kMinMacsPerThread = 1 << 15;  // smaller GEMMs run on one thread
 
 // The input pair (p[0], p[1]) in every 32-bit lane; with `half`, (p[0], 0): an odd K's last pair.
@@ -193,16 +194,19 @@ void block(const Gemm& g, int64_t p0, int64_t p1, int64_t m0, int64_t m1, uint32
 }
 
 void run(const Gemm& g) {
-  // rows per block: a multiple of the tile, its bf16 inputs about kRowBlockBytes
-  const int64_t rows = std::max<int64_t>(kTileRows, kRowBlockBytes / (2 * std::max<int64_t>(g.K, 1)) / kTileRows * kTileRows);
+  // rows per block: a multiple of the tile, its bf16 inputs about kRowBlockBytes but at least
+  // kMinBlockRows (a long K would otherwise make blocks so short that the weights, read again for
+  // each block, come from memory for a few rows each time)
+  const int64_t rows = std::max<int64_t>(kMinBlockRows, kRowBlockBytes / (2 * std::max<int64_t>(g.K, 1)) / kTileRows * kTileRows);
   const int64_t Q = (g.K + 1) / 2;
-  const int64_t groups = (g.P + 3) / 4;  // the threads split groups of 4 panels (whole tiles)
-  const int64_t macs_per_group = g.M * std::max<int64_t>(g.K, 1) * 4 * kPanel;
+  const int64_t width = g.M <= kWideRows ? 4 : 2;  // the threads split groups of whole tiles' panels
+  const int64_t groups = (g.P + width - 1) / width;
+  const int64_t macs_per_group = g.M * std::max<int64_t>(g.K, 1) * width * kPanel;
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_group);
   if (groups >= at::get_num_threads() || g.M <= rows) {  // threads split the panels
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       std::vector<uint32_t> packed(g.M > kWideRows ? std::min(g.M, rows) * Q : 0);
-      const int64_t p0 = 4 * g0, p1 = std::min(g.P, 4 * g1);
+      const int64_t p0 = width * g0, p1 = std::min(g.P, width * g1);
       for (int64_t m0 = 0; m0 < g.M; m0 += rows) block(g, p0, p1, m0, std::min(g.M, m0 + rows), packed.data());
     });
   } else {  // fewer panel groups than threads: they split the row blocks
