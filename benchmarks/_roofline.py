@@ -37,6 +37,17 @@ M, and each step costs each shape's product at M rows, measured at powers of two
 (``decode_grid``) and interpolated between them. Both are printed; the full-batch one is an upper
 bound no engine reaches on such a workload, the batch-profile one is what a perfect engine with
 these matmuls would do.
+
+Trust (issue 36 item 3): a rate measured while another process takes the cores is too low, and a
+roofline built on it too low, so a share of it too high (a run with another process on the machine
+once printed 0.10 GFLOP/s for a [576, 576] product and shares of 82-112%). So ``measure`` runs with
+the thread count fixed for the whole measurement, warms each (shape, M, path) up for
+``warmup_seconds`` before timing it, keeps the spread of its timed runs (max / min), times the large
+``torch.mm`` before and after the shapes (and in float32 too for a reduced-precision run: the peak a
+GEMM that computes in float32 can reach), and reads the machine's load (load average, and the CPU
+use of the other processes) before and after. ``problems`` lists what makes the run implausible: a
+rate far above the large-mm peak or far below it, a huge spread, the two mm timings far apart, a busy
+machine. throughput.py prints them and no roofline share when there are any.
 """
 from __future__ import annotations
 
@@ -52,6 +63,11 @@ FORMULA = ("roofline: FLOPs = 2*W*(P + D) + 2*W_head*O, W = weights per token ro
            "measured FLOP/s on the best matmul path for the dtype (M_prefill rows for P, M_decode rows for D and the lm_head); "
            "roofline tok/s = O / time; batch-profile roofline: decode steps at the batches of ideal continuous "
            "batching of the workload (requests leave as their max_tokens run out), each GEMM at its step's rows")
+#: a run is implausible (``problems``) when: a shape's rate is over MAX_OVER_PEAK x the large-mm peak or
+#: under the peak / MIN_UNDER_PEAK; its timed runs spread over MAX_SPREAD (max / min); the mm before and
+#: after differ by more than MAX_MM_DRIFT (ratio); the other processes took over MAX_OTHERS_BUSY of the
+#: machine's CPU time, or the 1-minute load average exceeded MAX_LOAD_PER_CORE per core
+MAX_OVER_PEAK, MIN_UNDER_PEAK, MAX_SPREAD, MAX_MM_DRIFT, MAX_OTHERS_BUSY, MAX_LOAD_PER_CORE = 1.5, 1000.0, 2.0, 1.5, 0.25, 0.75
 PREFILL_CHUNK = 1024  # rows: the largest M measured for prefill
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
@@ -173,10 +189,16 @@ def gemm_rows(max_num_seqs: int, num_requests: int, step_budget: int, prompt_tok
     return max(1, min(step_budget, PREFILL_CHUNK, prompt_tokens)), max(1, min(max_num_seqs, num_requests))
 
 
-def _median_flops(fn, flops: float, sync, runs: int, min_seconds: float, budget_seconds: float) -> float:
-    """Median FLOP/s of ``fn`` over ``runs`` timed runs, each repeating it for >= ``min_seconds``."""
-    fn()  # warm-up: first-call allocation and dispatch
-    sync()
+def _timed_flops(fn, flops: float, sync, runs: int, min_seconds: float, budget_seconds: float,
+                 warmup_seconds: float = 0.0) -> list[float]:
+    """FLOP/s of ``fn`` in each of ``runs`` timed runs, each repeating it for >= ``min_seconds``, after
+    a warm-up of >= ``warmup_seconds`` (at least one call: first-call allocation and dispatch)."""
+    start = time.perf_counter()
+    while True:
+        fn()
+        sync()
+        if time.perf_counter() - start >= warmup_seconds:
+            break
     start = time.perf_counter()
     fn()
     sync()
@@ -190,7 +212,55 @@ def _median_flops(fn, flops: float, sync, runs: int, min_seconds: float, budget_
             fn()
         sync()
         rates.append(flops * reps / (time.perf_counter() - start))
-    return statistics.median(rates)
+    return rates
+
+
+def machine_load() -> dict:
+    """The machine's load now: the 1-minute load average and the share of all CPUs' time the other
+    processes took over the last 0.2 s (psutil; None where it is not installed)."""
+    load = dict(loadavg=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, others_busy=None, cores=os.cpu_count())
+    try:
+        import psutil
+    except ImportError:
+        return load
+    me = psutil.Process()
+    mine = me.cpu_times()
+    total = psutil.cpu_percent(interval=0.2) / 100  # share of all CPUs busy over the interval
+    used = sum(me.cpu_times()[:2]) - sum(mine[:2])  # this process's CPU seconds meanwhile
+    load["others_busy"] = max(0.0, total - used / (0.2 * (os.cpu_count() or 1)))
+    return load
+
+
+def problems(flops: dict) -> list[str]:
+    """What makes a ``measure`` result implausible (see the module docstring); [] when nothing does."""
+    out = []
+    peak = flops["peak"]
+    for path, table in flops["by_path"].items():
+        for (n, k, m), rate in table.items():
+            if rate > MAX_OVER_PEAK * peak:
+                out.append(f"{path} [{n}, {k}] at M={m}: {rate / 1e9:.3g} GFLOP/s, over {MAX_OVER_PEAK}x the large-mm peak {peak / 1e9:.3g}")
+    for key, best in flops["linear"].items():
+        if best < peak / MIN_UNDER_PEAK:
+            n, k, m = key
+            out.append(f"[{n}, {k}] at M={m}: best {best / 1e9:.3g} GFLOP/s, under 1/{MIN_UNDER_PEAK:.0f} of the large-mm peak {peak / 1e9:.3g}")
+    for path, table in flops["spread"].items():
+        for (n, k, m), spread in table.items():
+            if spread > MAX_SPREAD:
+                out.append(f"{path} [{n}, {k}] at M={m}: timed runs spread {spread:.2f}x (max / min), over {MAX_SPREAD}x")
+    before, after = flops["mm_before"], flops["mm_after"]
+    if max(before, after) > MAX_MM_DRIFT * min(before, after):
+        out.append(f"torch.mm before / after the shapes: {before / 1e9:.3g} / {after / 1e9:.3g} GFLOP/s, over {MAX_MM_DRIFT}x apart")
+    for when, load in flops["load"].items():
+        if load.get("others_busy") is not None and load["others_busy"] > MAX_OTHERS_BUSY:
+            out.append(f"machine busy {when}: other processes took {load['others_busy']:.0%} of the CPUs (over {MAX_OTHERS_BUSY:.0%})")
+        if load.get("loadavg") is not None and load["loadavg"] > MAX_LOAD_PER_CORE * (load.get("cores") or 1):
+            out.append(f"machine busy {when}: load average {load['loadavg']:.2f} on {load.get('cores')} CPUs (over {MAX_LOAD_PER_CORE} per CPU)")
+    return out
+
+
+def _median_flops(fn, flops: float, sync, runs: int, min_seconds: float, budget_seconds: float) -> float:
+    """Median FLOP/s of ``fn`` over ``runs`` timed runs (``_timed_flops``)."""
+    return statistics.median(_timed_flops(fn, flops, sync, runs, min_seconds, budget_seconds))
 
 
 def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
@@ -200,7 +270,8 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
     on an x86 CPU with oneDNN it can also prepack fp32 weights for oneDNN's inner product (pagedgen
     and vLLM's CPU backend do), and on a CPU with oneDNN bf16 (AMX, AVX-512 BF16) prepack the bf16
     weights themselves. Where pagedgen._C has its own GEMM (``packed_linear``: AVX2 builds), the
-    weights packed in panels in the run's dtype are a path too. The roofline takes, per shape, the
+    weights packed in panels in the run's dtype are a path too, and for bf16 where it has
+    ``packed_linear_bf16`` (AVX512-BF16 builds) the weights packed in bf16 pairs. The roofline takes, per shape, the
     best path, so that no engine beats it by picking another."""
     import torch
 
@@ -212,6 +283,8 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
         return paths
     if ops.has_kernel("packed_linear"):
         paths = paths + ["pagedgen panels"]
+    if dtype == "bfloat16" and ops.has_kernel("packed_linear_bf16"):
+        paths = paths + ["pagedgen bf16 pairs"]
     if not onednn_prepack_supported():
         return paths
     paths = paths + ["oneDNN prepacked"]
@@ -224,12 +297,14 @@ PATHS = {
     "oneDNN prepacked": "oneDNN's inner product on fp32 weights prepacked once (pagedgen.layers.linear.prepack), x converted to fp32 and back",
     "oneDNN prepacked bf16": "oneDNN's inner product on the bf16 weights prepacked once (pagedgen.layers.linear.prepack)",
     "pagedgen panels": "pagedgen's own GEMM (pagedgen.ops.packed_linear) on the weights packed once in panels in the run's dtype (pagedgen.layers.linear.pack_panels)",
+    "pagedgen bf16 pairs": "pagedgen's AVX512-BF16 GEMM (pagedgen.ops.packed_linear_bf16) on the bf16 weights packed once in pairs (pagedgen.layers.linear.pack_pairs)",
 }
 
 
 def _path_fn(path: str, x, w, w32):
     """The timed call of ``path``; ``w32``: the fp32 copy, or for "oneDNN prepacked" (bf16) the
-    packed fp32 (bf16) weight, for "pagedgen panels" the weight in panels."""
+    packed fp32 (bf16) weight, for "pagedgen panels" the weight in panels, for "pagedgen bf16
+    pairs" the weight in pairs."""
     import torch.nn.functional as F
 
     from pagedgen.layers.linear import linear
@@ -244,50 +319,80 @@ def _path_fn(path: str, x, w, w32):
 
 def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
             runs: int = 7, min_seconds: float = 0.02, budget_seconds: float = 3.0, paths: list[str] | None = None,
-            m_grid: list[int] | None = None) -> dict:
+            m_grid: list[int] | None = None, warmup_seconds: float = 0.05, threads: int | None = None) -> dict:
     """FLOP/s of every matmul path (``matmul_paths``) at every shape and M the roofline needs, the
-    best path of each, and torch.mm as a reference. ``m_grid``: more decode batch sizes to measure
-    (``decode_grid``, for the batch-profile roofline), besides ``m_decode``.
+    best path of each, and torch.mm as a reference, with what is needed to trust them (the module
+    docstring, "Trust"). ``m_grid``: more decode batch sizes to measure (``decode_grid``, for the
+    batch-profile roofline), besides ``m_decode``. ``threads``: torch threads for the whole
+    measurement (default: the current count; restored after).
 
     Returns dict(linear={(n, k, m): best FLOP/s}, best_path={(n, k, m): path name},
-    by_path={path: {(n, k, m): FLOP/s}}, mm=(size, FLOP/s)). torch.mm is square, 2048 per side, or
-    1024 / 512 where a 2048 multiply would take over ``budget_seconds`` (slow bf16 paths), in the
-    run's dtype.
+    by_path={path: {(n, k, m): FLOP/s (median)}}, spread={path: {(n, k, m): max / min of the timed
+    runs}}, mm=(size, FLOP/s), mm_before, mm_after (the run's dtype), peak (the larger of those and,
+    for bf16/fp16, the float32 mm), load={"before": machine_load(), "after": ...}, threads,
+    problems=problems(...)). torch.mm is square, 2048 per side, or 1024 / 512 where a 2048 multiply
+    would take over ``budget_seconds`` (slow bf16 paths).
     """
     import torch
 
-    from pagedgen.layers.linear import pack_panels, prepack
+    from pagedgen.layers.linear import pack_pairs, pack_panels, prepack
 
     dt = getattr(torch, dtype)
     paths = paths or matmul_paths(dtype, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    by_path: dict[str, dict] = {p: {} for p in paths}
-    for s in shapes:
-        w = torch.randn(s["n"], s["k"], generator=gen).to(device=device, dtype=dt)  # [N, K]
-        w32 = w.float() if "fp32 weights" in paths else None  # [N, K] float32, made once as an engine would
-        packed = prepack(w.float()) if "oneDNN prepacked" in paths else None  # [N, K] oneDNN layout
-        packed16 = prepack(w) if "oneDNN prepacked bf16" in paths else None  # [N, K] bf16, oneDNN layout
-        panels = pack_panels(w) if "pagedgen panels" in paths else None  # [ceil(N / 16), K, 16], the run's dtype
-        decode_ms = {m_decode} | set(m_grid or ())
-        for m in sorted(decode_ms if s["lm_head"] else decode_ms | {m_prefill}):
-            x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
-            for path in paths:
-                fn = _path_fn(path, x, w, {"oneDNN prepacked": packed, "oneDNN prepacked bf16": packed16, "pagedgen panels": panels}.get(path, w32))
-                by_path[path][(s["n"], s["k"], m)] = _median_flops(fn, 2 * m * s["n"] * s["k"], sync, runs, min_seconds, budget_seconds)
-        del w32, packed, packed16, panels
+    threads0 = torch.get_num_threads()
+    threads = threads or threads0
+    torch.set_num_threads(threads)  # the same thread count for every figure of the run
+
+    def mm_flops(mm_dtype) -> tuple[int, float]:
+        probe = None
+        for size in (512, 1024, 2048):
+            if probe is not None and 2 * size**3 / probe > budget_seconds:
+                break
+            a = torch.randn(size, size, generator=gen).to(device=device, dtype=mm_dtype)
+            b = torch.randn(size, size, generator=gen).to(device=device, dtype=mm_dtype)
+            probe = statistics.median(_timed_flops(lambda: torch.mm(a, b), 2 * size**3, sync, runs, min_seconds, budget_seconds, warmup_seconds))
+            result = (size, probe)
+        return result
+
+    try:
+        load_before = machine_load()
+        size, mm_before = mm_flops(dt)
+        by_path: dict[str, dict] = {p: {} for p in paths}
+        spread: dict[str, dict] = {p: {} for p in paths}
+        for s in shapes:
+            w = torch.randn(s["n"], s["k"], generator=gen).to(device=device, dtype=dt)  # [N, K]
+            prepared = {  # each path's weight, made once as an engine would
+                "fp32 weights": w.float() if "fp32 weights" in paths else None,  # [N, K] float32
+                "oneDNN prepacked": prepack(w.float()) if "oneDNN prepacked" in paths else None,  # [N, K] oneDNN layout
+                "oneDNN prepacked bf16": prepack(w) if "oneDNN prepacked bf16" in paths else None,  # [N, K] bf16, oneDNN layout
+                "pagedgen panels": pack_panels(w) if "pagedgen panels" in paths else None,  # [ceil(N / 16), K, 16]
+                "pagedgen bf16 pairs": pack_pairs(w) if "pagedgen bf16 pairs" in paths else None,  # [ceil(N / 16), ceil(K / 2), 16, 2]
+            }
+            decode_ms = {m_decode} | set(m_grid or ())
+            for m in sorted(decode_ms if s["lm_head"] else decode_ms | {m_prefill}):
+                x = torch.randn(m, s["k"], generator=gen).to(device=device, dtype=dt)  # [M, K]
+                for path in paths:
+                    fn = _path_fn(path, x, w, prepared.get(path))
+                    rates = _timed_flops(fn, 2 * m * s["n"] * s["k"], sync, runs, min_seconds, budget_seconds, warmup_seconds)
+                    by_path[path][(s["n"], s["k"], m)] = statistics.median(rates)
+                    spread[path][(s["n"], s["k"], m)] = max(rates) / min(rates)
+            del prepared
+        _, mm_after = mm_flops(dt)
+        peak = max(mm_before, mm_after)
+        if dt != torch.float32 and device == "cpu":  # a GEMM that computes in float32 (fp32 weights, panels) can reach this
+            peak = max(peak, mm_flops(torch.float32)[1])
+        load_after = machine_load()
+    finally:
+        torch.set_num_threads(threads0)
     keys = list(by_path[paths[0]])
     best_path = {key: max(paths, key=lambda p: by_path[p][key]) for key in keys}
     linear = {key: by_path[best_path[key]][key] for key in keys}
-    probe = None
-    for size in (512, 1024, 2048):
-        if probe is not None and 2 * size**3 / probe > budget_seconds:
-            break
-        a = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
-        b = torch.randn(size, size, generator=gen).to(device=device, dtype=dt)
-        probe = _median_flops(lambda: torch.mm(a, b), 2 * size**3, sync, runs, min_seconds, budget_seconds)
-        mm = (size, probe)
-    return dict(linear=linear, best_path=best_path, by_path=by_path, mm=mm)
+    out = dict(linear=linear, best_path=best_path, by_path=by_path, spread=spread, mm=(size, max(mm_before, mm_after)),
+               mm_before=mm_before, mm_after=mm_after, peak=peak, load=dict(before=load_before, after=load_after), threads=threads)
+    out["problems"] = problems(out)
+    return out
 
 
 def machine(device: str = "cpu") -> dict:

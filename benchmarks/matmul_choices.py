@@ -23,6 +23,11 @@ layers do (weights over 32 MB, the lm_head's, are cold already and get one).
   fp32        bf16 only: F.linear(x.float(), W32).to(bf16) with W32 = W.float() kept (2x the weight bytes)
   panels      pagedgen.ops.packed_linear(out, x, P, None), P = pagedgen.layers.linear.pack_panels(W) in
               the dtype (pagedgen's own GEMM, csrc/cpu/linear.cpp; where the extension has the kernel)
+  pairs       bf16 only: pagedgen.ops.packed_linear_bf16(out, x, P, None), P = pagedgen.layers.linear.pack_pairs(W)
+              (pagedgen's AVX512-BF16 GEMM, vdpbf16ps on bf16 pairs, csrc/cpu/linear_avx512.cpp; where built)
+  blocked     the oneDNN path as pagedgen's engine runs it in batch-invariant mode: W prepacked
+              (pagedgen.layers.linear.prepack), run by pagedgen.layers.linear.linear in the row blocks of
+              the batch-invariant config (bf16: bf16_row_blocks(); float32: PACKED_MIN_ROWS..MAX_ROWS)
   compiled    torch.compile of a one-layer nn.Linear with inductor freezing (weights constant-folded and
               packed where inductor can), one compile per M (dynamic=False); --compile-shapes only
 bits: for the candidates that run, and each dtype and thread count, whether an output row's bits depend
@@ -44,7 +49,7 @@ import torch.nn.functional as F
 import _roofline
 import _workload
 
-CANDIDATES = ("linear", "mm_t", "onednn", "mkl", "fp32", "panels", "compiled")
+CANDIDATES = ("linear", "mm_t", "onednn", "blocked", "mkl", "fp32", "panels", "pairs", "compiled")
 BITS_M = (*range(1, 41), 48, 63, 64, 65, 100, 127, 128, 129, 255, 256, 300, 512, 1024)
 
 
@@ -107,6 +112,29 @@ def make(candidate: str, w: torch.Tensor, m: int):
                 return "pagedgen._C has no packed_linear kernel here"
             panels, n = pack_panels(w), w.shape[0]
             return lambda x: linear(x, panels, None, None, n)
+        if candidate == "pairs":
+            from pagedgen import ops
+            from pagedgen.layers.linear import linear, pack_pairs
+
+            if w.dtype != torch.bfloat16:
+                return "bf16 only"
+            if not ops.has_kernel("packed_linear_bf16"):
+                return "pagedgen._C has no packed_linear_bf16 kernel here (needs AVX512-BF16)"
+            pairs, n = pack_pairs(w), w.shape[0]
+            return lambda x: linear(x, pairs, None, None, n)
+        if candidate == "blocked":
+            from pagedgen.layers import linear as lin
+
+            if w.dtype == torch.bfloat16:
+                lo, hi = lin.bf16_row_blocks()
+                config = lin.MatmulConfig(w.dtype, lo, hi, packed_min_rows=lo, packed_max_rows=hi, prepack_min_numel=1)
+            elif w.dtype == torch.float32:
+                config = lin.MatmulConfig(w.dtype, lin.MIN_ROWS, lin.MAX_ROWS, packed_min_rows=lin.PACKED_MIN_ROWS,
+                                          packed_max_rows=lin.MAX_ROWS, long_k_max_rows=lin.LONG_K_MAX_ROWS, prepack_min_numel=1)
+            else:
+                return "float32 / bf16 only"
+            packed = lin.prepack(w)
+            return lambda x: lin.linear(x, packed, None, config)
         return compiled_linear(w, m)
     except RuntimeError as e:
         return str(e).splitlines()[0][:120]

@@ -45,7 +45,9 @@ dtype, on every path available for it (F.linear; for bf16/fp16 also fp32 weights
 CPUs without AVX-512 BF16/AMX), and the best path of each shape counts; each system's output tokens/s is printed as a share of what those FLOP/s allow:
 FLOPs = 2*W*(P + D) + 2*W_head*O with W the layer weights per token row, W_head = vocab*hidden,
 P prompt tokens, D = sum(max_tokens - 1) decode rows and O output tokens (the lm_head runs only on
-the rows that sample).
+the rows that sample). The measurement says whether it can be trusted (``_roofline.problems``: a
+rate far above or below the large torch.mm, a huge spread of the timed runs, torch.mm drifting
+between before and after, a busy machine); when it cannot, it says why and no share is printed.
 """
 from __future__ import annotations
 
@@ -251,7 +253,7 @@ def measure_roofline(args, su: Setup, say) -> dict:
     wl, shapes = su.workload_rows, su.shapes
     m_prefill, m_decode = _roofline.gemm_rows(args.max_num_seqs, len(su.prompts), budget, wl["P"])
     start = time.perf_counter()
-    kw = dict(runs=args.roofline_runs, min_seconds=0.005, budget_seconds=0.5) if args.quick else dict(runs=args.roofline_runs)
+    kw = dict(runs=args.roofline_runs, min_seconds=0.005, budget_seconds=0.5, warmup_seconds=0.005) if args.quick else dict(runs=args.roofline_runs)
     grid = _roofline.decode_grid(m_decode)
     flops = _roofline.measure(shapes, m_prefill, m_decode, su.info["dtype"], args.device, m_grid=grid, **kw)
     roof = _roofline.roofline_tokens_per_s(shapes, wl, flops["linear"], m_prefill, m_decode)
@@ -264,11 +266,21 @@ def measure_roofline(args, su: Setup, say) -> dict:
         cells = []
         for m in sorted(set(grid) if s["lm_head"] else set(grid) | {m_prefill}):
             key = (s["n"], s["k"], m)
-            rates = "/".join(f"{flops['by_path'][p][key] / 1e9:.3g}" for p in paths)
+            rates = "/".join(f"{flops['by_path'][p][key] / 1e9:.3g} (±{flops['spread'][p][key] - 1:.0%})" for p in paths)
             cells.append(f"M={m}: {rates}" + (f" (best {flops['best_path'][key]})" if len(paths) > 1 else ""))
         say(f"  {'/'.join(s['names']):<24} [{s['n']}, {s['k']}]  GFLOP/s {'/'.join(paths)}: {', '.join(cells)}")
     size, mm = flops["mm"]
-    say(f"  torch.mm {size}x{size} (reference): {mm / 1e9:.3g} GFLOP/s")
+    say(f"  (±: the spread of the timed runs, max / min - 1; {flops['threads']} torch threads throughout, each case warmed up first)")
+    say(f"  torch.mm {size}x{size} (reference): {flops['mm_before'] / 1e9:.3g} GFLOP/s before the shapes, {flops['mm_after'] / 1e9:.3g} after; "
+        f"peak for the plausibility check {flops['peak'] / 1e9:.3g}")
+    for when, load in flops["load"].items():
+        busy = "n/a (no psutil)" if load["others_busy"] is None else f"{load['others_busy']:.0%}"
+        say(f"  machine load {when}: load average {load['loadavg']}, other processes' CPU use {busy}")
+    trusted = not flops["problems"]
+    if not trusted:
+        say(f"roofline NOT TRUSTWORTHY: {len(flops['problems'])} implausible figure(s); no roofline share is printed:")
+        for problem in flops["problems"][:12]:
+            say(f"  {problem}")
     say(f"roofline for this workload: {_report.rate(roof)} output tok/s (M_prefill {m_prefill}, M_decode {m_decode}: "
         f"every decode row in a full batch, an upper bound)")
     steps = sum(profile.values())
@@ -280,7 +292,9 @@ def measure_roofline(args, su: Setup, say) -> dict:
     best = {f"{n}x{k}@{m}": p for (n, k, m), p in flops["best_path"].items()}
     by_path = {p: {f"{n}x{k}@{m}": v for (n, k, m), v in t.items()} for p, t in flops["by_path"].items()}
     say(f"roofline matmul path: {', '.join(f'{p} for {n} of {len(best)} (shape, rows) cases' for p, n in collections.Counter(best.values()).most_common())}")
-    return dict(tokens_per_s=roof, profile_tokens_per_s=roof_profile, decode_batch_profile={str(m): v for m, v in sorted(profile.items())},
+    return dict(tokens_per_s=roof, profile_tokens_per_s=roof_profile, trusted=trusted, problems=flops["problems"],
+                spread_by_path={p: {f"{n}x{k}@{m}": v for (n, k, m), v in t.items()} for p, t in flops["spread"].items()},
+                mm_before=flops["mm_before"], mm_after=flops["mm_after"], peak_flops_per_s=flops["peak"], load=flops["load"], decode_batch_profile={str(m): v for m, v in sorted(profile.items())},
                 m_prefill=m_prefill, m_decode=m_decode, linear_flops_per_s=table, best_path=best,
                 flops_per_s_by_path=by_path, mm_size=size, mm_flops_per_s=mm, formula=_roofline.FORMULA)
 
@@ -376,12 +390,14 @@ def main(argv=None) -> None:
         profile = run_profile(args, su, job, workdir, say) if args.profile and "pagedgen" in su.rows else None
     if not runs:
         raise SystemExit("throughput.py: every system failed (see above)")
-    summary = _report.report(runs, useful, roofline["tokens_per_s"], args.repeats, say, roofline["profile_tokens_per_s"])
+    trusted = roofline["trusted"]  # an implausible roofline gives no share (measure_roofline said why)
+    summary = _report.report(runs, useful, roofline["tokens_per_s"] if trusted else None, args.repeats, say,
+                             roofline["profile_tokens_per_s"] if trusted else None)
     if "pagedgen" in runs:
         p = runs["pagedgen"][-1]["info"]
         say(f"pagedgen: {p['ops']}; {p.get('matmul', 'matmul path not reported')}; KV cache {p['kv_blocks']} blocks of {BLOCK_SIZE}, utilisation mean "
             f"{p['kv_utilization_mean']:.1%}, preemptions {p['preemptions']}, {p['steps']} steps per run")
-        if args.workload == "tinystories" and args.model == "random-135m" and info["dtype"] == "bfloat16":
+        if args.workload == "tinystories" and args.model == "random-135m" and info["dtype"] == "bfloat16" and trusted:
             for key, name in (("roofline_share", "full-batch roofline"), ("profile_roofline_share", "batch-profile roofline")):
                 share = summary[key]["pagedgen"]
                 say(f"pagedgen share of the {name} {share:.1%} (target >= {_report.ROOFLINE_TARGET:.0%}: "

@@ -49,6 +49,12 @@ TORCH_LIBRARY(pagedgen, m) {
   // a float32 sum over k in order, then + bias, rounded to out's dtype (= input's): a row's bits never
   // depend on the other rows. A CPU kernel only (built with AVX2 + FMA).
   m.def("packed_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  // The same product for bf16 input and weights on AVX512-BF16 CPUs: W given as bf16 pairs in panels
+  // of 16 outputs, weight [ceil(N / 16), ceil(K / 2), 16, 2] with weight[p, q, j, t] = W[16 p + j, 2 q + t]
+  // (zeros past N and K); each output is a float32 sum over the pairs in order (vdpbf16ps), then + bias,
+  // rounded once to out's bf16: a row's bits never depend on the other rows. A CPU kernel only (built
+  // with AVX512-BF16).
+  m.def("packed_linear_bf16(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
 
   // The sampler's greedy tokens: out [num_rows] int64 = logits.max(dim=-1).indices of logits
   // [num_rows, vocab] (the first maximal index; NaN counts as the maximum). A CPU kernel only.

@@ -60,14 +60,17 @@ def placements(row: torch.Tensor, make_others, run, batches=BATCHES) -> None:
 
 def matmul_configs(dtype: torch.dtype) -> list[lin.MatmulConfig]:
     """The batch-invariant config this machine chooses for ``dtype``, for bf16/fp16 both dense paths
-    (the dtype's own GEMM and float32 weights), and the packed-panel GEMM wherever it is built."""
+    (the dtype's own GEMM and float32 weights), the packed-panel GEMM wherever it is built, and for
+    bf16 the bf16-pair GEMM wherever it is built."""
     chosen = lin.choose_matmul(dtype, torch.device("cpu"), batch_invariant=True)
     configs = [chosen]
     if dtype != torch.float32:
-        other = torch.float32 if chosen.weight_dtype == dtype and not chosen.panels else dtype
+        other = torch.float32 if chosen.weight_dtype == dtype and not (chosen.panels or chosen.pairs) else dtype
         configs.append(lin.MatmulConfig(other, lin.MIN_ROWS, lin.MAX_ROWS))
     if ops.has_kernel("packed_linear") and not chosen.panels:
         configs.append(lin.MatmulConfig(dtype, panels=True))
+    if dtype == torch.bfloat16 and ops.has_kernel("packed_linear_bf16") and not chosen.pairs:
+        configs.append(lin.MatmulConfig(dtype, pairs=True))
     return configs
 
 
@@ -76,6 +79,8 @@ def config_weights(w: torch.Tensor, config: lin.MatmulConfig) -> list[torch.Tens
     oneDNN too where that is supported, the path of weights of >= PREPACK_MIN_NUMEL)."""
     if config.panels:
         return [lin.pack_panels(w.to(config.weight_dtype))]
+    if config.pairs:
+        return [lin.pack_pairs(w.to(config.weight_dtype))]
     weights = [w.to(config.weight_dtype)]
     if config.weight_dtype == torch.float32 and lin.onednn_prepack_supported():
         weights.append(lin.prepack(weights[0]))
@@ -203,13 +208,19 @@ def test_choose_matmul(monkeypatch):
 
 
 def test_choose_matmul_packed_panels(monkeypatch):
-    """"auto" takes the packed-panel GEMM on AVX2 CPUs where it is built, for every dtype, batch-invariant
-    either way; "pagedgen" asks for it anywhere and is an error where it is not built."""
+    """"auto" takes the packed-panel GEMM on AVX2 CPUs where it is built, for every dtype, and the
+    bf16-pair GEMM for bf16 on AVX512-BF16 CPUs without AMX where it is built, batch-invariant either
+    way; "pagedgen" asks for them anywhere and is an error where they are not built."""
     cpu = torch.device("cpu")
     monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
     auto = lin.choose_matmul(torch.bfloat16, cpu, False)
-    expected = ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2"
-    assert auto.panels == expected and lin.cpu_matmul_backend() == ("pagedgen" if expected else "onednn")
+    avx2 = ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    pairs = not avx2 and lin.bf16_pairs_available() and not lin.amx_available()
+    assert auto.panels == avx2 and auto.pairs == pairs and auto.batch_invariant == (avx2 or pairs)
+    assert lin.cpu_matmul_backend() == ("pagedgen" if avx2 else "onednn")  # no dtype: the float32 path
+    assert lin.cpu_matmul_backend(torch.bfloat16) == ("pagedgen" if avx2 or pairs else "onednn")
+    for dtype in (torch.float32, torch.float16):  # the pairs are bf16's only
+        assert not lin.choose_matmul(dtype, cpu, True).pairs
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "pagedgen")
     if not ops.has_kernel("packed_linear"):
         with pytest.raises(ValueError, match="PAGEDGEN_CPU_MATMUL=pagedgen needs pagedgen._C built with AVX2 and FMA"):
@@ -218,8 +229,28 @@ def test_choose_matmul_packed_panels(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for invariant in (True, False):
             config = lin.choose_matmul(dtype, cpu, invariant)
+            if dtype == torch.bfloat16 and lin.bf16_pairs_available():
+                assert config == lin.MatmulConfig(dtype, reason=config.reason, pairs=True) and config.batch_invariant
+                assert "bf16 pairs" in config.reason
+                continue
             assert config == lin.MatmulConfig(dtype, reason=config.reason, panels=True) and config.batch_invariant
             assert "packed-panel" in config.reason
+
+
+def test_bf16_pairs_available_needs_the_kernel_avx512_and_the_cpu_flag(monkeypatch):
+    """The bf16-pair GEMM is taken only where its kernel is built, torch's capability is AVX512 and
+    /proc/cpuinfo lists avx512_bf16; with AMX "auto" keeps oneDNN's AMX GEMM (not measured there yet)."""
+    if not ops.has_kernel("packed_linear_bf16"):
+        assert not lin.bf16_pairs_available()
+        return
+    assert lin.bf16_pairs_available() == (torch.backends.cpu.get_cpu_capability() == "AVX512" and lin.cpu_has_flag("avx512_bf16"))
+    monkeypatch.setattr(lin, "cpu_has_flag", lambda flag: False)
+    assert not lin.bf16_pairs_available()
+    monkeypatch.setattr(lin, "cpu_has_flag", lambda flag: True)
+    monkeypatch.setattr(lin, "amx_available", lambda: True)
+    monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert lin.cpu_matmul_backend(torch.bfloat16) == "onednn" and not lin.choose_matmul(torch.bfloat16, torch.device("cpu"), True).pairs
 
 
 def test_bf16_row_blocks_without_an_amx_probe_take_the_amx_blocks(monkeypatch):

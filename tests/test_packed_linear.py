@@ -151,3 +151,116 @@ def test_prepare_matmuls_packs_every_weight_and_counts_the_padding():
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     check_close(model["head"](x), x, before, None)
     check_close(model["proj"](x), x, proj_w, model["proj"].bias)
+
+
+# ---- pagedgen::packed_linear_bf16: the AVX512-BF16 GEMM on bf16 pairs (csrc/cpu/linear_avx512.cpp) ----
+
+needs_pairs = pytest.mark.skipif(not ops.has_kernel("packed_linear_bf16"), reason="pagedgen._C has no packed_linear_bf16 kernel (needs AVX512-BF16)")
+# (N, K): odd K (the last pair half zero), N around the panel and tile widths (16, 32, 64 outputs), model shapes
+PAIR_SHAPES = [(1, 1), (15, 7), (16, 64), (17, 33), (33, 2), (65, 31), (344, 64), (130, 577), (960, 576), (576, 1536), (20, 0)]
+
+
+def run_pairs(x: torch.Tensor, packed: torch.Tensor, n: int, bias=None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    ops.packed_linear_bf16(out, x, packed, bias)
+    return out
+
+
+def test_pack_pairs_layout():
+    w = torch.arange(37 * 5, dtype=torch.float32).view(37, 5).to(torch.bfloat16)  # exact in bf16
+    packed = lin.pack_pairs(w)
+    assert packed.shape == (3, 3, 16, 2) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    for p, q, j, t in [(0, 0, 0, 0), (0, 0, 0, 1), (1, 2, 3, 0), (2, 1, 4, 1)]:
+        assert packed[p, q, j, t] == w[16 * p + j, 2 * q + t]
+    assert not packed[2, :, 5:].any() and not packed[:, 2, :, 1].any()  # zeros past N = 37 and past K = 5
+    with pytest.raises(TypeError, match="pack_pairs needs a torch.Tensor weight, got list"):
+        lin.pack_pairs([[1.0]])
+    with pytest.raises(ValueError, match=r"pack_pairs needs a 2-D bfloat16 weight, got torch.float32 \(2, 2\)"):
+        lin.pack_pairs(torch.zeros(2, 2))
+
+
+@needs_pairs
+@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_pairs_match_reference(shape):
+    n, k = shape
+    g = gen(n * 37 + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = lin.pack_pairs(w)
+    for m in (0, 1, 2, 5, 6, 7, 12, 13, 25, 100):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16), torch.randn(n, generator=g)):
+            out = run_pairs(x, packed, n, bias)
+            assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+            check_close(out, x, w, bias)
+            ref = torch.empty_like(out)
+            ops.reference.packed_linear_bf16(ref, x, packed, bias)
+            check_close(ref, x, w, bias)
+            assert torch.equal(lin.linear(x, packed, bias, None, n), out)
+
+
+@needs_pairs
+@pytest.mark.parametrize("shape", [(344, 201), (960, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_pairs_rows_independent_of_batch_position_and_threads(shape):
+    """Every row of batches of 1-40, 100 and 257 rows has, bitwise, the output it has alone, on 1 and 2 threads."""
+    n, k = shape
+    g = gen(5)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed, bias = lin.pack_pairs(w), torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(257, k, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([run_pairs(x[i:i + 1], packed, n, bias) for i in range(x.shape[0])])
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            for m in list(range(1, 41)) + [100, 257]:
+                for start in (0, x.shape[0] - m):
+                    y = run_pairs(x[start:start + m], packed, n, bias)
+                    assert torch.equal(bits(y), bits(alone[start:start + m])), (t, m, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_pairs
+def test_pairs_opcheck_and_errors():
+    g = gen(6)
+    w = torch.randn(20, 9, generator=g).to(torch.bfloat16)
+    packed, x = lin.pack_pairs(w), torch.randn(3, 9, generator=g).to(torch.bfloat16)
+    out = torch.empty(3, 20, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.pagedgen.packed_linear_bf16, (out, x, packed, None))
+    torch.library.opcheck(torch.ops.pagedgen.packed_linear_bf16, (out, x, packed, torch.randn(20, generator=g)))
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous pairs \[2, 5, 16, 2\] for N = 20 outputs of K = 9"):
+        ops.packed_linear_bf16(out, x, packed[:1], None)
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous pairs"):
+        ops.packed_linear_bf16(out, x, lin.pack_panels(w), None)  # panels, not pairs
+    with pytest.raises(RuntimeError, match="input and weight must be bfloat16, got Float and BFloat16"):
+        ops.packed_linear_bf16(torch.empty(3, 20), x.float(), packed, None)
+    with pytest.raises(RuntimeError, match=r"out must be BFloat16 \[3, N\]"):
+        ops.packed_linear_bf16(torch.empty(3, 20), x, packed, None)
+    with pytest.raises(RuntimeError, match=r"out must be .* non-overlapping rows, got .* strides \[0, 1\]"):
+        ops.packed_linear_bf16(torch.empty(1, 20, dtype=torch.bfloat16).expand(3, 20), x, packed, None)
+    with pytest.raises(RuntimeError, match=r"bias must be float32, bfloat16 or float16 \[20\]"):
+        ops.packed_linear_bf16(out, x, packed, torch.zeros(19))
+    with pytest.raises(RuntimeError, match=r"bias must be float32, bfloat16 or float16 \[20\] on the CPU, got Long"):
+        ops.packed_linear_bf16(out, x, packed, torch.arange(20))
+    with pytest.raises(RuntimeError, match=r"input must be \[M, K\] with contiguous rows"):
+        ops.packed_linear_bf16(out, torch.randn(9, 3).t().to(torch.bfloat16), packed, None)
+    square = lin.pack_pairs(torch.randn(16, 16, generator=g).to(torch.bfloat16))
+    y = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location"):
+        ops.packed_linear_bf16(y, y, square, None)  # out aliasing its input
+
+
+@needs_pairs
+def test_prepare_matmuls_packs_pairs():
+    g = gen(7)
+    proj = lin.ReplicatedLinear(65, 40, bias=True)
+    proj.weight = torch.nn.Parameter(torch.randn(40, 65, generator=g).to(torch.bfloat16), requires_grad=False)
+    proj.bias = torch.nn.Parameter(torch.randn(40, generator=g).to(torch.bfloat16), requires_grad=False)
+    w = proj.weight.clone()
+    config = lin.MatmulConfig(torch.bfloat16, pairs=True)
+    assert config.batch_invariant
+    extra = lin.prepare_matmuls(proj, config)
+    assert proj.weight.shape == (3, 33, 16, 2) and extra == (48 * 66 - 40 * 65) * 2  # padding rows and the odd K's pair
+    x = torch.randn(5, 65, generator=g).to(torch.bfloat16)
+    check_close(proj(x), x, w, proj.bias)

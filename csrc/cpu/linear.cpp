@@ -16,6 +16,12 @@
 // multiply-adds, k = 0, 1, ..., K - 1, from 0, then + bias[n], rounded once to the output dtype,
 // whatever M, the row's position, the tiling or the thread count. No row blocks, no padding.
 //
+// Where it runs (pagedgen.layers.linear.choose_matmul): every model dtype on AVX2 CPUs (the AMD EPYC
+// kind without AVX-512). Builds with AVX-512 register it too (AVX2 and FMA are implied), but there
+// "auto" does not choose it: bf16 models on AVX-512 BF16 CPUs without AMX take packed_linear_bf16
+// (csrc/cpu/linear_avx512.cpp), other dtypes and AMX CPUs oneDNN; PAGEDGEN_CPU_MATMUL=pagedgen
+// chooses it for float32/fp16 there.
+//
 // Layout of the work: a micro-kernel keeps a tile of up to 6 rows x 16 outputs in 12 registers of 8
 // floats; each k broadcasts one input element per row and loads one panel row of 16 weights (BLIS's
 // 6x16 AVX2 kernel shape). Threads split the panels (each weight byte is read by one thread); within

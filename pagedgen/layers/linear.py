@@ -39,6 +39,17 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   1.1-2.8x oneDNN at 1-16 rows, about even from 256. In the engine, a 48-request random-135m bf16
   job spent 19.3 s in its GEMMs instead of 27.8 s. Needs the extension built with AVX2 and FMA
   (``ops.has_kernel("packed_linear")``); ``PAGEDGEN_CPU_MATMUL`` picks another path.
+- **pagedgen's AVX-512 BF16 GEMM on bf16 pairs (bf16 models on AVX-512 BF16 CPUs without AMX).**
+  Where torch's CPU capability is "AVX512", /proc/cpuinfo lists ``avx512_bf16``, there are no AMX
+  tiles and the extension is built with AVX512-BF16 (``bf16_pairs_available``: the AMD EPYC Zen 4
+  kind), every weight of a bf16 model is packed once into bf16 pairs (``pack_pairs``: [ceil(N / 16),
+  ceil(K / 2), 16, 2], the layout of ``vdpbf16ps`` and of AMX's B tiles) and ``linear`` runs
+  ``pagedgen.ops.packed_linear_bf16`` (csrc/cpu/linear_avx512.cpp): each output is a chain of
+  ``vdpbf16ps`` over the pairs in order, + bias, rounded once: batch-invariant by construction.
+  Measured there 2026-12-04 (docs/benchmarks.md; one thread, thread CPU time, weights cold):
+  1.0-4.4x oneDNN's row-blocked bf16 GEMM at 1-4 rows, 0.94-1.45x at 16, 0.93-1.10x at 64-1,024. On a
+  Xeon with AMX oneDNN's AMX GEMM stays (not measured there; an AMX micro-kernel would go into
+  linear_avx512.cpp); float32/fp16 models on this kind keep oneDNN (below).
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
   bf16/fp16 kernels (no AVX-512 BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
   False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``:
@@ -123,6 +134,8 @@ class MatmulConfig:
             (0: ``max_rows``).
         panels: every weight is packed into panels (``pack_panels``) for pagedgen's own GEMM
             (``ops.packed_linear``), which gives each row the same bits in any batch by itself.
+        pairs: every weight (bf16) is packed into bf16 pairs (``pack_pairs``) for pagedgen's
+            AVX512-BF16 GEMM (``ops.packed_linear_bf16``), batch-invariant by itself as well.
     """
 
     weight_dtype: torch.dtype
@@ -134,11 +147,12 @@ class MatmulConfig:
     packed_max_rows: int = 0
     long_k_max_rows: int = 0
     panels: bool = False
+    pairs: bool = False
 
     @property
     def batch_invariant(self) -> bool:
         """True when a row's bits do not depend on the other rows of its GEMMs."""
-        return self.min_rows > 0 or self.panels
+        return self.min_rows > 0 or self.panels or self.pairs
 
     def row_blocks(self, weight: torch.Tensor) -> tuple[int, int]:
         """(min_rows, max_rows) for a GEMM with ``weight`` [out_features, in_features]."""
@@ -190,9 +204,11 @@ MATMUL_BACKENDS = ("auto", "pagedgen", "onednn", "mkl")
 PANEL = 16
 
 
-def cpu_matmul_backend() -> str:
+def cpu_matmul_backend(dtype: Optional[torch.dtype] = None) -> str:
     """The CPU matmul path ``PAGEDGEN_CPU_MATMUL`` asks for, "auto" resolved: "pagedgen" (packed
-    panels) on a CPU whose torch capability is AVX2 when the kernel is built, else "onednn".
+    panels) on a CPU whose torch capability is AVX2 when the kernel is built; "pagedgen" for a
+    bfloat16 model (``dtype``) on a CPU with AVX512-BF16 and no AMX where the bf16-pair kernel is
+    built (``bf16_pairs_available``); else "onednn".
 
     Raises:
         ValueError: ``PAGEDGEN_CPU_MATMUL`` is not one of ``MATMUL_BACKENDS``, or is "pagedgen" where
@@ -202,10 +218,31 @@ def cpu_matmul_backend() -> str:
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"PAGEDGEN_CPU_MATMUL must be one of {MATMUL_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pagedgen" if ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+        if ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2":
+            return "pagedgen"
+        # AVX512-BF16 without AMX (AMD EPYC Zen 4): the bf16-pair GEMM beat oneDNN's row-blocked GEMM at
+        # every random-135m/1b shape (docs/benchmarks.md, 2026-12-04). With AMX, oneDNN's AMX GEMM stays
+        # until an AMX micro-kernel is measured there.
+        return "pagedgen" if dtype == torch.bfloat16 and bf16_pairs_available() and not amx_available() else "onednn"
     if backend == "pagedgen" and not ops.has_kernel("packed_linear"):
         raise ValueError("PAGEDGEN_CPU_MATMUL=pagedgen needs pagedgen._C built with AVX2 and FMA (no packed_linear kernel here)")
     return backend
+
+
+def cpu_has_flag(flag: str) -> bool:
+    """True when /proc/cpuinfo lists ``flag`` (e.g. "avx512_bf16"); False where there is no such file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def bf16_pairs_available() -> bool:
+    """True when pagedgen's AVX512-BF16 GEMM (``ops.packed_linear_bf16``) runs here: the kernel is
+    built (a build with AVX512-BF16), torch's CPU capability is AVX512 and the CPU has AVX512-BF16."""
+    return (ops.has_kernel("packed_linear_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and cpu_has_flag("avx512_bf16"))
 
 
 def onednn_prepack_supported() -> bool:
@@ -241,6 +278,25 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))  # [P * PANEL, K]
     return padded.view(-(-n // PANEL), PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 weight -> [ceil(N / PANEL), ceil(K / 2), PANEL, 2] bf16 pairs: ``out[p, q, j, t] =
+    weight[PANEL p + j, 2 q + t]``, zeros past N and past K. The layout ``ops.packed_linear_bf16``
+    reads: one panel row [p, q] (64 bytes, one AVX-512 register) holds the input pair (2 q, 2 q + 1)'s
+    weights of PANEL consecutive outputs, as vdpbf16ps multiplies them.
+
+    Raises:
+        TypeError: ``weight`` is not a tensor.
+        ValueError: ``weight`` is not a 2-D bfloat16 tensor.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"pack_pairs needs a torch.Tensor weight, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"pack_pairs needs a 2-D bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, k % 2, 0, -n % PANEL))  # [P * PANEL, 2 Q]
+    return padded.view(-(-n // PANEL), PANEL, -(-k // 2), 2).transpose(1, 2).contiguous()  # [P, Q, PANEL, 2]
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -303,7 +359,9 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         if batch_invariant:
             raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
-    if cpu_matmul_backend() == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
+    if cpu_matmul_backend(dtype) == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
+        if dtype == torch.bfloat16 and bf16_pairs_available():
+            return MatmulConfig(dtype, pairs=True, reason="pagedgen's AVX512-BF16 GEMM on bf16 pairs (vdpbf16ps, float32 sums)")
         return MatmulConfig(dtype, panels=True, reason=f"pagedgen's packed-panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 sums)")
     onednn = onednn_prepack_available()
     if dtype in (torch.bfloat16, torch.float16) and native_reduced_precision(dtype):
@@ -348,7 +406,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             converted to it and the result back to x's dtype, rounded once); dense, or
             ``prepack``-ed for oneDNN (float32, or bf16 on a CPU with oneDNN bf16); or
             [ceil(out_features / PANEL), in_features, PANEL] panels (``pack_panels``), run by
-            ``ops.packed_linear`` in float32 whatever the dtypes.
+            ``ops.packed_linear`` in float32 whatever the dtypes; or bf16 pairs [ceil(out_features /
+            PANEL), ceil(in_features / 2), PANEL, 2] (``pack_pairs``, bf16 x only), run by
+            ``ops.packed_linear_bf16``.
         bias: [out_features] or None, the weight's dtype.
         config: the model's MatmulConfig (None: a plain ``F.linear``, no row padding).
         out_features: N; needed for a panel-packed weight, whose shape rounds it up to PANEL.
@@ -359,11 +419,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Raises:
         ValueError: a panel-packed weight without ``out_features``.
     """
-    if weight.dim() == 3:  # packed panels: batch-invariant by construction, no row blocks
+    if weight.dim() in (3, 4):  # packed panels / pairs: batch-invariant by construction, no row blocks
         if out_features is None:
             raise ValueError("linear: a weight packed in panels needs out_features")
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # [T, N]
-        ops.packed_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
+        run = ops.packed_linear if weight.dim() == 3 else ops.packed_linear_bf16
+        run(out, x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
         return out
     out_dtype = x.dtype
     if weight.dtype != out_dtype:
@@ -402,13 +463,13 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
             p = getattr(module, name)
             if p is None:
                 continue
-            panels = config.panels and name == "weight"
+            panels = (config.panels or config.pairs) and name == "weight"
             pack = name == "weight" and 0 < config.prepack_min_numel <= p.numel() and config.weight_dtype in PACKABLE_DTYPES
             if p.dtype == config.weight_dtype and not pack and not panels:
                 continue
             shared = getattr(module, "tied", False) and name == "weight"
             new = p.detach().to(config.weight_dtype)
-            new = pack_panels(new) if panels else prepack(new) if pack else new
+            new = (pack_pairs(new) if config.pairs else pack_panels(new)) if panels else prepack(new) if pack else new
             extra += new.numel() * new.element_size() - (0 if shared else p.numel() * p.element_size())
             new = nn.Parameter(new, requires_grad=False)
             if shared:

@@ -6,7 +6,9 @@ The model's fused small layers (``rms_norm``, ``fused_add_rms_norm``, ``rotary_e
 ``silu_and_mul``) and the sampler's greedy ``argmax`` have CPU kernels only; elsewhere their reference,
 which is transformers' (or torch's) own sequence of PyTorch ops, is the implementation (no warning).
 ``packed_linear`` (the GEMM on panel-packed weights) has a CPU kernel in builds with AVX2 and FMA;
-``pagedgen.layers.linear`` chooses it only where ``has_kernel("packed_linear")``.
+``pagedgen.layers.linear`` chooses it only where ``has_kernel("packed_linear")``. ``packed_linear_bf16``
+(the same GEMM for bf16 on weights packed in bf16 pairs, vdpbf16ps) has a CPU kernel in builds with
+AVX512-BF16, chosen only where ``has_kernel("packed_linear_bf16")``.
 """
 import functools
 import importlib
@@ -29,7 +31,7 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-    "argmax", "packed_linear", "has_kernel",
+    "argmax", "packed_linear", "packed_linear_bf16", "has_kernel",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -149,3 +151,15 @@ def packed_linear(out, input, weight, bias=None) -> None:
             or a dtype other than float32 / bfloat16 / float16.
     """
     _fused_impl("packed_linear", input.device.type)(out, input, weight, bias)
+
+
+def packed_linear_bf16(out, input, weight, bias=None) -> None:
+    """out [M, N] (bf16) = input [M, K] (bf16) @ W^T (+ bias [N]) for a weight packed by
+    ``pagedgen.layers.linear.pack_pairs`` ([ceil(N / 16), ceil(K / 2), 16, 2] bf16). See
+    :func:`pagedgen.ops.reference.packed_linear_bf16`.
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes that do not fit together, rows that are not contiguous,
+            or an input, weight or out that is not bfloat16.
+    """
+    _fused_impl("packed_linear_bf16", input.device.type)(out, input, weight, bias)

@@ -182,3 +182,21 @@ def packed_linear(
     w = weight.transpose(1, 2).reshape(weight.shape[0] * weight.shape[2], weight.shape[1])[:n]  # [N, K]
     y = torch.nn.functional.linear(input.float(), w.float(), None if bias is None else bias.float())
     out.copy_(y)
+
+
+def packed_linear_bf16(
+    out: torch.Tensor,  # [M, N] bfloat16, written in place
+    input: torch.Tensor,  # [M, K] bfloat16
+    weight: torch.Tensor,  # [ceil(N / 16), ceil(K / 2), 16, 2] bfloat16: W [N, K] as pairs in panels of 16
+    bias: Optional[torch.Tensor] = None,  # [N] or None
+) -> None:
+    """``out = input @ W^T + bias`` in float32, rounded once to bf16, with the weight given as bf16
+    pairs in panels: ``weight[p, q, j, t] = W[16 p + j, 2 q + t]`` (``pagedgen.layers.linear.pack_pairs``;
+    zeros pad the last panel and an odd K's last pair). The kernel adds the pairs' products in q order
+    (vdpbf16ps); this reference lets torch's float32 GEMM pick its order, so the two agree to float32
+    rounding, not bitwise."""
+    n, k = out.shape[1], input.shape[1]
+    p, q = weight.shape[0], weight.shape[1]
+    w = weight.permute(0, 2, 1, 3).reshape(p * weight.shape[2], q * 2)[:n, :k]  # [N, K]
+    y = torch.nn.functional.linear(input.float(), w.float(), None if bias is None else bias.float())
+    out.copy_(y)
