@@ -77,7 +77,7 @@ def run_pagedgen(job: dict) -> dict:
     steps = after.num_steps - before.num_steps
     # kv_utilization_mean is a mean over steps: keep the timed run's share only
     util = (after.kv_utilization_mean * after.num_steps - before.kv_utilization_mean * before.num_steps) / max(steps, 1)
-    mm = getattr(llm, "matmul_config", None)  # pagedgen.layers.linear.MatmulConfig, where the version has one
+    mm = getattr(llm, "matmul_config", None)  # pagedgen.layers.matmul.MatmulConfig, where the version has one
     matmul = (f"matmuls with {str(mm.weight_dtype).removeprefix('torch.')} weights ({mm.reason}"
               f"{', batch-invariant rows' if getattr(mm, 'batch_invariant', False) else ''})" if mm is not None else "matmuls by F.linear in the model dtype")
     info = dict(matmul=matmul, ops="compiled pagedgen._C" if ops.extension_available(job["device"]) else "PyTorch reference ops (no pagedgen._C)",

@@ -276,7 +276,7 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
     import torch
 
     from pagedgen import ops
-    from pagedgen.layers.linear import native_reduced_precision, onednn_prepack_supported
+    from pagedgen.layers.matmul import native_reduced_precision, onednn_prepack_supported
 
     paths = ["F.linear", "fp32 weights"] if dtype in ("bfloat16", "float16") else ["F.linear"]
     if device != "cpu":
@@ -294,10 +294,10 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
 PATHS = {
     "F.linear": "F.linear(x, W) in the run's dtype",
     "fp32 weights": "F.linear(x.float(), W32).to(dtype) with an fp32 copy W32 of the weights kept (conversions timed)",
-    "oneDNN prepacked": "oneDNN's inner product on fp32 weights prepacked once (pagedgen.layers.linear.prepack), x converted to fp32 and back",
-    "oneDNN prepacked bf16": "oneDNN's inner product on the bf16 weights prepacked once (pagedgen.layers.linear.prepack)",
-    "pagedgen panels": "pagedgen's own GEMM (pagedgen.ops.packed_linear) on the weights packed once in panels in the run's dtype (pagedgen.layers.linear.pack_panels)",
-    "pagedgen bf16 pairs": "pagedgen's AVX512-BF16 GEMM (pagedgen.ops.packed_linear_bf16) on the bf16 weights packed once in pairs (pagedgen.layers.linear.pack_pairs)",
+    "oneDNN prepacked": "oneDNN's inner product on fp32 weights prepacked once (pagedgen.layers.matmul.prepack), x converted to fp32 and back",
+    "oneDNN prepacked bf16": "oneDNN's inner product on the bf16 weights prepacked once (pagedgen.layers.matmul.prepack)",
+    "pagedgen panels": "pagedgen's own GEMM (pagedgen.ops.packed_linear) on the weights packed once in panels in the run's dtype (pagedgen.layers.matmul.pack_panels)",
+    "pagedgen bf16 pairs": "pagedgen's AVX512-BF16 GEMM (pagedgen.ops.packed_linear_bf16) on the bf16 weights packed once in pairs (pagedgen.layers.matmul.pack_pairs)",
 }
 
 
@@ -307,7 +307,7 @@ def _path_fn(path: str, x, w, w32):
     pairs" the weight in pairs."""
     import torch.nn.functional as F
 
-    from pagedgen.layers.linear import linear
+    from pagedgen.layers.matmul import linear
 
     if path == "F.linear":
         return lambda: F.linear(x, w)
@@ -335,7 +335,7 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
     """
     import torch
 
-    from pagedgen.layers.linear import pack_pairs, pack_panels, prepack
+    from pagedgen.layers.matmul import pack_pairs, pack_panels, prepack
 
     dt = getattr(torch, dtype)
     paths = paths or matmul_paths(dtype, device)

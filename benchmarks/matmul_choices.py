@@ -21,12 +21,12 @@ layers do (weights over 32 MB, the lm_head's, are cold already and get one).
   mkl         torch.ops.mkl._mkl_linear(x, P, W, None, M), P = torch.ops.mkl._mkl_reorder_linear_weight(W, M)
               (MKL's packed GEMM; float32 only)
   fp32        bf16 only: F.linear(x.float(), W32).to(bf16) with W32 = W.float() kept (2x the weight bytes)
-  panels      pagedgen.ops.packed_linear(out, x, P, None), P = pagedgen.layers.linear.pack_panels(W) in
+  panels      pagedgen.ops.packed_linear(out, x, P, None), P = pagedgen.layers.matmul.pack_panels(W) in
               the dtype (pagedgen's own GEMM, csrc/cpu/linear.cpp; where the extension has the kernel)
-  pairs       bf16 only: pagedgen.ops.packed_linear_bf16(out, x, P, None), P = pagedgen.layers.linear.pack_pairs(W)
+  pairs       bf16 only: pagedgen.ops.packed_linear_bf16(out, x, P, None), P = pagedgen.layers.matmul.pack_pairs(W)
               (pagedgen's AVX512-BF16 GEMM, vdpbf16ps on bf16 pairs, csrc/cpu/linear_avx512.cpp; where built)
   blocked     the oneDNN path as pagedgen's engine runs it in batch-invariant mode: W prepacked
-              (pagedgen.layers.linear.prepack), run by pagedgen.layers.linear.linear in the row blocks of
+              (pagedgen.layers.matmul.prepack), run by pagedgen.layers.matmul.linear in the row blocks of
               the batch-invariant config (bf16: bf16_row_blocks(); float32: PACKED_MIN_ROWS..MAX_ROWS)
   compiled    torch.compile of a one-layer nn.Linear with inductor freezing (weights constant-folded and
               packed where inductor can), one compile per M (dynamic=False); --compile-shapes only
@@ -106,7 +106,7 @@ def make(candidate: str, w: torch.Tensor, m: int):
             return lambda x: F.linear(x.float(), w32).to(w.dtype)
         if candidate == "panels":
             from pagedgen import ops
-            from pagedgen.layers.linear import linear, pack_panels
+            from pagedgen.layers.matmul import linear, pack_panels
 
             if not ops.has_kernel("packed_linear"):
                 return "pagedgen._C has no packed_linear kernel here"
@@ -114,7 +114,7 @@ def make(candidate: str, w: torch.Tensor, m: int):
             return lambda x: linear(x, panels, None, None, n)
         if candidate == "pairs":
             from pagedgen import ops
-            from pagedgen.layers.linear import linear, pack_pairs
+            from pagedgen.layers.matmul import linear, pack_pairs
 
             if w.dtype != torch.bfloat16:
                 return "bf16 only"
@@ -123,7 +123,7 @@ def make(candidate: str, w: torch.Tensor, m: int):
             pairs, n = pack_pairs(w), w.shape[0]
             return lambda x: linear(x, pairs, None, None, n)
         if candidate == "blocked":
-            from pagedgen.layers import linear as lin
+            from pagedgen.layers import matmul as lin
 
             if w.dtype == torch.bfloat16:
                 lo, hi = lin.bf16_row_blocks()

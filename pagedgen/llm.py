@@ -30,7 +30,7 @@ from pagedgen.engine.step_log import StepLog
 from pagedgen.executor.multiproc import MultiprocExecutor
 from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
 from pagedgen.executor.worker import WorkerSpec
-from pagedgen.layers.linear import choose_matmul, prepare_matmuls
+from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
 from pagedgen.llm_args import check_llm_args, check_use_tqdm
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput

@@ -19,7 +19,8 @@ from pagedgen import ops
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.sequence import Sequence
-from pagedgen.layers import linear as lin
+from pagedgen.layers import matmul as lin
+from pagedgen.layers.linear import ReplicatedLinear
 from pagedgen.layers.activation import ActAndMul
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedgen.layers.norm import LayerNorm, RMSNorm
@@ -124,7 +125,7 @@ def test_linear_every_row_as_alone_at_model_shapes(shape, dtype):
     an LLM prepares it (prepacked or not, the row blocks of the chosen config)."""
     n_out, k = shape
     g = gen(n_out + k)
-    layer = lin.ReplicatedLinear(k, n_out, bias=True)
+    layer = ReplicatedLinear(k, n_out, bias=True)
     layer.weight = torch.nn.Parameter((torch.randn(n_out, k, generator=g) * 0.05).to(dtype), requires_grad=False)
     layer.bias = torch.nn.Parameter(torch.randn(n_out, generator=g).to(dtype), requires_grad=False)
     lin.prepare_matmuls(layer, lin.choose_matmul(dtype, torch.device("cpu"), batch_invariant=True))
@@ -159,7 +160,7 @@ def test_lm_head_rows_independent():
 def test_prepare_matmuls_keeps_a_tied_embedding_and_counts_the_bytes():
     embed = VocabParallelEmbedding(512, 64)
     embed.weight = torch.nn.Parameter(torch.randn(512, 64).to(torch.bfloat16), requires_grad=False)
-    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(512, 64, tie_to=embed), proj=lin.ReplicatedLinear(64, 32, bias=True)))
+    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(512, 64, tie_to=embed), proj=ReplicatedLinear(64, 32, bias=True)))
     model["proj"].weight = torch.nn.Parameter(torch.randn(32, 64).to(torch.bfloat16), requires_grad=False)
     model["proj"].bias = torch.nn.Parameter(torch.randn(32).to(torch.bfloat16), requires_grad=False)
     before = model["embed"].weight.clone()
@@ -294,7 +295,7 @@ def test_prepacked_linear_matches_f_linear(dtype):
 def test_bf16_weights_are_prepacked_where_onednn_has_bf16(monkeypatch):
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "onednn")
     g = gen(6)
-    layer = lin.ReplicatedLinear(80, 96, bias=True)
+    layer = ReplicatedLinear(80, 96, bias=True)
     w, bias = torch.randn(96, 80, generator=g).to(torch.bfloat16), torch.randn(96, generator=g).to(torch.bfloat16)
     layer.weight, layer.bias = (torch.nn.Parameter(t, requires_grad=False) for t in (w, bias))
     assert lin.prepare_matmuls(layer, lin.choose_matmul(torch.bfloat16, torch.device("cpu"), True)) == 0  # same bytes
@@ -310,7 +311,7 @@ def test_bf16_weights_are_prepacked_where_onednn_has_bf16(monkeypatch):
 def test_prepare_matmuls_prepacks_large_weights_only():
     embed = VocabParallelEmbedding(512, 64)
     embed.weight = torch.nn.Parameter(torch.randn(512, 64), requires_grad=False)
-    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(512, 64, tie_to=embed), small=lin.ReplicatedLinear(64, 8, bias=True)))
+    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(512, 64, tie_to=embed), small=ReplicatedLinear(64, 8, bias=True)))
     model["small"].weight = torch.nn.Parameter(torch.randn(8, 64), requires_grad=False)
     model["small"].bias = torch.nn.Parameter(torch.randn(8), requires_grad=False)
     before, x = embed.weight.clone(), torch.randn(3, 64)

@@ -208,7 +208,7 @@ def test_roofline_takes_the_best_matmul_path():
     import torch
 
     from pagedgen import ops
-    from pagedgen.layers.linear import native_reduced_precision, onednn_prepack_supported
+    from pagedgen.layers.matmul import native_reduced_precision, onednn_prepack_supported
 
     panels = ["pagedgen panels"] if ops.has_kernel("packed_linear") else []
     pairs = ["pagedgen bf16 pairs"] if ops.has_kernel("packed_linear_bf16") else []

@@ -88,7 +88,5 @@ def test_model_loading_imports_one_way():
     assert [c for c in circles(graph) if any(m.startswith("pagedgen.model.") for m in c)] == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 item 11: layers/embedding.py <-> layers/linear.py is being "
-                   "broken on another branch; drop this mark when that merges (strict: the pass then fails)")
 def test_no_import_circles_in_pagedgen():
     assert circles(import_graph()) == []

@@ -188,13 +188,13 @@ _MATMULS = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch
 
 
 def test_every_matmul_goes_through_linear(family):
-    """``pagedgen.layers.linear.linear`` is the single point of the model's matmuls (attention's own
+    """``pagedgen.layers.matmul.linear`` is the single point of the model's matmuls (attention's own
     arithmetic inside ``pagedgen.ops`` excepted): later work makes it batch-invariant there."""
     import sys
 
     from torch.overrides import TorchFunctionMode
 
-    from pagedgen.layers import linear as linear_module
+    from pagedgen.layers import matmul as linear_module
     from pagedgen.model import loader
 
     single_point = linear_module.linear.__code__
@@ -222,5 +222,5 @@ def test_every_matmul_goes_through_linear(family):
     attn = AttentionMetadata(torch.arange(T), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([T], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32), T)
     with Watch():
         model.forward(torch.tensor(PROMPTS[1][:T]), torch.arange(T), attn, caches, torch.tensor([T - 1]))
-    assert not stray, f"{family.name}: matmuls outside pagedgen.layers.linear.linear: {stray}"
+    assert not stray, f"{family.name}: matmuls outside pagedgen.layers.matmul.linear: {stray}"
     assert seen  # the watch saw the projections

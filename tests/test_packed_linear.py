@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pagedgen import ops
-from pagedgen.layers import linear as lin
+from pagedgen.layers import matmul as lin
+from pagedgen.layers.linear import ReplicatedLinear
 
 pytestmark = pytest.mark.skipif(not ops.has_kernel("packed_linear"), reason="pagedgen._C has no packed_linear kernel (needs AVX2 and FMA)")
 
@@ -139,7 +140,7 @@ def test_prepare_matmuls_packs_every_weight_and_counts_the_padding():
     g = gen(4)
     embed = VocabParallelEmbedding(500, 64)
     embed.weight = torch.nn.Parameter(torch.randn(500, 64, generator=g).to(torch.bfloat16), requires_grad=False)
-    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(500, 64, tie_to=embed), proj=lin.ReplicatedLinear(64, 40, bias=True)))
+    model = torch.nn.ModuleDict(dict(embed=embed, head=ParallelLMHead(500, 64, tie_to=embed), proj=ReplicatedLinear(64, 40, bias=True)))
     model["proj"].weight = torch.nn.Parameter(torch.randn(40, 64, generator=g).to(torch.bfloat16), requires_grad=False)
     model["proj"].bias = torch.nn.Parameter(torch.randn(40, generator=g).to(torch.bfloat16), requires_grad=False)
     before, proj_w = embed.weight.clone(), model["proj"].weight.clone()
@@ -254,7 +255,7 @@ def test_pairs_opcheck_and_errors():
 @needs_pairs
 def test_prepare_matmuls_packs_pairs():
     g = gen(7)
-    proj = lin.ReplicatedLinear(65, 40, bias=True)
+    proj = ReplicatedLinear(65, 40, bias=True)
     proj.weight = torch.nn.Parameter(torch.randn(40, 65, generator=g).to(torch.bfloat16), requires_grad=False)
     proj.bias = torch.nn.Parameter(torch.randn(40, generator=g).to(torch.bfloat16), requires_grad=False)
     w = proj.weight.clone()

@@ -27,7 +27,7 @@ from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence
 from pagedgen.executor.messages import StepRecord, StepReply
-from pagedgen.layers.linear import MatmulConfig, prepare_matmuls
+from pagedgen.layers.matmul import MatmulConfig, prepare_matmuls
 from pagedgen.model import loader
 
 

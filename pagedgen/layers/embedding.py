@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.layers.linear import MatmulConfig, linear
+from pagedgen.layers.matmul import MatmulConfig, linear
 from pagedgen.layers.module import Module
 
 
@@ -71,7 +71,7 @@ class ParallelLMHead(Module):
             then the checkpoint need not (and usually does not) hold ``lm_head.weight``.
     """
 
-    matmul: Optional[MatmulConfig] = None  # set by pagedgen.layers.linear.prepare_matmuls
+    matmul: Optional[MatmulConfig] = None  # set by pagedgen.layers.matmul.prepare_matmuls
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, tie_to: Optional[VocabParallelEmbedding] = None) -> None:
         super().__init__()

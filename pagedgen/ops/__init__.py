@@ -143,7 +143,7 @@ def argmax(out, logits) -> None:
 
 def packed_linear(out, input, weight, bias=None) -> None:
     """out [M, N] = input [M, K] @ W^T (+ bias [N]) for a weight packed by
-    ``pagedgen.layers.linear.pack_panels`` ([ceil(N / 16), K, 16], float32 / bfloat16 / float16);
+    ``pagedgen.layers.matmul.pack_panels`` ([ceil(N / 16), K, 16], float32 / bfloat16 / float16);
     out has input's dtype. See :func:`pagedgen.ops.reference.packed_linear`.
 
     Raises:
@@ -155,7 +155,7 @@ def packed_linear(out, input, weight, bias=None) -> None:
 
 def packed_linear_bf16(out, input, weight, bias=None) -> None:
     """out [M, N] (bf16) = input [M, K] (bf16) @ W^T (+ bias [N]) for a weight packed by
-    ``pagedgen.layers.linear.pack_pairs`` ([ceil(N / 16), ceil(K / 2), 16, 2] bf16). See
+    ``pagedgen.layers.matmul.pack_pairs`` ([ceil(N / 16), ceil(K / 2), 16, 2] bf16). See
     :func:`pagedgen.ops.reference.packed_linear_bf16`.
 
     Raises:

@@ -175,7 +175,7 @@ def packed_linear(
     bias: Optional[torch.Tensor] = None,  # [N] or None
 ) -> None:
     """``out = input @ W^T + bias`` in float32, rounded once to out's dtype, with the weight given as
-    panels: ``weight[p, k, j] = W[16 p + j, k]`` (``pagedgen.layers.linear.pack_panels``; zeros pad
+    panels: ``weight[p, k, j] = W[16 p + j, k]`` (``pagedgen.layers.matmul.pack_panels``; zeros pad
     the last panel). The kernel sums each output over k in order; this reference lets torch's GEMM
     pick its order, so the two agree to float32 rounding, not bitwise."""
     n = out.shape[1]
@@ -191,7 +191,7 @@ def packed_linear_bf16(
     bias: Optional[torch.Tensor] = None,  # [N] or None
 ) -> None:
     """``out = input @ W^T + bias`` in float32, rounded once to bf16, with the weight given as bf16
-    pairs in panels: ``weight[p, q, j, t] = W[16 p + j, 2 q + t]`` (``pagedgen.layers.linear.pack_pairs``;
+    pairs in panels: ``weight[p, q, j, t] = W[16 p + j, 2 q + t]`` (``pagedgen.layers.matmul.pack_pairs``;
     zeros pad the last panel and an odd K's last pair). The kernel adds the pairs' products in q order
     (vdpbf16ps); this reference lets torch's float32 GEMM pick its order, so the two agree to float32
     rounding, not bitwise."""
