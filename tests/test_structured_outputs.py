@@ -135,6 +135,22 @@ def test_params_checks():
     assert "structured_outputs=StructuredOutputsParams(choice=['a'])" in repr(SamplingParams(structured_outputs=S(choice=["a"])))
 
 
+def test_constraint_changed_after_it_was_built_is_the_one_applied(llm):
+    """Fields changed after construction are checked again and honoured, as SamplingParams' are
+    (each request gets a private, validated copy): not the stale compiled key."""
+    spec = StructuredOutputsParams(regex="a+")
+    params = SamplingParams(max_tokens=4, structured_outputs=spec)
+    params.structured_outputs.regex = "b+"
+    assert params.structured_outputs.key == ("regex", "b+", False)
+    text = llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].text
+    assert re.fullmatch("b+", text), text
+    params.structured_outputs.choice = ["x"]  # now two kinds: refused when the request is added, naming it
+    with pytest.raises(ValueError, match=r"sampling_params\[1\]: StructuredOutputsParams needs exactly one of .* got regex, choice"):
+        llm.generate(["Hi", "Ho"], [SamplingParams(max_tokens=2), params], use_tqdm=False)
+    params.structured_outputs.regex = None
+    assert llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].text == "x"
+
+
 def test_bad_constraints_are_refused_before_any_work(llm):
     S = StructuredOutputsParams
     before = llm.get_stats().num_generated_tokens
