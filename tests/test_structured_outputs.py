@@ -269,6 +269,20 @@ def test_regex_choice_and_grammars(llm):
         assert re.fullmatch(pattern, t), t
 
 
+def test_long_choice_lists_and_the_empty_choice(llm):
+    """5,000 choices (llguidance's own choice grammar puts them in one parser row: past its 2,000
+    items a RuntimeError mid-generation), a choice that is a prefix of another, "", quotes and newlines."""
+    S = StructuredOutputsParams
+    many = [f"c{i}" for i in range(5000)]
+    outs = llm.generate(["Hi"] * 6, [SamplingParams(max_tokens=8, seed=i, temperature=1.0, structured_outputs=S(choice=many))
+                                     for i in range(6)], use_tqdm=False)
+    assert all(o.outputs[0].text in many and o.outputs[0].finish_reason == "stop" for o in outs)
+    for choices in (["a", "ab"], ["", "ab"], [""], ['q"uo\\te', "new\nline"]):
+        for text in choices:
+            assert _accepts(llm, S(choice=choices), text), (choices, text)
+        assert not _accepts(llm, S(choice=choices), "abc")
+
+
 def test_eos_only_where_the_grammar_may_end_and_length_mid_structure(llm):
     S = StructuredOutputsParams
     eos = next(iter(llm.eos_token_ids))
