@@ -86,7 +86,10 @@ class StructuredOutputsParams:
     def _text(self, kind: str) -> str:
         value = getattr(self, kind)
         if kind in ("json", "choice"):
-            return _json.dumps(value, ensure_ascii=False, separators=(",", ":"))  # key order kept: it is the output's
+            try:  # key order kept: it is the output's
+                return _json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as exc:  # a set, an object, NaN: not JSON
+                raise type(exc)(f"StructuredOutputsParams.{kind} must be JSON: {exc}") from None
         return "" if kind == "json_object" else value
 
     @property

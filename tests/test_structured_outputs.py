@@ -117,6 +117,10 @@ def test_params_checks():
         S(json="{nope")
     with pytest.raises(TypeError, match="json must be a dict"):
         S(json=3)
+    with pytest.raises(TypeError, match="json must be JSON: Object of type set is not JSON serializable"):
+        S(json={"enum": {1, 2}})
+    with pytest.raises(ValueError, match="json must be JSON: Out of range float values"):
+        S(json={"type": "number", "maximum": float("nan")})
     pydantic = pytest.importorskip("pydantic")
 
     class Point(pydantic.BaseModel):
