@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_FIELDS = _KINDS + ("disable_any_whitespace",)
 
 
 @dataclass
@@ -77,20 +78,31 @@ class StructuredOutputsParams:
             )
         self._key = (given[0], self._text(given[0]), self.disable_any_whitespace)  # not a field: no part of eq, repr or asdict
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _FIELDS and self.__dict__.get("_key") is not None:  # changed after construction:
+            object.__setattr__(self, "_key", None)  # checked again, and the key recomputed, when next used
+
     def _text(self, kind: str) -> str:
         value = getattr(self, kind)
         if kind in ("json", "choice"):
-            return _json.dumps(value, ensure_ascii=False, separators=(",", ":"))  # key order kept: it is the output's
+            try:  # key order kept: it is the output's
+                return _json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as exc:  # a set, an object, NaN: not JSON
+                raise type(exc)(f"StructuredOutputsParams.{kind} must be JSON: {exc}") from None
         return "" if kind == "json_object" else value
 
     @property
     def kind(self) -> str:
         """The constraint's kind: "json", "regex", "choice", "grammar" or "json_object"."""
-        return self._key[0]
+        return self.key[0]
 
     @property
     def key(self) -> tuple:
-        """(kind, canonical text, disable_any_whitespace): equal keys compile to the same grammar."""
+        """(kind, canonical text, disable_any_whitespace): equal keys compile to the same grammar.
+        Fields changed since the last check are checked again first (ValueError / TypeError)."""
+        if self._key is None:
+            self.__post_init__()
         return self._key
 
     def __repr__(self) -> str:
@@ -119,6 +131,7 @@ def check_sampling_params(sp) -> None:
     """The checks of ``SamplingParams.structured_outputs`` and of the fields it cannot go with."""
     if not isinstance(sp.structured_outputs, StructuredOutputsParams):
         raise TypeError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got {type(sp.structured_outputs).__name__}")
+    sp.structured_outputs.key  # fields changed after construction are checked again (LLM.generate clones its params)
     for name, value, off in (("ignore_eos", sp.ignore_eos, False), ("min_tokens", sp.min_tokens, 0),
                              ("allowed_token_ids", sp.allowed_token_ids, None)):
         if value != off:

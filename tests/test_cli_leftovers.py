@@ -54,6 +54,7 @@ def test_a_run_stopped_at_its_first_row_does_not_hold_the_next_to_its_flags(stor
     _jsonl(src, [{"prompt": p} for p in PROMPTS[:4]])
     rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--prompt-field", "text"))
     assert rc == 2 and f"{src}: line 1: no field 'text'" in err and "(stopped there: no row was written;" in err, err
+    assert f"pagedgen: output {dst}" not in err and f"pagedgen: no row was written to {dst}" in err, err  # not named as a result
     assert _files(tmp_path) == ["in.jsonl"]  # no empty output, no sidecar, no lock
     rc, err = run_cli(capsys, *_base(stories_path, src, dst))  # the corrected command
     assert rc == 0, err

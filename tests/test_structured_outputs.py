@@ -117,6 +117,10 @@ def test_params_checks():
         S(json="{nope")
     with pytest.raises(TypeError, match="json must be a dict"):
         S(json=3)
+    with pytest.raises(TypeError, match="json must be JSON: Object of type set is not JSON serializable"):
+        S(json={"enum": {1, 2}})
+    with pytest.raises(ValueError, match="json must be JSON: Out of range float values"):
+        S(json={"type": "number", "maximum": float("nan")})
     pydantic = pytest.importorskip("pydantic")
 
     class Point(pydantic.BaseModel):
@@ -133,6 +137,22 @@ def test_params_checks():
     with pytest.raises(ValueError, match="beam search with a structured-output constraint is not supported"):
         BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=S(choice=["a"]))
     assert "structured_outputs=StructuredOutputsParams(choice=['a'])" in repr(SamplingParams(structured_outputs=S(choice=["a"])))
+
+
+def test_constraint_changed_after_it_was_built_is_the_one_applied(llm):
+    """Fields changed after construction are checked again and honoured, as SamplingParams' are
+    (each request gets a private, validated copy): not the stale compiled key."""
+    spec = StructuredOutputsParams(regex="a+")
+    params = SamplingParams(max_tokens=4, structured_outputs=spec)
+    params.structured_outputs.regex = "b+"
+    assert params.structured_outputs.key == ("regex", "b+", False)
+    text = llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].text
+    assert re.fullmatch("b+", text), text
+    params.structured_outputs.choice = ["x"]  # now two kinds: refused when the request is added, naming it
+    with pytest.raises(ValueError, match=r"sampling_params\[1\]: StructuredOutputsParams needs exactly one of .* got regex, choice"):
+        llm.generate(["Hi", "Ho"], [SamplingParams(max_tokens=2), params], use_tqdm=False)
+    params.structured_outputs.regex = None
+    assert llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].text == "x"
 
 
 def test_bad_constraints_are_refused_before_any_work(llm):
@@ -251,6 +271,20 @@ def test_regex_choice_and_grammars(llm):
     for i, t in enumerate(texts[28:]):
         pattern = r"(Hello|Hi) [A-Z][a-z]{1,6}!" if i % 2 == 0 else r"The (cat|dog) is (red|blue)\."
         assert re.fullmatch(pattern, t), t
+
+
+def test_long_choice_lists_and_the_empty_choice(llm):
+    """5,000 choices (llguidance's own choice grammar puts them in one parser row: past its 2,000
+    items a RuntimeError mid-generation), a choice that is a prefix of another, "", quotes and newlines."""
+    S = StructuredOutputsParams
+    many = [f"c{i}" for i in range(5000)]
+    outs = llm.generate(["Hi"] * 6, [SamplingParams(max_tokens=8, seed=i, temperature=1.0, structured_outputs=S(choice=many))
+                                     for i in range(6)], use_tqdm=False)
+    assert all(o.outputs[0].text in many and o.outputs[0].finish_reason == "stop" for o in outs)
+    for choices in (["a", "ab"], ["", "ab"], [""], ['q"uo\\te', "new\nline"]):
+        for text in choices:
+            assert _accepts(llm, S(choice=choices), text), (choices, text)
+        assert not _accepts(llm, S(choice=choices), "abc")
 
 
 def test_eos_only_where_the_grammar_may_end_and_length_mid_structure(llm):

@@ -335,9 +335,10 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
             writer.close()
         raise
     bar.close()
-    _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None, outcome.completed)
-    total_done = done.count + stats.generated + stats.bad
     in_output = rows_in_output + writer.rows_written
+    _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None, outcome.completed,
+                 in_output > 0)
+    total_done = done.count + stats.generated + stats.bad
     kept = f"{in_output:,} {'row is' if in_output == 1 else 'rows are'} in {args.output!r}" if in_output else "no row was written"
     if outcome.bad_row is not None:
         row, reason = outcome.bad_row
@@ -357,6 +358,6 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     return 0
 
 
-def _say_summary(stats, llm, output, errors, completed: bool) -> None:
+def _say_summary(stats, llm, output, errors, completed: bool, has_rows: bool) -> None:
     engine_stats = llm.get_stats() if hasattr(llm, "get_stats") else None
-    print(progress_mod.summary(stats, engine_stats, output, errors, completed), file=sys.stderr, flush=True)
+    print(progress_mod.summary(stats, engine_stats, output, errors, completed, has_rows), file=sys.stderr, flush=True)

@@ -109,9 +109,10 @@ class Progress:
             self.bar.close()
 
 
-def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], completed: bool = True) -> str:
+def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], completed: bool = True, has_rows: bool = True) -> str:
     """The closing summary (two or three lines); ``completed``: the run went through every row (it
-    was not stopped at a bad row, a read error or a signal)."""
+    was not stopped at a bad row, a read error or a signal); ``has_rows``: the output holds a row (a
+    stopped run that wrote none removes the output it created: the summary does not name it as a result)."""
     s, t = stats, max(stats.elapsed, 1e-9)
     total = s.already_done + s.generated + s.bad
     lines = [
@@ -132,5 +133,6 @@ def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], c
             f"{e.peak_used_blocks:,} of {e.num_kv_blocks:,} blocks), {e.num_preemptions:,} preemptions, "
             f"prefix-cache hit rate {e.prefix_cache_hit_rate:.1%}"
         )
-    lines.append(f"pagedgen: output {output}" + (f", bad rows in {errors}" if errors else ""))
+    lines.append((f"pagedgen: output {output}" if has_rows else f"pagedgen: no row was written to {output}")
+                 + (f", bad rows in {errors}" if errors else ""))
     return "\n".join(lines)

@@ -35,6 +35,7 @@ grammar is not complete) is a ValueError naming the request, not a loop.
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from typing import Optional
 
@@ -73,7 +74,19 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if kind in ("json", "json_object"):
         schema = text if kind == "json" else '{"type":"object"}'
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not compact})
-    return llg.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind], text)
+    if kind == "choice":
+        return llg.LLMatcher.grammar_from_lark(choice_grammar(json.loads(text)))
+    return llg.grammar_from({"regex": "regex", "grammar": "grammar"}[kind], text)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The Lark grammar of a choice list: the non-empty choices as one terminal (a lexeme, matched by
+    the lexer's automaton), plus "" when it is a choice. llguidance's own ``start: "a" | "b" | ...``
+    puts every choice in one parser row, and more than 2,000 of them failed mid-generation (its
+    ``max_items_in_row``)."""
+    words = [json.dumps(c) for c in dict.fromkeys(choices) if c]  # a JSON string is a Lark string literal
+    alternatives = (["CHOICE"] if words else []) + (['""'] if "" in choices else [])
+    return "start: " + " | ".join(alternatives) + ("\nCHOICE: " + " | ".join(words) if words else "")
 
 
 class _Vocabulary:
