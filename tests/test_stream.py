@@ -67,6 +67,8 @@ def test_bad_item_raises_after_the_items_before_it(llm, prompts, expected):
     broken.max_tokens = 0
     with pytest.raises(ValueError, match=r"sampling_params of prompts\[1\]: SamplingParams.max_tokens must be at least 1"):
         list(llm.generate_stream([prompts[0], (prompts[1], broken), prompts[2]]))
+    with pytest.raises(TypeError, match=r"prompts\[1\] is a \(prompt, sampling_params\) tuple whose second element must be a SamplingParams, got str"):
+        list(llm.generate_stream([prompts[0], (prompts[1], "notparams")]))
     with pytest.raises(ValueError, match="max_in_flight must be >= 1"):
         llm.generate_stream(prompts, max_in_flight=0)
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or None"):

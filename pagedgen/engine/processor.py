@@ -108,6 +108,11 @@ class RequestProcessor:
             try:
                 if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], SamplingParams):
                     item, params = item[0], self.check_params(item[1], f"sampling_params of prompts[{index}]")
+                elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], (str, dict)):
+                    raise TypeError(
+                        f"prompts[{index}] is a (prompt, sampling_params) tuple whose second element must be a "
+                        f"SamplingParams, got {type(item[1]).__name__}"
+                    )
                 else:
                     params = default
                 text, ids = inputs.parse_prompt(item, f"prompts[{index}]")
