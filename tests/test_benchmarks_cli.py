@@ -282,9 +282,10 @@ def test_roofline_problems_flag_implausible_runs():
     quiet = dict(loadavg=0.1, others_busy=0.02, cores=2)
     key = (576, 576, 1)
 
-    def result(rate=50e9, spread=1.1, before=400e9, after=390e9, load_after=quiet):
-        return dict(by_path={"F.linear": {key: rate}}, linear={key: rate}, spread={"F.linear": {key: spread}},
-                    mm_before=before, mm_after=after, peak=max(before, after), load=dict(before=quiet, after=load_after))
+    def result(rate=50e9, spread=1.1, before=400e9, after=390e9, load_after=quiet, load_before=quiet):
+        return dict(by_path={"F.linear": {key: rate}, "slow path": {key: rate / 2}}, linear={key: rate},
+                    spread={"F.linear": {key: spread}, "slow path": {key: 5.0}},  # a noisy path the roofline does not take
+                    mm_before=before, mm_after=after, peak=max(before, after), load=dict(before=load_before, after=load_after))
 
     assert roof.problems(result()) == []
     (p,) = roof.problems(result(rate=700e9))
@@ -295,7 +296,10 @@ def test_roofline_problems_flag_implausible_runs():
     assert "timed runs spread 3.50x (max / min), over 2.0x" in p
     (p,) = roof.problems(result(before=859e9, after=300e9))
     assert "torch.mm before / after the shapes: 859 / 300 GFLOP/s, over 1.5x apart" in p
+    # after the shapes the load average counts the measurement's own threads: only others' use tells
     busy = roof.problems(result(load_after=dict(loadavg=8.1, others_busy=0.9, cores=2)))
-    assert busy == ["machine busy after: other processes took 90% of the CPUs (over 25%)",
-                    "machine busy after: load average 8.10 on 2 CPUs (over 0.75 per CPU)"]
+    assert busy == ["machine busy after: other processes took 90% of the CPUs (over 25%)"]
+    assert roof.problems(result(load_after=dict(loadavg=1.9, others_busy=0.0, cores=2))) == []
+    busy = roof.problems(result(load_before=dict(loadavg=8.1, others_busy=0.0, cores=2)))
+    assert busy == ["machine busy before: load average 8.10 on 2 CPUs (over 0.75 per CPU)"]
     assert roof.problems(result(load_after=dict(loadavg=None, others_busy=None, cores=2))) == []  # nothing to read: no claim
