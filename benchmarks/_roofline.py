@@ -46,8 +46,8 @@ the thread count fixed for the whole measurement, warms each (shape, M, path) up
 ``torch.mm`` before and after the shapes (and in float32 too for a reduced-precision run: the peak a
 GEMM that computes in float32 can reach), and reads the machine's load (load average, and the CPU
 use of the other processes) before and after. ``problems`` lists what makes the run implausible: a
-rate far above the large-mm peak or far below it, a huge spread, the two mm timings far apart, a busy
-machine. throughput.py prints them and no roofline share when there are any.
+rate far above the large-mm peak or far below it, a huge spread on the path the roofline takes, the
+two mm timings far apart, other processes busy on the machine. throughput.py prints them and no roofline share when there are any.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ FORMULA = ("roofline: FLOPs = 2*W*(P + D) + 2*W_head*O, W = weights per token ro
 #: a run is implausible (``problems``) when: a shape's rate is over MAX_OVER_PEAK x the large-mm peak or
 #: under the peak / MIN_UNDER_PEAK; its timed runs spread over MAX_SPREAD (max / min); the mm before and
 #: after differ by more than MAX_MM_DRIFT (ratio); the other processes took over MAX_OTHERS_BUSY of the
-#: machine's CPU time, or the 1-minute load average exceeded MAX_LOAD_PER_CORE per core
-MAX_OVER_PEAK, MIN_UNDER_PEAK, MAX_SPREAD, MAX_MM_DRIFT, MAX_OTHERS_BUSY, MAX_LOAD_PER_CORE = 1.5, 1000.0, 2.0, 1.5, 0.25, 0.75
+#: machine's CPU time (the 1-minute load average is printed only: it lags, counting the run before)
+MAX_OVER_PEAK, MIN_UNDER_PEAK, MAX_SPREAD, MAX_MM_DRIFT, MAX_OTHERS_BUSY = 1.5, 1000.0, 2.0, 1.5, 0.25
 PREFILL_CHUNK = 1024  # rows: the largest M measured for prefill
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
@@ -254,9 +254,9 @@ def problems(flops: dict) -> list[str]:
     for when, load in flops["load"].items():
         if load.get("others_busy") is not None and load["others_busy"] > MAX_OTHERS_BUSY:
             out.append(f"machine busy {when}: other processes took {load['others_busy']:.0%} of the CPUs (over {MAX_OTHERS_BUSY:.0%})")
-        # the load average after the shapes counts this measurement's own threads: only the one before tells
-        if when == "before" and load.get("loadavg") is not None and load["loadavg"] > MAX_LOAD_PER_CORE * (load.get("cores") or 1):
-            out.append(f"machine busy {when}: load average {load['loadavg']:.2f} on {load.get('cores')} CPUs (over {MAX_LOAD_PER_CORE} per CPU)")
+        # The load average is printed, not judged: it lags by a minute, so it still counts the run
+        # before this one (and, after the shapes, this measurement's own threads). Others' CPU use,
+        # sampled over the check, is what tells a busy machine.
     return out
 
 
