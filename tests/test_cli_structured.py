@@ -127,3 +127,15 @@ def test_constraint_flags(stories_path, tmp_path, capsys, one_torch_thread):
         rc, err = run_cli(capsys, *base, "--output", tmp_path / "c.jsonl", *flags)
         assert rc != 0 and len(error_lines(err)) == 1 and message in err, (flags, err)
         assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_a_schema_field_no_row_has_is_a_warning(stories_path, tmp_path, capsys, one_torch_thread):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "schema": SCHEMAS[0]}) + "\n" for p in story_openings(3)))
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / "out.jsonl",
+                      "--max-tokens", 4, "--schema-field", "shcema")
+    assert rc == 0, err
+    assert "pagedgen: warning: no row of this run had the field 'shcema' named by --schema-field" in err
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / "ok.jsonl",
+                      "--max-tokens", 4, "--schema-field", "schema")
+    assert rc == 0 and "warning" not in err, err

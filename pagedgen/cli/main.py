@@ -335,6 +335,9 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
             writer.close()
         raise
     bar.close()
+    if spec.schema_field is not None and stats.generated and not builder.rows_with_schema:  # a mistyped name is not silent
+        _say(f"warning: no row of this run had the field {spec.schema_field!r} named by --schema-field: every row ran "
+             "with the command line's constraint (or none)")
     in_output = rows_in_output + writer.rows_written
     _say_summary(stats, llm, args.output, out_errors if writer.errors_written or os.path.exists(out_errors) else None, outcome.completed,
                  in_output > 0)

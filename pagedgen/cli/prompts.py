@@ -75,6 +75,7 @@ class RequestBuilder:
         self.spec = spec
         self.params = params
         self.max_model_len = max_model_len
+        self.rows_with_schema = 0  # rows that had their own --schema-field (a run with none warns)
 
     def build(self, row: Row) -> Request:
         if row.error is not None:
@@ -97,6 +98,8 @@ class RequestBuilder:
             raise BadRow("the row has its own field 'prompt_logprobs', which --prompt-logprobs adds to the output")
         truncate = self._truncation(None, self.params)
         params = structured.row_params(self.params, fields, spec.schema_field, spec.compact_json)
+        if spec.schema_field is not None and fields.get(spec.schema_field) is not None:
+            self.rows_with_schema += 1
         if spec.mode == "messages":
             if spec.messages_field not in fields:
                 raise BadRow(f"no field {spec.messages_field!r} (fields: {', '.join(map(str, fields))}); use --messages-field")
