@@ -71,12 +71,19 @@ def _tiny_prompts(n):
 
 
 # ----- the op and the parameters -----------------------------------------------------------------
-@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 512])
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 512, 5000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_bitmask_matches_reference(vocab, dtype):
+@pytest.mark.parametrize("density", ["dense", "sparse"])  # the two CPU paths (SPARSE_WORDS)
+def test_token_bitmask_matches_reference(vocab, dtype, density):
     g = torch.Generator().manual_seed(vocab)
     words = (vocab + 31) // 32 + (vocab % 3)  # sometimes wider than needed: the extra bits are ignored
     bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
+    if density == "sparse":  # one word per row allows tokens (the last row's word the last, past the vocab in part)
+        keep = torch.zeros_like(bitmask)
+        for row in range(5):
+            col = words - 1 if row == 4 else (row * 7) % words
+            keep[row, col] = bitmask[row, col] | 1
+        bitmask = keep
     logits = torch.randn(5, vocab, generator=g).to(dtype)
     expected = apply_token_bitmask_reference(logits, bitmask)
     assert expected.dtype == dtype and torch.isinf(expected).any() and torch.isfinite(expected).any()

@@ -5,8 +5,13 @@
 
 The layout is llguidance's and xgrammar's (and vLLM's). A bitmask may be wider than the logits
 (the grammar's vocabulary padded to 32): bits past the logits' last column are ignored.
-``apply_token_bitmask_reference`` is the plain oracle; ``apply_token_bitmask`` unpacks the bits with
-``numpy.unpackbits`` on the CPU (one byte per token, at memory speed) and with shifts elsewhere.
+``apply_token_bitmask_reference`` is the plain oracle; ``apply_token_bitmask`` on the CPU: where at
+most ``SPARSE_WORDS`` of the words are nonzero (a JSON grammar outside a string allows a few dozen
+tokens of tens of thousands) it saves the allowed logits, fills the rows with -inf and writes them
+back, touching the [rows, vocab] logits once; otherwise it unpacks the bits with ``numpy.unpackbits``
+(one byte per token) and masks with ``masked_fill_``, a select over every element (measured on the
+EPYC Zen 4, 2 threads: ~45 ms for [256, 49,152] bf16 logits, a sixth of a random-135m decode step).
+Elsewhere (GPUs) the bits are unpacked with shifts.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import numpy as np
 import torch
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+SPARSE_WORDS = 1 / 16  #: the share of nonzero words up to which the CPU path gathers the allowed logits
 
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -38,7 +44,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     rows, vocab = logits.shape
     if logits.device.type == "cpu":
-        packed = bitmask.contiguous().numpy().view(np.uint8)  # [R, 4W], little-endian: byte 0 = tokens 0-7
+        words = bitmask.contiguous().numpy().view(np.uint32)  # [R, W]
+        r, w = np.nonzero(words)  # the words that allow something
+        if r.size <= SPARSE_WORDS * words.size:
+            bits = np.unpackbits(words[r, w].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # [n, 32]
+            k, b = np.nonzero(bits)
+            tokens = w[k].astype(np.int64) * 32 + b  # [m] allowed (row, token) pairs, tokens past the vocab dropped
+            inside = tokens < vocab
+            row_ids, token_ids = torch.from_numpy(r[k][inside].astype(np.int64)), torch.from_numpy(tokens[inside])
+            allowed = logits[row_ids, token_ids]  # [m]
+            logits.fill_(float("-inf"))
+            logits[row_ids, token_ids] = allowed
+            return
+        packed = words.view(np.uint8)  # [R, 4W], little-endian: byte 0 = tokens 0-7
         allowed = torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab, bitorder="little"))  # [R, V] uint8
     else:
         words = bitmask.to(logits.device, non_blocking=True)
