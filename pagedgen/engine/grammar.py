@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -182,16 +183,12 @@ class GrammarCompiler:
     def _vocabulary(self, eos: frozenset[int]) -> _Vocabulary:
         vocab = self._vocabularies.get(eos)
         if vocab is None:
-            import time
-
             start = time.perf_counter()
             vocab = self._vocabularies[eos] = _Vocabulary(self.tokenizer, self.vocab_size, eos)
             self.vocabulary_seconds += time.perf_counter() - start
         return vocab
 
     def _template(self, spec: StructuredOutputsParams, eos: frozenset[int]):
-        import time
-
         key = (spec.key, eos)
         with self._lock:
             template = self._templates.get(key)
@@ -297,8 +294,6 @@ class StructuredOutputManager:
         grammars = self._grammars
         if not grammars:
             return None
-        import time
-
         start = time.perf_counter()
         for seq_id in [i for i, (s, _) in grammars.items() if s.is_finished]:
             del grammars[seq_id]
