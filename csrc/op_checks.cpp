@@ -1,8 +1,10 @@
 // The argument checks shared by the CPU and CUDA kernels (declared and explained in op_checks.h).
 #include "op_checks.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <climits>
 #include <initializer_list>
 #include <utility>
@@ -33,7 +35,36 @@ void block_mapping_meta(const char* op, const at::Tensor& block_mapping) {
   TORCH_CHECK(block_mapping.size(0) < INT_MAX, op, ": block_mapping has too many pairs (", block_mapping.size(0), ")");
 }
 
+// The bytes [begin, end) a tensor with non-negative strides spans (numel > 0).
+std::pair<const char*, const char*> span(const at::Tensor& t) {
+  int64_t last = 0;  // offset of the last element, in elements
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::max<int64_t>(t.stride(d), 0);
+  const char* begin = static_cast<const char*>(t.const_data_ptr());
+  return {begin, begin + (last + 1) * t.element_size()};
+}
+
+// Whether a and b may share memory: ATen's answer, or where it cannot tell (strided tensors), whether
+// the byte ranges they span in one storage intersect.
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+  if (status != at::MemOverlapStatus::TooHard) return status != at::MemOverlapStatus::No;
+  if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) return false;
+  const auto [a_begin, a_end] = span(a);
+  const auto [b_begin, b_end] = span(b);
+  return a_begin < b_end && b_begin < a_end;
+}
+
 }  // namespace
+
+void writable_output(const char* op, const char* name, const at::Tensor& out,
+                     std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes, op, ": ", name,
+              " must not overlap itself (two elements at one address), got strides ", out.strides(), " for sizes ",
+              out.sizes());
+  for (const auto& [input, t] : inputs)
+    TORCH_CHECK(out.numel() == 0 || t->numel() == 0 || !may_overlap(out, *t), op, ": ", name,
+                " must not overlap ", input, " (they share memory)");
+}
 
 AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -92,6 +123,10 @@ AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, c
     TORCH_CHECK(seq_lens.is_contiguous() && query_start_loc.is_contiguous(), op,
                 ": seq_lens and query_start_loc must be contiguous on CUDA");
   }
+  // memory the kernels write
+  writable_output(op, "out", out,
+                  {{"query", &query}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+                   {"block_tables", &block_tables}, {"seq_lens", &seq_lens}, {"query_start_loc", &query_start_loc}});
   // size limits (the CUDA kernels index rows, sequences, heads and positions with int32)
   TORCH_CHECK(s.num_tokens < INT_MAX && s.num_seqs < INT_MAX && s.max_blocks_per_seq * s.block_size < INT_MAX &&
                   s.num_heads < 65536,

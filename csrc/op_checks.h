@@ -27,6 +27,8 @@
 #include <c10/core/DeviceType.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 namespace pagedgen::checks {
 
@@ -42,7 +44,11 @@ struct AttentionSizes {
 // num_kv_heads > 0, num_heads % num_kv_heads == 0; one float dtype (float32, float16, bfloat16) for
 // out, query and the caches; block_tables [num_seqs, max_blocks_per_seq] int32 (any strides);
 // seq_lens [num_seqs] and query_start_loc [num_seqs + 1] int32; sliding_window >= 0; rows need a
-// sequence (num_seqs == 0 only with num_tokens == 0); sizes fit the kernels' int32 indices.
+// sequence (num_seqs == 0 only with num_tokens == 0); out without internal overlap and sharing no
+// memory with the other arguments (writable_output); sizes fit the kernels' int32 indices.
+// query_start_loc[num_seqs] must equal num_tokens (a value: the CPU kernel raises; the CUDA kernel
+// gives zeros to rows past it; the engine never passes such rows: CUDA-graph padding rows are
+// sequences of seq_len 0, see pagedgen/engine/cuda_graphs.py).
 // The CUDA kernel also needs: query's and out's head_size dimension contiguous, block_tables' rows
 // contiguous, seq_lens and query_start_loc contiguous (the CPU kernel reads through every stride).
 AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -71,6 +77,15 @@ void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor&
 // The values of a block mapping read on the host: pairs [num_pairs, 2] (src, dst) with
 // 0 <= src < num_src and 0 <= dst < num_dst.
 void block_mapping_values(const char* op, const int64_t* pairs, int64_t num_pairs, int64_t num_src, int64_t num_dst);
+
+// A tensor an op writes (`name`, e.g. "out"): no two of its elements at one address (an `out` made by
+// as_strided or expand with a zero stride; at::has_internal_overlap), and no memory shared with any
+// of `inputs` (the kernels read their inputs after writing `out`, so neither an alias of an input
+// nor a partial overlap is safe; at::get_overlap_status, and where that cannot tell, the address
+// ranges the two span in one storage). Raises "<op>: <name> must not overlap ...". Used by
+// paged_attention (here), rms_norm, fused_add_rms_norm and silu_and_mul (csrc/cpu/).
+void writable_output(const char* op, const char* name, const at::Tensor& out,
+                     std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs);
 
 // The generic CUDA attention kernel's shared memory for this head size against the device's limit.
 void attention_shared_memory(int64_t head_size, size_t bytes, int64_t limit);

@@ -1,5 +1,6 @@
 """Bad calls of the ops that have a kernel per device (paged_attention, reshape_and_cache, copy_blocks,
-swap_blocks), one list for every test that runs them: tests/test_ops_checks.py on the CPU kernels and,
+swap_blocks) and of the CPU-only layer ops that share the output checks (rms_norm, fused_add_rms_norm,
+silu_and_mul: csrc/op_checks.h, writable_output), one list for every test that runs them: tests/test_ops_checks.py on the CPU kernels and,
 with CPU tensors, through the CUDA kernels' own entry; tests/test_ops_cuda.py on a GPU. Both kernels
 run the same checks (csrc/op_checks.h), so each case names the message both must raise.
 
@@ -22,6 +23,9 @@ ARG_NAMES = {
     "reshape_and_cache": ("key", "value", "key_cache", "value_cache", "slot_mapping"),
     "copy_blocks": ("key_cache", "value_cache", "block_mapping"),
     "swap_blocks": ("src", "dst", "block_mapping"),
+    "rms_norm": ("out", "input", "weight", "epsilon"),
+    "fused_add_rms_norm": ("input", "residual", "weight", "epsilon"),
+    "silu_and_mul": ("out", "input"),
 }
 
 
@@ -42,6 +46,14 @@ def valid_call(op: str, device: str) -> dict:
     if op == "swap_blocks":
         return dict(src=torch.randn(4, 8, 2, 64, device=device), dst=torch.zeros(3, 8, 2, 64),
                     block_mapping=torch.tensor([[0, 1], [3, 2]]))
+    if op == "rms_norm":  # [T=3, hidden=16]
+        return dict(out=torch.empty(3, 16, device=device), input=torch.randn(3, 16, device=device),
+                    weight=torch.ones(16, device=device), epsilon=1e-5)
+    if op == "fused_add_rms_norm":
+        return dict(input=torch.randn(3, 16, device=device), residual=torch.randn(3, 16, device=device),
+                    weight=torch.ones(16, device=device), epsilon=1e-5)
+    if op == "silu_and_mul":  # input [T=3, 2 * d=16], out [3, 8]
+        return dict(out=torch.empty(3, 8, device=device), input=torch.randn(3, 16, device=device))
     raise KeyError(op)
 
 
@@ -50,6 +62,19 @@ def _set(**changes):
     def mutate(args, other):
         args.update({name: fn(args, other) for name, fn in changes.items()})
     return mutate
+
+
+def _zero_row_stride(t):
+    """A tensor of t's shape whose rows all lie at one address (row stride 0: internal overlap)."""
+    return t.new_empty(t.shape[1:]).as_strided(t.shape, (0,) + t.stride()[1:])
+
+
+def _out_overlapping_query(args, other):
+    """out and query as views of one buffer, out one row further on (a partial overlap)."""
+    query = args["query"]
+    rows, row = query.shape[0], query[0].numel()
+    buffer = torch.randn((rows + 1) * row, dtype=query.dtype, device=query.device)
+    args["query"], args["out"] = buffer[:-row].view(query.shape), buffer[row:].view(query.shape)
 
 
 def _noncontiguous(t):
@@ -128,6 +153,37 @@ CASES = {
     "attention-seq-lens-on-another-device": (
         "paged_attention", _set(seq_lens=lambda a, o: a["seq_lens"].to(o)),
         "all tensors must be on one device, got seq_lens on", BOTH),
+    "attention-out-zero-row-stride": (
+        "paged_attention", _set(out=lambda a, o: _zero_row_stride(a["out"])), "out must not overlap itself", BOTH),
+    "attention-out-is-query": (
+        "paged_attention", _set(out=lambda a, o: a["query"]), "out must not overlap query", BOTH),
+    "attention-out-partially-overlaps-query": (
+        "paged_attention", _out_overlapping_query, "out must not overlap query", BOTH),
+    "attention-strided-out-inside-key-cache": (  # not dense: the address ranges decide
+        "paged_attention", _set(out=lambda a, o: a["key_cache"].view(-1)[: 6 * 512].view(6, 512)[:, :256].view(6, 4, 64)),
+        "out must not overlap key_cache", BOTH),
+    # a value (read on the host by the CPU kernel only; the CUDA kernel gives such rows zeros and the
+    # engine never passes them: CUDA-graph padding rows are sequences of seq_len 0)
+    "attention-query-rows-past-query-start-loc": (
+        "paged_attention", _set(query=lambda a, o: torch.cat([a["query"], a["query"][:2]]),
+                                out=lambda a, o: torch.empty(8, 4, 64)),
+        r"query_start_loc must run from 0 to num_tokens=8, got 0 \.\. 6", CPU_ONLY),
+    # ---- rms_norm, fused_add_rms_norm, silu_and_mul (CPU kernels only): the outputs they write
+    "rms-norm-out-zero-row-stride": (
+        "rms_norm", _set(out=lambda a, o: _zero_row_stride(a["out"])), "rms_norm: out must not overlap itself", CPU_ONLY),
+    "rms-norm-out-is-input": (
+        "rms_norm", _set(out=lambda a, o: a["input"]), "rms_norm: out must not overlap input", CPU_ONLY),
+    "fused-add-rms-norm-residual-is-input": (
+        "fused_add_rms_norm", _set(residual=lambda a, o: a["input"]),
+        "fused_add_rms_norm: input must not overlap residual", CPU_ONLY),
+    "fused-add-rms-norm-residual-zero-row-stride": (
+        "fused_add_rms_norm", _set(residual=lambda a, o: _zero_row_stride(a["residual"])),
+        "fused_add_rms_norm: residual must not overlap itself", CPU_ONLY),
+    "silu-and-mul-out-zero-row-stride": (
+        "silu_and_mul", _set(out=lambda a, o: _zero_row_stride(a["out"])), "silu_and_mul: out must not overlap itself",
+        CPU_ONLY),
+    "silu-and-mul-out-inside-input": (  # a strided view of input's columns 4..11
+        "silu_and_mul", _set(out=lambda a, o: a["input"][:, 4:12]), "silu_and_mul: out must not overlap input", CPU_ONLY),
     # ---- reshape_and_cache
     "cache-int32-slot-mapping": (
         "reshape_and_cache", _set(slot_mapping=lambda a, o: a["slot_mapping"].int()), "slot_mapping must be int64", BOTH),

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 OPS = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
+LAYER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")  # CPU kernels only, sharing the output checks
 
 
 def kernel_call(op: str, key: str, args: tuple) -> None:
@@ -86,7 +87,7 @@ def test_cpu_kernel_refuses_another_device(op):
         kernel_call(op, "CPU", arguments(op, args))
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", OPS + LAYER_OPS)
 def test_valid_calls_pass(op):
     # the baseline every case breaks: accepted as it is (so each case fails for its own reason)
     args = valid_call(op, "cpu")

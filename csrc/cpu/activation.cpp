@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "../op_checks.h"
 #include "vec.h"
 
 namespace pagedgen::cpu {
@@ -61,6 +62,7 @@ void silu_and_mul_cpu(const at::Tensor& out,     // [num_tokens, d]
                   out.scalar_type() == input.scalar_type(),
               "silu_and_mul: out must be ", input.scalar_type(), " [", T, ", ", d, "], got ", out.scalar_type(), " ",
               out.sizes());
+  checks::writable_output("silu_and_mul", "out", out, {{"input", &input}});
   if (T == 0 || d == 0) return;
   dispatch_float_types(input.scalar_type(), "silu_and_mul", [&](auto zero) {
     using scalar_t = decltype(zero);

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../op_checks.h"
 #include "vec.h"
 
 namespace pagedgen::cpu {
@@ -167,6 +168,7 @@ void rms_norm_cpu(const at::Tensor& out,     // [num_tokens, hidden]
                   out.device().is_cpu(),
               "rms_norm: out must match input ", input.scalar_type(), " ", input.sizes(), ", got ", out.scalar_type(),
               " ", out.sizes());
+  checks::writable_output("rms_norm", "out", out, {{"input", &input}, {"weight", &weight}});
   const int64_t rows = input.size(0), n = input.size(1);
   if (rows == 0 || n == 0) return;
   const int lanes = torch_sum_lanes();
@@ -191,6 +193,8 @@ void fused_add_rms_norm_cpu(const at::Tensor& input,     // [num_tokens, hidden]
                   residual.stride(1) == 1 && residual.device().is_cpu(),
               "fused_add_rms_norm: residual must match input ", input.scalar_type(), " ", input.sizes(), ", got ",
               residual.scalar_type(), " ", residual.sizes());
+  checks::writable_output("fused_add_rms_norm", "input", input, {{"residual", &residual}, {"weight", &weight}});
+  checks::writable_output("fused_add_rms_norm", "residual", residual, {{"weight", &weight}});
   const int64_t rows = input.size(0), n = input.size(1);
   if (rows == 0 || n == 0) return;
   const int lanes = torch_sum_lanes();
