@@ -145,3 +145,31 @@ def test_the_lock_file_is_removed_only_while_held(tmp_path, monkeypatch):
         OutputLock(out).__enter__()  # a third run is refused
     second.__exit__(None, None, None)
     assert not os.path.exists(second.path)
+
+
+def test_a_wrong_field_name_is_hinted_by_the_rows_fields_never_by_on_error_skip(stories_path, tmp_path, capsys):
+    """A first row without --prompt-field's field: the command's name is likely wrong. The hint names
+    the row's field that could be the prompt and does not suggest --on-error skip (which would make
+    every row bad and keep a sidecar binding the next run to the wrong name)."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _jsonl(src, [{"id": i, "text": p} for i, p in enumerate(PROMPTS[:2])])
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and error_lines(err) == [
+        f"pagedgen: error: {src}: line 1: no field 'prompt' (fields: id, text); use --prompt-field text (stopped there: "
+        "no row was written; rerun with the field's name corrected, which starts afresh)"], err
+    assert _files(tmp_path) == ["in.jsonl"]
+    _jsonl(src, [{"a": "x", "b": "y"}, {"prompt": PROMPTS[0]}])  # several candidates: all named
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and "use --prompt-field with one of a, b (stopped there" in err and "--on-error" not in err, err
+    _jsonl(src, [{"prompt": PROMPTS[0]}, {"text": PROMPTS[1]}])  # after a written row: the row is the odd one out
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and "use --prompt-field text (stopped there: 1 row is in" in err and "or pass --on-error skip)" in err, err
+
+
+def test_a_missing_messages_field_names_the_fields_holding_messages():
+    from pagedgen.cli.prompts import missing_field
+    row = {"id": 1, "conv": [{"role": "user", "content": "hi"}], "tags": ["a"]}
+    assert missing_field("messages", "--messages-field", row) == \
+        "no field 'messages' (fields: id, conv, tags); use --messages-field conv"
+    assert missing_field("prompt", "--prompt-field", {"ids": [1, 2], "n": 3}) == \
+        "no field 'prompt' (fields: ids, n); use --prompt-field ids"

@@ -19,7 +19,7 @@ from pagedgen.cli import checks, readers, resume, sidecar, structured
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
 from pagedgen.cli.lock import OutputLock, lock_path
-from pagedgen.cli.prompts import PromptSpec, RequestBuilder
+from pagedgen.cli.prompts import MISSING_FIELD, PromptSpec, RequestBuilder
 from pagedgen.cli.runner import Outcome, RunSettings, StopSignals, run_rows
 from pagedgen.cli.writer import Appender, RowWriter, output_is_input
 
@@ -347,6 +347,11 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
         row, reason = outcome.bad_row
         where = "<stdin>" if args.input == "-" else args.input
         unit = "row" if fmt == "parquet" else "line"
+        if not in_output and reason.startswith(MISSING_FIELD):
+            # likely the command's field name, not the row: --on-error skip would make every row bad and
+            # keep a sidecar binding the next run to the wrong name, so it is not suggested
+            raise CLIError(f"{where}: {unit} {row.line}: {reason} (stopped there: {kept}; rerun with the field's "
+                           f"name corrected, which starts afresh)")
         raise CLIError(f"{where}: {unit} {row.line}: {reason} (stopped there: {kept}; "
                        f"fix the row and rerun the same command to resume, or pass --on-error skip)")
     if outcome.read_error is not None:

@@ -60,6 +60,20 @@ class Request:
     openai: Optional[openai_batch.OpenAIRequest] = None
 
 
+MISSING_FIELD = "no field "  # how a row without the prompt's field is reported (main.py words the stop for it)
+
+
+def missing_field(name: str, flag: str, fields: dict) -> str:
+    """Why a row without the field ``name`` cannot run, naming the row's fields and those ``flag``
+    (--prompt-field: a string or token ids; --messages-field: a list of messages) could take."""
+    if flag == "--messages-field":
+        fit = [k for k, v in fields.items() if isinstance(v, list) and v and all(isinstance(m, dict) for m in v)]
+    else:
+        fit = [k for k, v in fields.items() if isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(t, int) for t in v))]
+    hint = f"use {flag}" + (f" {fit[0]}" if len(fit) == 1 else f" with one of {', '.join(map(str, fit))}" if fit else "")
+    return f"{MISSING_FIELD}{name!r} (fields: {', '.join(map(str, fields))}); {hint}"
+
+
 class RequestBuilder:
     """Builds a ``Request`` per row; raises ``BadRow`` (with the reason) for a row that cannot run.
 
@@ -102,10 +116,10 @@ class RequestBuilder:
             self.rows_with_schema += 1
         if spec.mode == "messages":
             if spec.messages_field not in fields:
-                raise BadRow(f"no field {spec.messages_field!r} (fields: {', '.join(map(str, fields))}); use --messages-field")
+                raise BadRow(missing_field(spec.messages_field, "--messages-field", fields))
             return Request(self._fit(self._chat_ids(fields[spec.messages_field], True, False), truncate), params)
         if spec.prompt_field not in fields:
-            raise BadRow(f"no field {spec.prompt_field!r} (fields: {', '.join(map(str, fields))}); use --prompt-field")
+            raise BadRow(missing_field(spec.prompt_field, "--prompt-field", fields))
         return Request(self._prompt(fields[spec.prompt_field], spec.prompt_field, truncate), params)
 
     def build_many(self, rows: list[Row]) -> list[tuple[Row, Union[Request, str]]]:
