@@ -271,3 +271,30 @@ def test_rows_in_memory_are_bounded(unordered, stories_path, tmp_path, capsys, m
     # when a row is read: fewer than 3 in flight, plus (in input order) at most 2 finished rows waiting for an
     # earlier one, plus at most 2 rows read just before it in the same batch of 3
     assert 2 <= seen["held"] <= 2 + (0 if unordered else 2) + 2
+
+
+def _strict(line: str):
+    """json.loads that refuses the bare NaN / Infinity / -Infinity Python's json accepts."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_non_finite_numbers_are_written_as_strings(stories_path, tmp_path, capsys):
+    # Python's json reads a bare NaN / Infinity in an input row; the output line stays strict JSON
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": "Once upon a time", "score": NaN, "range": [-Infinity, 1.5, Infinity]}\n')
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst, "--logprobs", "2"))
+    assert rc == 0, err
+    row = _strict(dst.read_text())
+    assert row["score"] == "NaN" and row["range"] == ["-Infinity", 1.5, "Infinity"]
+    assert isinstance(row["completions"][0]["cumulative_logprob"], float)
+
+
+def test_a_logprob_of_minus_infinity_is_the_string_minus_infinity():
+    import numpy as np
+    from pagedgen.cli import records
+    line = records._dumps({"logprobs": [{"7": {"logprob": float("-inf"), "rank": 3}}], "cumulative_logprob": float("-inf"),
+                           "x": (np.float32("nan"), 2.0), "ok": 0.5})
+    assert _strict(line.decode()) == {"logprobs": [{"7": {"logprob": "-Infinity", "rank": 3}}],
+                                      "cumulative_logprob": "-Infinity", "x": ["NaN", 2.0], "ok": 0.5}

@@ -6,7 +6,8 @@ Output line (JSONL; the index comes first, so that a resume reads it without par
 
 With ``--logprobs K`` each completion also has ``cumulative_logprob`` and ``logprobs`` (per token
 ``{"<token id>": {"logprob", "rank", "decoded_token"}}``); with ``--prompt-logprobs K`` the row has
-``prompt_logprobs`` (the first entry null). Errors-file line::
+``prompt_logprobs`` (the first entry null). A non-finite number (a logprob of -inf) is written as the
+string "-Infinity" ("Infinity", "NaN"): every line is strict JSON. Errors-file line::
 
     {"index": 3, "line": 4, "error": "not valid JSON (...)", "row": <the fields, or the raw line's text>}
 """
@@ -16,6 +17,7 @@ import base64
 import datetime
 import decimal
 import json
+import math
 from typing import Optional
 
 from pagedgen.cli import openai_batch
@@ -65,7 +67,27 @@ def error_line(row: Row, reason: str, spec: PromptSpec) -> bytes:
 
 
 def _dumps(record: dict) -> bytes:
-    return json.dumps(record, ensure_ascii=False, default=_json_default).encode("utf-8") + b"\n"
+    """One line of strict JSON: a non-finite float (a logprob or cumulative_logprob of -inf, a NaN
+    read from an input row) is written as the string "NaN", "Infinity" or "-Infinity" (protobuf's
+    JSON mapping of floats), never as the bare NaN / Infinity that JSON parsers reject."""
+    try:
+        text = json.dumps(record, ensure_ascii=False, default=_json_default, allow_nan=False)
+    except ValueError:  # the rare record holding one: converted, then written
+        text = json.dumps(_finite(record), ensure_ascii=False, default=_json_default, allow_nan=False)
+    return text.encode("utf-8") + b"\n"
+
+
+def _finite(value):
+    """``value`` with each non-finite float (also inside lists, tuples, dicts and numpy values) as a string."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if not isinstance(value, (str, int, bool, type(None))) and hasattr(value, "tolist"):  # numpy scalars and arrays
+        return _finite(value.tolist())
+    return value
 
 
 def _json_default(value):
