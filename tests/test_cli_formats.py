@@ -298,3 +298,20 @@ def test_a_logprob_of_minus_infinity_is_the_string_minus_infinity():
                            "x": (np.float32("nan"), 2.0), "ok": 0.5})
     assert _strict(line.decode()) == {"logprobs": [{"7": {"logprob": "-Infinity", "rank": 3}}],
                                       "cumulative_logprob": "-Infinity", "x": ["NaN", 2.0], "ok": 0.5}
+
+
+def test_openai_batch_repeated_custom_id(stories_path, tmp_path, capsys, monkeypatch):
+    # OpenAI's batch API rejects an input file that repeats a custom_id: a file is refused before any
+    # work, naming both lines; on stdin (read once) the repeating request is a bad row
+    good = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}}
+    src, dst = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": c, **good}) + "\n" for c in ("a", "b", "c", "b")))
+    rc, err = run_cli(capsys, *_base(stories_path, src, dst))
+    assert rc == 2 and f"pagedgen: error: {src}: line 4: custom_id 'b' repeats the one of line 2 (line 4)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch.jsonl"]  # nothing written, nothing generated
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(src.read_bytes()))))
+    rc, err = run_cli(capsys, *_base(stories_path, "-", dst, "--input-format", "openai", "--on-error", "skip"))
+    assert rc == 0, err
+    assert [r["custom_id"] for r in read_jsonl(dst)] == ["a", "b", "c"]
+    (error,) = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert error["custom_id"] == "b" and "repeats the one of line 2 (line 4)" in error["response"]["body"]["error"]["message"]

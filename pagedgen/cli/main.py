@@ -15,7 +15,7 @@ import time
 from typing import Iterator, Optional
 
 from pagedgen.cli import progress as progress_mod
-from pagedgen.cli import checks, readers, resume, sidecar, structured
+from pagedgen.cli import checks, openai_batch, readers, resume, sidecar, structured
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
 from pagedgen.cli.lock import OutputLock, lock_path
@@ -83,6 +83,11 @@ def _run(args, held: contextlib.ExitStack) -> int:
     spec = _prompt_spec(args, fmt)
     with _UserErrors("cannot read --input: "):
         readers.check_header(args.input, fmt, prompt_field=spec.prompt_field, required_column=spec.messages_field or spec.prompt_field)
+        if fmt == "openai" and args.input != "-":  # a repeated custom_id, before any work (stdin: when its row comes)
+            try:
+                openai_batch.check_unique_ids(readers.read_rows(args.input, fmt, prompt_field=spec.prompt_field, required_column=None))
+            except CLIError as exc:
+                raise CLIError(f"{args.input}: {exc}") from None
     with _UserErrors(""):
         from pagedgen.model import loader
 

@@ -59,6 +59,27 @@ class OpenAIRequest:
     continue_final_message: bool = False
 
 
+def duplicate_id_error(custom_id: str, line: int, first_line: int) -> str:
+    """Why a request whose custom_id an earlier one (at ``first_line``) has cannot run."""
+    return (f"custom_id {custom_id!r} repeats the one of line {first_line} (line {line}); OpenAI's batch API rejects "
+            "an input file with a repeated custom_id: give every request its own")
+
+
+def check_unique_ids(rows) -> None:
+    """BadRow-worded CLIError for the first request of ``rows`` (readers.Row) whose custom_id an
+    earlier one has, naming both lines; read before any work (a file is read twice)."""
+    from pagedgen.cli.errors import CLIError
+
+    first: dict[str, int] = {}
+    for row in rows:
+        custom_id = row.fields.get("custom_id") if isinstance(row.fields, dict) else None
+        if not isinstance(custom_id, str):
+            continue  # a bad row of its own, reported when the run reaches it
+        if custom_id in first:
+            raise CLIError(f"line {row.line}: {duplicate_id_error(custom_id, row.line, first[custom_id])}")
+        first[custom_id] = row.line
+
+
 def parse_request(line: dict) -> OpenAIRequest:
     """Check one batch input line and map its body to SamplingParams fields. Raises BadRow."""
     missing = [k for k in ("custom_id", "method", "url", "body") if k not in line]

@@ -90,6 +90,7 @@ class RequestBuilder:
         self.params = params
         self.max_model_len = max_model_len
         self.rows_with_schema = 0  # rows that had their own --schema-field (a run with none warns)
+        self._custom_ids: dict[str, int] = {}  # OpenAI batch: custom_id -> its line (stdin is not read twice)
 
     def build(self, row: Row) -> Request:
         if row.error is not None:
@@ -98,6 +99,9 @@ class RequestBuilder:
         spec = self.spec
         if spec.mode == "openai":
             req = openai_batch.parse_request(fields)
+            first = self._custom_ids.setdefault(req.custom_id, row.line)
+            if first != row.line:
+                raise BadRow(openai_batch.duplicate_id_error(req.custom_id, row.line, first))
             params = self._with(structured.compact_overrides(req.overrides, spec.compact_json))
             truncate = self._truncation(req.truncate_prompt_tokens, params)
             if req.kind == "chat":
