@@ -53,7 +53,8 @@ class SamplingParams:
             Range [0, 1]. Default 0.0 (off).
         seed: the key of this request's random draws (each a hash of the seed, the completion index
             and the position: docs/sampling.md); the same seed gives the same completion whatever
-            else shares the batch. None: the engine's key (``LLM(seed=...)``) and the sequence id.
+            else shares the batch. None (or -1, as in vLLM): the engine's key (``LLM(seed=...)``)
+            and the sequence id.
         stop: strings that end the completion when they appear in its text; the text is cut before
             the stop string (see ``include_stop_str_in_output``). A str or a list of non-empty str.
         stop_token_ids: token ids that end the completion (kept in ``token_ids``), besides EOS.
@@ -135,8 +136,10 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        if self.seed == -1:  # as vLLM: -1 means no seed (the command line's way to say "random")
+            self.seed = None
         if self.seed is not None:
-            _check(-(2**63) <= self.seed < 2**64, "seed", "a 64-bit integer", self.seed)
+            _check(-(2**63) <= self.seed < 2**64, "seed", "a 64-bit integer (-1: none)", self.seed)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "at least 1 (or None)", self.max_tokens)
         _check(self.min_tokens >= 0, "min_tokens", "in [0, max_tokens]", self.min_tokens)
         if self.max_tokens is not None:

@@ -147,3 +147,10 @@ def test_vocabulary_checks_before_any_work(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, **kwargs)], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_seed_minus_one_means_no_seed():
+    # as vLLM's SamplingParams (and so `--seed -1` on the command line): -1 is None, not the key -1
+    assert SamplingParams(temperature=1.0, seed=-1).seed is None
+    assert SamplingParams(temperature=1.0, seed=-2).seed == -2
+    assert SamplingParams(seed=5).clone(seed=-1).seed is None
