@@ -203,6 +203,10 @@ def test_choose_matmul(monkeypatch):
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "mkl")
     assert lin.choose_matmul(torch.float32, cpu, True).prepack_min_numel == 0
     assert lin.choose_matmul(torch.bfloat16, cpu, False).prepack_min_numel == 0
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", " MKL ")  # any case, spaces around
+    assert lin.cpu_matmul_backend(torch.float32) == "mkl"
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "OneDNN")
+    assert lin.cpu_matmul_backend(torch.float32) == "onednn"
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "blas")
     with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('auto', 'pagedgen', 'onednn', 'mkl'\), got 'blas'"):
         lin.choose_matmul(torch.float32, cpu, True)

@@ -186,7 +186,7 @@ def cpu_matmul_backend(dtype: Optional[torch.dtype] = None) -> str:
         ValueError: ``PAGEDGEN_CPU_MATMUL`` is not one of ``MATMUL_BACKENDS``, or is "pagedgen" where
             pagedgen._C has no ``packed_linear`` kernel (not built, or built without AVX2 and FMA).
     """
-    backend = os.environ.get("PAGEDGEN_CPU_MATMUL", "auto")
+    backend = os.environ.get("PAGEDGEN_CPU_MATMUL", "auto").strip().lower()  # "oneDNN", "MKL" read too
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"PAGEDGEN_CPU_MATMUL must be one of {MATMUL_BACKENDS}, got {backend!r}")
     if backend == "auto":
