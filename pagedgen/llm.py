@@ -165,6 +165,14 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         )  # TypeError / ValueError / NotImplementedError before anything is loaded (llm_args.py)
         device = inputs.resolve_device(device)
+        if distributed_executor_backend is not None and device.type == "cuda" and num_kv_blocks is None and kv_cache_memory_bytes is None:
+            # the driver sizes the KV cache, and on a GPU that needs a profiling forward pass of the model,
+            # which only the worker holds: the size must be given (before anything is loaded)
+            raise ValueError(
+                f"LLM distributed_executor_backend={distributed_executor_backend!r} on a GPU needs num_kv_blocks or "
+                "kv_cache_memory_bytes (--num-kv-blocks / --kv-cache-memory-bytes): the KV cache cannot be sized "
+                "by a profiling run, which needs the model in the driver; or pass distributed_executor_backend=None"
+            )
         if enforce_extension and not ops.extension_available(device.type):
             raise RuntimeError(ops.extension_error(device.type))
 
@@ -194,11 +202,6 @@ class LLM:
             prepare_matmuls(self.model, self.matmul_config)
         else:
             self.model = None  # the worker loads it; the driver holds no model and no device tensors
-            if device.type == "cuda" and num_kv_blocks is None and kv_cache_memory_bytes is None:
-                raise ValueError(
-                    f"LLM distributed_executor_backend={distributed_executor_backend!r} on a GPU needs num_kv_blocks or "
-                    "kv_cache_memory_bytes (the KV cache is not sized by a profiling run in the worker yet)"
-                )
 
         block_bytes = model_config.kv_bytes_per_token() * block_size
         sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)

@@ -72,3 +72,28 @@ def test_explicit_smaller_max_model_len_that_fits(stories_path, llm):
     with pytest.raises(ValueError, match="max_model_len"):
         small.generate([[1] + [300] * 64], GREEDY, use_tqdm=False)  # 65 prompt tokens
     assert small.generate(prompts[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == got[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("backend", ["mp", "pickle"])
+def test_worker_backends_on_a_gpu_need_the_kv_size_before_anything_loads(stories_path, monkeypatch, backend):
+    # on a GPU the KV cache is sized by a profiling pass over the model, which only the worker holds:
+    # the size must be given. A fake device check stands for the GPU (none here); nothing is loaded
+    import torch
+    from pagedgen import inputs
+    from pagedgen.model import loader
+
+    if backend not in __import__("pagedgen.llm_args", fromlist=["BACKENDS"]).BACKENDS:
+        pytest.skip(f"no {backend!r} backend in this build")
+    monkeypatch.setattr(inputs, "resolve_device", lambda device: torch.device("cuda"))
+    class Loaded(Exception):
+        pass
+
+    def load_hf_config(*args):
+        raise Loaded("loaded the model's config")
+
+    monkeypatch.setattr(loader, "load_hf_config", load_hf_config)
+    with pytest.raises(ValueError, match=rf"LLM distributed_executor_backend='{backend}' on a GPU needs num_kv_blocks or "
+                                         r"kv_cache_memory_bytes \(--num-kv-blocks / --kv-cache-memory-bytes\)"):
+        LLM(stories_path, distributed_executor_backend=backend)
+    with pytest.raises(Loaded):  # with a size: past the check, to the loading
+        LLM(stories_path, distributed_executor_backend=backend, num_kv_blocks=64, enforce_extension=False)
