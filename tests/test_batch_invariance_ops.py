@@ -204,7 +204,7 @@ def test_choose_matmul(monkeypatch):
     assert lin.choose_matmul(torch.float32, cpu, True).prepack_min_numel == 0
     assert lin.choose_matmul(torch.bfloat16, cpu, False).prepack_min_numel == 0
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "blas")
-    with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('auto', 'pagedgen', 'onednn', 'mkl'\), got 'blas'"):
+    with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('auto', 'pagedgen', 'onednn', 'mkl', 'amx'\), got 'blas'"):
         lin.choose_matmul(torch.float32, cpu, True)
 
 
