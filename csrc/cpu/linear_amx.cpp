@@ -7,6 +7,8 @@
 // cpp_extension has one list), so the AMX code is enabled here by `#pragma GCC target("amx-tile,amx-bf16")`
 // (what -mamx-tile -mamx-bf16 do), placed after every shared header, and everything defined under it has
 // internal linkage: no inline function compiled with AMX enabled can be merged into code other CPUs run.
+// (The tile loads, products and stores are GCC's inline-assembly intrinsics and need no target option;
+// only ldtilecfg / tilerelease are under the pragma.)
 // The op is registered on every x86-64 build; it raises (RuntimeError) on a CPU without AMX or where the
 // OS refuses the tile state, before any tile instruction. Status: written and tested through the
 // emulation on CPUs without AMX; never executed on AMX hardware yet (docs/benchmarks.md), so it is
@@ -22,6 +24,7 @@
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
 #define PAGEDGEN_AMX_BUILD 1
+#define PAGEDGEN_AMX_INLINE inline __attribute__((always_inline))
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -49,39 +52,38 @@ bool request_tile_permission() {
 }  // namespace pagedgen::cpu
 
 #ifdef PAGEDGEN_AMX_BUILD
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
 #include <immintrin.h>
 
 namespace pagedgen::cpu {
 namespace {
 
 // The 8 tiles of palette 1 as the loop uses them: tmm0-3 C [16 rows, 64 bytes], tmm4-5 A, tmm6-7 B.
-// The tile intrinsics take the register number as a literal, hence the switches.
+// The tile intrinsics take the register number as a literal, hence the switches (constants once
+// inlined). GCC's tileloadd / tdpbf16ps / tilestored / tilezero intrinsics are inline assembly, so
+// these are defined without the AMX target and inline into the loop; ldtilecfg and tilerelease are
+// builtins that need it: configure() and release() are defined under the pragma below.
+// GCC 12's _tile_loadd asm names neither the memory it reads nor a "memory" clobber, so the compiler
+// may sink or drop the stores that fill the A and B buffers (pack_a, b_tile's tail) past it; the
+// loads here are the same instruction with a "memory" clobber, and ldtilecfg takes the whole config
+// as its operand (GCC's passes 8 of its 64 bytes).
+#define PAGEDGEN_TILELOADD(dst, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #dst ::"r"(static_cast<const void*>(base)), "r"(static_cast<long>(stride)) : "memory")
 struct AmxTiles {
   struct alignas(64) Config {
     uint8_t palette_id, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
   };
-  void configure() {
-    Config cfg{};
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+  void configure();
+  void release();
+  PAGEDGEN_AMX_INLINE void zero_c() { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+  PAGEDGEN_AMX_INLINE void load_a(int i, const uint16_t* p, int64_t stride_bytes) {
+    if (i == 0) PAGEDGEN_TILELOADD(4, p, stride_bytes); else PAGEDGEN_TILELOADD(5, p, stride_bytes);
   }
-  void release() { _tile_release(); }
-  void zero_c() { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
-  void load_a(int i, const uint16_t* p, int64_t stride_bytes) {
-    if (i == 0) _tile_loadd(4, p, stride_bytes); else _tile_loadd(5, p, stride_bytes);
+  PAGEDGEN_AMX_INLINE void load_b(int j, const uint16_t* p) {
+    if (j == 0) PAGEDGEN_TILELOADD(6, p, 64); else PAGEDGEN_TILELOADD(7, p, 64);
   }
-  void load_b(int j, const uint16_t* p) {
-    if (j == 0) _tile_loadd(6, p, 64); else _tile_loadd(7, p, 64);
-  }
-  void dp(int i, int j) {
+  PAGEDGEN_AMX_INLINE void dp(int i, int j) {
     switch (2 * i + j) {
       case 0: _tile_dpbf16ps(0, 4, 6); break;
       case 1: _tile_dpbf16ps(1, 4, 7); break;
@@ -89,7 +91,7 @@ struct AmxTiles {
       default: _tile_dpbf16ps(3, 5, 7); break;
     }
   }
-  void store(int i, int j, float* dst) {
+  PAGEDGEN_AMX_INLINE void store(int i, int j, float* dst) {
     switch (2 * i + j) {
       case 0: _tile_stored(0, dst, 64); break;
       case 1: _tile_stored(1, dst, 64); break;
@@ -99,11 +101,24 @@ struct AmxTiles {
   }
 };
 
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+void AmxTiles::configure() {
+  Config cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");  // the whole 64 bytes as the operand
+}
+void AmxTiles::release() { _tile_release(); }
+#pragma GCC pop_options
+
 void run_amx(const amx::Problem& g) { amx::run<AmxTiles>(g); }
 
 }  // namespace
 }  // namespace pagedgen::cpu
-#pragma GCC pop_options
 #endif  // PAGEDGEN_AMX_BUILD
 
 namespace pagedgen::cpu {
