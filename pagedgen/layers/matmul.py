@@ -25,8 +25,8 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   ``vdpbf16ps`` over the pairs in order, + bias, rounded once: batch-invariant by construction.
   Measured there 2026-12-04 (docs/benchmarks.md; one thread, thread CPU time, weights cold):
   1.0-4.4x oneDNN's row-blocked bf16 GEMM at 1-4 rows, 0.94-1.45x at 16, 0.93-1.10x at 64-1,024. On a
-  Xeon with AMX oneDNN's AMX GEMM stays (not measured there; an AMX micro-kernel would go into
-  linear_avx512.cpp); float32/fp16 models on this kind keep oneDNN (below).
+  Xeon with AMX oneDNN's AMX GEMM stays the default (pagedgen's AMX GEMM is opt-in until measured
+  there, below); float32/fp16 models on this kind keep oneDNN (below).
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
   bf16/fp16 kernels (no AVX-512 BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
   False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``:
