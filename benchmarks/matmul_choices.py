@@ -25,6 +25,10 @@ layers do (weights over 32 MB, the lm_head's, are cold already and get one).
               the dtype (pagedgen's own GEMM, csrc/cpu/linear.cpp; where the extension has the kernel)
   pairs       bf16 only: pagedgen.ops.packed_linear_bf16(out, x, P, None), P = pagedgen.layers.matmul.pack_pairs(W)
               (pagedgen's AVX512-BF16 GEMM, vdpbf16ps on bf16 pairs, csrc/cpu/linear_avx512.cpp; where built)
+  amx         bf16 only, CPUs with AMX: the same pairs run by pagedgen's AMX GEMM (packed_linear_bf16_amx,
+              tdpbf16ps, csrc/cpu/linear_amx.cpp) after its self-check; compare with "blocked" (oneDNN
+              row-blocked, the batch-invariant default there) and "onednn" (unblocked) in one run:
+              python benchmarks/matmul_choices.py --dtypes bfloat16 --candidates onednn,blocked,pairs,amx
   blocked     the oneDNN path as pagedgen's engine runs it in batch-invariant mode: W prepacked
               (pagedgen.layers.matmul.prepack), run by pagedgen.layers.matmul.linear in the row blocks of
               the batch-invariant config (bf16: bf16_row_blocks(); float32: PACKED_MIN_ROWS..MAX_ROWS)
@@ -49,7 +53,7 @@ import torch.nn.functional as F
 import _roofline
 import _workload
 
-CANDIDATES = ("linear", "mm_t", "onednn", "blocked", "mkl", "fp32", "panels", "pairs", "compiled")
+CANDIDATES = ("linear", "mm_t", "onednn", "blocked", "mkl", "fp32", "panels", "pairs", "amx", "compiled")
 BITS_M = (*range(1, 41), 48, 63, 64, 65, 100, 127, 128, 129, 255, 256, 300, 512, 1024)
 
 
@@ -122,6 +126,19 @@ def make(candidate: str, w: torch.Tensor, m: int):
                 return "pagedgen._C has no packed_linear_bf16 kernel here (needs AVX512-BF16)"
             pairs, n = pack_pairs(w), w.shape[0]
             return lambda x: linear(x, pairs, None, None, n)
+        if candidate == "amx":
+            from pagedgen.layers import matmul as lin
+
+            if w.dtype != torch.bfloat16:
+                return "bf16 only"
+            if not lin.cpu_has_amx():
+                return "no AMX on this CPU (or no packed_linear_bf16_amx kernel in pagedgen._C)"
+            try:
+                lin.amx_self_check()
+            except RuntimeError as e:
+                return f"AMX self-check failed: {e}"
+            config, pairs, n = lin.MatmulConfig(w.dtype, pairs=True, amx=True), lin.pack_pairs(w), w.shape[0]
+            return lambda x: lin.linear(x, pairs, None, config, n)
         if candidate == "blocked":
             from pagedgen.layers import matmul as lin
 

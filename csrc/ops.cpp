@@ -55,6 +55,14 @@ TORCH_LIBRARY(pagedgen, m) {
   // rounded once to out's bf16: a row's bits never depend on the other rows. A CPU kernel only (built
   // with AVX512-BF16).
   m.def("packed_linear_bf16(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  // The same product with AMX tiles (tdpbf16ps; csrc/cpu/linear_amx.cpp), same weight layout and
+  // checks; raises on a CPU without AMX. Batch-invariant by construction (its bits need not be
+  // packed_linear_bf16's). Opt-in: never executed on AMX hardware yet.
+  m.def("packed_linear_bf16_amx(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  // Its tile loop on an emulation of the AMX tiles in plain C++ (any CPU; slow): tests the packing.
+  m.def("packed_linear_bf16_amx_emulated(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  // True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (cpuid, xgetbv).
+  m.def("cpu_has_amx() -> bool");
 
   // The sampler's greedy tokens: out [num_rows] int64 = logits.max(dim=-1).indices of logits
   // [num_rows, vocab] (the first maximal index; NaN counts as the maximum). A CPU kernel only.

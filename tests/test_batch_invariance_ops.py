@@ -208,7 +208,7 @@ def test_choose_matmul(monkeypatch):
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "OneDNN")
     assert lin.cpu_matmul_backend(torch.float32) == "onednn"
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "blas")
-    with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('auto', 'pagedgen', 'onednn', 'mkl'\), got 'blas'"):
+    with pytest.raises(ValueError, match=r"PAGEDGEN_CPU_MATMUL must be one of \('auto', 'pagedgen', 'onednn', 'mkl', 'amx'\), got 'blas'"):
         lin.choose_matmul(torch.float32, cpu, True)
 
 

@@ -38,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "linear_bf16_checks.h"
 #include "vec.h"
 
 namespace pagedgen::cpu {
@@ -222,34 +223,8 @@ void packed_linear_bf16_cpu(const at::Tensor& out,      // [M, N] bfloat16
                             const at::Tensor& input,    // [M, K] bfloat16, contiguous rows
                             const at::Tensor& weight,   // [ceil(N / 16), ceil(K / 2), 16, 2] bfloat16, contiguous
                             const c10::optional<at::Tensor>& bias) {  // [N] float32 / bfloat16 / float16, or None
-  TORCH_CHECK(out.device().is_cpu() && input.device().is_cpu() && weight.device().is_cpu(),
-              "packed_linear_bf16 (CPU kernel): tensors must be on the CPU");
-  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "packed_linear_bf16: input and weight must be bfloat16, got ", input.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(input.dim() == 2 && input.stride(1) == 1,
-              "packed_linear_bf16: input must be [M, K] with contiguous rows, got ", input.sizes(), " strides ", input.strides());
-  const int64_t M = input.size(0), K = input.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && (M <= 1 || out.stride(0) >= out.size(1)) &&
-                  out.scalar_type() == at::kBFloat16,
-              "packed_linear_bf16: out must be BFloat16 [", M, ", N] with contiguous, non-overlapping rows, got ",
-              out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
-  const int64_t N = out.size(1), P = (N + kPanel - 1) / kPanel, Q = (K + 1) / 2;
-  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == P && weight.size(1) == Q && weight.size(2) == kPanel &&
-                  weight.size(3) == 2 && weight.is_contiguous(),
-              "packed_linear_bf16: weight must be contiguous pairs [", P, ", ", Q, ", ", kPanel, ", 2] for N = ", N,
-              " outputs of K = ", K, " inputs, got ", weight.sizes(), " strides ", weight.strides());
-  at::assert_no_overlap(out, input);  // out is written while input is read
-  at::assert_no_overlap(out, weight);
-  at::Tensor b;  // the bias as float32 (exact), zero-padded to whole panels
-  if (bias.has_value() && bias->defined()) {
-    const auto t = bias->scalar_type();
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() &&
-                    (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf),
-                "packed_linear_bf16: bias must be float32, bfloat16 or float16 [", N, "] on the CPU, got ", t, " ",
-                bias->sizes(), " on ", bias->device());
-    b = at::zeros({P * kPanel}, input.options().dtype(at::kFloat));
-    b.narrow(0, 0, N).copy_(*bias);
-  }
+  const at::Tensor b = check_packed_linear_bf16("packed_linear_bf16", out, input, weight, bias);
+  const int64_t M = input.size(0), K = input.size(1), N = out.size(1), P = (N + kPanel - 1) / kPanel, Q = (K + 1) / 2;
   if (M == 0 || N == 0) return;
   const Gemm g{reinterpret_cast<const uint16_t*>(input.const_data_ptr<at::BFloat16>()), input.stride(0), M, K,
                reinterpret_cast<const uint16_t*>(weight.const_data_ptr<at::BFloat16>()), N, P, Q * 2 * kPanel,

@@ -25,8 +25,8 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
   ``vdpbf16ps`` over the pairs in order, + bias, rounded once: batch-invariant by construction.
   Measured there 2026-12-04 (docs/benchmarks.md; one thread, thread CPU time, weights cold):
   1.0-4.4x oneDNN's row-blocked bf16 GEMM at 1-4 rows, 0.94-1.45x at 16, 0.93-1.10x at 64-1,024. On a
-  Xeon with AMX oneDNN's AMX GEMM stays (not measured there; an AMX micro-kernel would go into
-  linear_avx512.cpp); float32/fp16 models on this kind keep oneDNN (below).
+  Xeon with AMX oneDNN's AMX GEMM stays the default (pagedgen's AMX GEMM is opt-in until measured
+  there, below); float32/fp16 models on this kind keep oneDNN (below).
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
   bf16/fp16 kernels (no AVX-512 BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
   False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``:
@@ -72,12 +72,23 @@ loading by ``prepare_matmuls``; docs/determinism.md, docs/benchmarks.md "Matmul 
 CPUs where the kernel is built, else oneDNN prepacking), "pagedgen" (the packed panels on any CPU
 whose build has the kernel), "onednn" (oneDNN prepacking, float32 copies of bf16/fp16 weights where
 oneDNN has no kernels for them), "mkl" (no packing: MKL for every float32 weight, the dense GEMM for
-bf16 ones).
+bf16 ones), "amx" (opt-in, below).
+
+**pagedgen's AMX GEMM (opt-in: ``PAGEDGEN_CPU_MATMUL=amx``).** The bf16 pairs of ``pack_pairs`` are
+also the B tiles of AMX's ``tdpbf16ps``; ``ops``' ``packed_linear_bf16_amx`` (csrc/cpu/linear_amx.cpp,
+tile loop in linear_amx_loop.h) runs them in 16 x 16 tiles: a fixed k order (chunks of 32 in order,
+zero-padded) and the same tile for every row whatever M, float32 accumulation in the tiles, one rounding.
+It is written and its packing and tile loop are tested through an emulation of the tiles
+(``packed_linear_bf16_amx_emulated``) on CPUs without AMX, but it has not yet run on AMX hardware, so it
+is chosen only when asked for, only for bf16 models on a CPU with AMX (``cpu_has_amx``: cpuid and
+XCR0), and only after a self-check at first use (``amx_self_check``: a small GEMM against float32 and
+batch invariance; a mismatch raises RuntimeError). Asked for on a CPU without AMX it raises ValueError.
 """
 from __future__ import annotations
 
 import os
 import platform
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -108,6 +119,8 @@ class MatmulConfig:
             (``ops.packed_linear``), which gives each row the same bits in any batch by itself.
         pairs: every weight (bf16) is packed into bf16 pairs (``pack_pairs``) for pagedgen's
             AVX512-BF16 GEMM (``ops.packed_linear_bf16``), batch-invariant by itself as well.
+        amx: with ``pairs``, ``linear`` runs the pairs with pagedgen's AMX GEMM
+            (``packed_linear_bf16_amx``; opt-in, ``PAGEDGEN_CPU_MATMUL=amx``).
     """
 
     weight_dtype: torch.dtype
@@ -120,6 +133,7 @@ class MatmulConfig:
     long_k_max_rows: int = 0
     panels: bool = False
     pairs: bool = False
+    amx: bool = False
 
     @property
     def batch_invariant(self) -> bool:
@@ -171,7 +185,7 @@ PREPACK_MIN_NUMEL_BF16 = 1
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 #: the batch size oneDNN packs the weights for (any M runs; measured no faster with 1 or 64)
 PREPACK_ROWS = 16
-MATMUL_BACKENDS = ("auto", "pagedgen", "onednn", "mkl")
+MATMUL_BACKENDS = ("auto", "pagedgen", "onednn", "mkl", "amx")
 #: output features per panel of a weight packed for pagedgen's own GEMM (csrc/cpu/linear.cpp)
 PANEL = 16
 
@@ -196,6 +210,9 @@ def cpu_matmul_backend(dtype: Optional[torch.dtype] = None) -> str:
         # every random-135m/1b shape (docs/benchmarks.md, 2026-12-04). With AMX, oneDNN's AMX GEMM stays
         # until an AMX micro-kernel is measured there.
         return "pagedgen" if dtype == torch.bfloat16 and bf16_pairs_available() and not amx_available() else "onednn"
+    if backend == "amx" and not cpu_has_amx():
+        raise ValueError("PAGEDGEN_CPU_MATMUL=amx needs a CPU with AMX-TILE and AMX-BF16 enabled by the OS and pagedgen._C "
+                         "with the packed_linear_bf16_amx kernel (cpu_has_amx() is False here)")
     if backend == "pagedgen" and not ops.has_kernel("packed_linear"):
         raise ValueError("PAGEDGEN_CPU_MATMUL=pagedgen needs pagedgen._C built with AVX2 and FMA (no packed_linear kernel here)")
     return backend
@@ -215,6 +232,65 @@ def bf16_pairs_available() -> bool:
     built (a build with AVX512-BF16), torch's CPU capability is AVX512 and the CPU has AVX512-BF16."""
     return (ops.has_kernel("packed_linear_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"
             and cpu_has_flag("avx512_bf16"))
+
+
+def cpu_has_amx() -> bool:
+    """True when pagedgen._C has the AMX GEMM (``packed_linear_bf16_amx``) and the CPU has AMX-TILE and
+    AMX-BF16 with the tile state enabled by the OS (``torch.ops.pagedgen.cpu_has_amx``: cpuid leaf 7
+    EDX bits 22/24, XCR0 bits 17/18)."""
+    return (ops.has_kernel("packed_linear_bf16_amx") and hasattr(torch.ops.pagedgen, "cpu_has_amx")
+            and bool(torch.ops.pagedgen.cpu_has_amx()))
+
+
+_AMX_CHECKED: list = []
+
+
+class AmxUnavailableError(RuntimeError):
+    """pagedgen's AMX GEMM raised at its self-check (e.g. Linux refused the tile state): not usable here."""
+
+
+def amx_self_check(run=None) -> None:
+    """Check pagedgen's AMX GEMM once per process before a model uses it: a small GEMM (K = 100, an odd
+    chunk tail; N = 40, a partial panel; M = 37, a partial row tile) against the float32 product
+    within bf16 rounding, and batch invariance (each row of M = 1 bit-equal to that row of M = 37).
+    ``run``: the op to check (default ``torch.ops.pagedgen.packed_linear_bf16_amx``; the tests pass
+    the emulation). The result is kept only for the default op.
+
+    Raises:
+        AmxUnavailableError: (a RuntimeError) the kernel raised (e.g. Linux refused the tile state).
+        RuntimeError: a result is wrong, with what mismatched.
+    """
+    default = run is None
+    if default and _AMX_CHECKED:
+        return
+    run = run or torch.ops.pagedgen.packed_linear_bf16_amx
+    g = torch.Generator().manual_seed(36)
+    m, n, k = 37, 40, 100
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    packed = pack_pairs(w)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    try:
+        run(out, x, packed, bias)
+    except RuntimeError as e:
+        raise AmxUnavailableError(f"pagedgen AMX GEMM self-check: the kernel raised: {e}") from e
+    ref = x.double() @ w.double().T + bias.double()
+    bound = 2 * (k + 1) * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T + bias.double().abs())
+    bound = bound + torch.finfo(torch.bfloat16).eps * ref.abs()
+    err = (out.double() - ref).abs()
+    if not bool((err <= bound).all()):
+        i, j = divmod(int((err - bound).argmax()), n)
+        raise RuntimeError(f"pagedgen AMX GEMM self-check: out[{i}, {j}] = {float(out[i, j])} but the float32 product is "
+                           f"{float(ref[i, j])} (error {float(err[i, j]):.3g} > bound {float(bound[i, j]):.3g}); not using it")
+    for i in range(m):
+        one = torch.empty(1, n, dtype=torch.bfloat16)
+        run(one, x[i:i + 1], packed, bias)
+        if not torch.equal(one.view(torch.int16), out[i:i + 1].view(torch.int16)):
+            raise RuntimeError(f"pagedgen AMX GEMM self-check: row {i} alone differs from row {i} of {m} rows "
+                               "(not batch-invariant); not using it")
+    if default:
+        _AMX_CHECKED.append(True)
 
 
 def onednn_prepack_supported() -> bool:
@@ -331,11 +407,21 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         if batch_invariant:
             raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
-    if cpu_matmul_backend(dtype) == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
+    backend = cpu_matmul_backend(dtype)
+    if backend == "amx":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"PAGEDGEN_CPU_MATMUL=amx runs bfloat16 models only, got {dtype}")
+        try:
+            amx_self_check()
+            return MatmulConfig(dtype, pairs=True, amx=True, reason="pagedgen's AMX GEMM on bf16 pairs (tdpbf16ps, float32 sums; opt-in)")
+        except AmxUnavailableError as e:  # a wrong result raises RuntimeError through; an unusable kernel falls back
+            warnings.warn(f"{e}; PAGEDGEN_CPU_MATMUL=amx falls back to oneDNN", RuntimeWarning, stacklevel=2)
+            backend = "onednn"
+    if backend == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
         if dtype == torch.bfloat16 and bf16_pairs_available():
             return MatmulConfig(dtype, pairs=True, reason="pagedgen's AVX512-BF16 GEMM on bf16 pairs (vdpbf16ps, float32 sums)")
         return MatmulConfig(dtype, panels=True, reason=f"pagedgen's packed-panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 sums)")
-    onednn = onednn_prepack_available()
+    onednn = backend == "onednn" and onednn_prepack_supported()  # = onednn_prepack_available(), after an amx fallback too
     if dtype in (torch.bfloat16, torch.float16) and native_reduced_precision(dtype):
         lo, hi = bf16_row_blocks() if dtype == torch.bfloat16 else (FP16_MIN_ROWS, MAX_ROWS)
         rows = dict(min_rows=lo, max_rows=hi, packed_min_rows=lo, packed_max_rows=hi) if batch_invariant else {}
@@ -395,7 +481,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         if out_features is None:
             raise ValueError("linear: a weight packed in panels needs out_features")
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # [T, N]
-        run = ops.packed_linear if weight.dim() == 3 else ops.packed_linear_bf16
+        if weight.dim() == 3:
+            run = ops.packed_linear
+        else:
+            run = torch.ops.pagedgen.packed_linear_bf16_amx if config is not None and config.amx else ops.packed_linear_bf16
         run(out, x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
         return out
     out_dtype = x.dtype
