@@ -121,7 +121,7 @@ class LinearBase(Module):
             expected = expected[::-1]
         if check_shape(loaded, expected):  # False for a meta tensor: the dry run checks the shape only
             with torch.no_grad():
-                dst.copy_(self._to_param_layout(loaded, is_weight))
+                dst.copy_(self._to_param_layout(read(loaded), is_weight))
 
 
     def sharded_weight_loader(self, param: nn.Parameter, loaded, shard_id: ShardId = None) -> None:
