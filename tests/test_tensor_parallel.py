@@ -74,10 +74,16 @@ def test_tp2_seeds_n_prefix_caching_and_streaming(tp1, tp2, prompts):
     assert [streamed[i] for i in range(16)] == _tokens(tp1.generate(prompts[:16], GREEDY, use_tqdm=False))
 
 
-def test_tp4_greedy_tokens_equal_tp1(stories_path, tp1, prompts, monkeypatch):
+def test_tp2_uses_the_shared_memory_all_reduce(tp2):
+    assert tp2.llm_engine.executor.communicator == "shm"
+
+
+def test_tp4_greedy_tokens_equal_tp1_over_gloo(stories_path, tp1, prompts, monkeypatch):
     monkeypatch.setenv("PAGEDGEN_TP_OVERSUBSCRIBE", "1")
+    monkeypatch.setenv("PAGEDGEN_TP_ALLREDUCE", "gloo")  # the fallback; TP = 2 above runs the shared-memory one
     expected = _tokens(tp1.generate(prompts, GREEDY, use_tqdm=False))
     with LLM(stories_path, tensor_parallel_size=4, **KW) as llm:
+        assert llm.llm_engine.executor.communicator == "gloo"
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
@@ -162,3 +168,32 @@ def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prom
     timer.cancel()
     assert _gone(pids)
     assert llm.llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_shm_all_reduce_sums_in_rank_order_on_every_rank(tmp_path, monkeypatch):
+    """Three ranks (threads here) reduce tensors larger than a slot: every rank gets bitwise
+    s0 + s1 + s2 summed in that order, whatever the timing; all_gather is in rank order."""
+    import torch
+
+    from pagedgen.distributed import shm
+
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 4096)
+    size, path = 3, str(tmp_path / "allreduce")
+    data = [torch.randn(5, 700, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(size)]
+    expected = (data[0] + data[1]) + data[2]
+    results, gathered = [None] * size, [None] * size
+
+    def rank(r):
+        comm = shm.ShmCommunicator(path, r, size, fallback=None)
+        for _ in range(3):  # rounds reuse the two slot sets
+            results[r] = comm.all_reduce(data[r].clone())
+        gathered[r] = comm.all_gather(torch.full((2, 3), float(r)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r in range(size):
+        assert torch.equal(results[r], expected)
+        assert torch.equal(gathered[r], torch.cat([torch.full((2, 3), float(k)) for k in range(size)], dim=-1))

@@ -1,13 +1,15 @@
 """Collectives between the tensor-parallel ranks of one machine.
 
 ``GlooCommunicator``: torch.distributed's gloo group (a ring all-reduce: every rank ends with the
-same bits). ``init_process_group`` joins the group through a file store in a temporary folder the
+same bits); ``ShmCommunicator`` (shm.py): the shared-memory fast path between the processes of one
+CPU machine, summing in a fixed rank order; ``make_communicator`` picks one. ``init_process_group`` joins the group through a file store in a temporary folder the
 driver made (no fixed port); CUDA workers whose world size equals the device count use nccl
 (untested here: one GPU only).
 """
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from datetime import timedelta
 
@@ -41,6 +43,18 @@ class GlooCommunicator:
         return torch.cat(parts, dim=-1)
 
 
-def make_communicator(backend: str, rank: int, world_size: int, store_path: str):
-    """The communicator of a rank: gloo or nccl through torch.distributed."""
+ALLREDUCE_ENV = "PAGEDGEN_TP_ALLREDUCE"  # "shm" or "gloo"
+
+
+def make_communicator(backend: str, rank: int, world_size: int, store_path: str, device: torch.device):
+    """The communicator of a rank: on x86 CPUs the shared-memory one (shm.py) unless
+    ``PAGEDGEN_TP_ALLREDUCE=gloo``; else torch.distributed's group (gloo, or nccl on GPUs)."""
+    choice = os.environ.get(ALLREDUCE_ENV, "shm")
+    if choice not in ("shm", "gloo"):
+        raise ValueError(f"{ALLREDUCE_ENV} must be 'shm' or 'gloo', got {choice!r}")
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
+    if choice == "shm" and device.type == "cpu" and x86:
+        from pagedgen.distributed.shm import ShmCommunicator
+
+        return ShmCommunicator(os.path.join(os.path.dirname(store_path), "allreduce"), rank, world_size, GlooCommunicator())
     return GlooCommunicator()

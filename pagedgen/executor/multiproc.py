@@ -56,7 +56,7 @@ def worker_main(spec: WorkerSpec, rank: int, conn, store_path: Optional[str] = N
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises
         _send(conn, WorkerError(rank, -1, type(exc).__name__, str(exc), traceback.format_exc()))
         return
-    if not _send(conn, WorkerReady(rank, os.getpid())):
+    if not _send(conn, WorkerReady(rank, os.getpid(), worker.tp.comm.name if worker.tp is not None else "")):
         return
     while True:
         try:
@@ -191,7 +191,8 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         self._procs, self._conns = procs, conns
-        tmpdir = tempfile.mkdtemp(prefix="pagedgen-tp-") if self.world_size > 1 else None
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the shared-memory all-reduce's file lives here
+        tmpdir = tempfile.mkdtemp(prefix="pagedgen-tp-", dir=shm_dir) if self.world_size > 1 else None
         store_path = os.path.join(tmpdir, "store") if tmpdir else None  # torch.distributed's file store
         self._finalizer = weakref.finalize(self, _stop, procs, conns, tmpdir)
         for rank in range(self.world_size):
@@ -207,6 +208,7 @@ class MultiprocExecutor:
                 self._fail(rank, "starting", f"raised {msg.exc_type}: {msg.message}\n--- worker traceback ---\n{msg.traceback}")
             if not isinstance(msg, WorkerReady):
                 self._fail(rank, "starting", f"sent {type(msg).__name__} instead of WorkerReady")
+            self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
 
     def _ready(self) -> None:
         if self._dead is not None:

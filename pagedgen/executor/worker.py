@@ -75,7 +75,7 @@ class Worker:
         self.tp: Optional[TPGroup] = None
         if spec.tensor_parallel_size > 1:
             self.backend = init_process_group(store_path, rank, spec.tensor_parallel_size, spec.device)
-            self.tp = TPGroup(rank, spec.tensor_parallel_size, make_communicator(self.backend, rank, spec.tensor_parallel_size, store_path))
+            self.tp = TPGroup(rank, spec.tensor_parallel_size, make_communicator(self.backend, rank, spec.tensor_parallel_size, store_path, spec.device))
         hf_config = loader.load_hf_config(spec.model)
         model_config = loader.model_config_from_hf(hf_config, spec.dtype)
         model = loader.load_model(spec.model, hf_config, model_config, spec.device, self.tp)
