@@ -116,8 +116,11 @@ class LLM:
             or ``with LLM(...) as llm:``. The worker is spawned: a script's top level must be
             guarded by ``if __name__ == "__main__":``, as for any spawned process. "pickle": the same worker in this process behind a pickled
             boundary (for tests and debugging).
-        tensor_parallel_size: 1 (tensor parallelism is not built yet; other values raise
-            NotImplementedError).
+        tensor_parallel_size: worker processes that each hold a shard of the weights and of the KV
+            cache (Megatron-style: heads and MLP features split, an all-reduce after each
+            row-parallel layer; docs/architecture.md). Must divide the attention and KV heads and
+            be at most the CPU cores (ValueError before any process starts); > 1 implies
+            ``distributed_executor_backend="mp"``; each worker gets cores // size threads.
         pipeline_parallel_size: 1 (pipeline parallelism is not built yet; other values raise
             NotImplementedError).
 
@@ -179,6 +182,9 @@ class LLM:
         model = os.fspath(model)
         hf_config = loader.load_hf_config(model)
         model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
+        if tensor_parallel_size > 1:
+            loader.check_tensor_parallel(hf_config, model_config, tensor_parallel_size)  # ValueError before any process
+            distributed_executor_backend = "mp"
         if batch_invariant is None:
             batch_invariant = device.type == "cpu"
         self.matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading
@@ -238,7 +244,10 @@ class LLM:
         if in_process:
             executor = InProcessExecutor(ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=graph_seqs, max_model_len=max_model_len))
         else:
-            spec = WorkerSpec(model, model_config.dtype, device, self.matmul_config, cache_config, max_model_len, seed, graph_seqs, torch.get_num_threads())
+            tp = tensor_parallel_size
+            threads = torch.get_num_threads() if tp == 1 else max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // tp)
+            spec = WorkerSpec(model, model_config.dtype, device, self.matmul_config, cache_config, max_model_len, seed,
+                              graph_seqs if tp == 1 else 0, threads, tp)
             executor = MultiprocExecutor(spec) if distributed_executor_backend == "mp" else PicklingExecutor(spec)
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
         self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)

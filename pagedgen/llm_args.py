@@ -2,7 +2,7 @@
 
 ``check_llm_args`` raises ``TypeError`` (a wrong type), ``ValueError`` (a value outside its range,
 named with the range), ``FileNotFoundError`` (a tokenizer folder that does not exist) or
-``NotImplementedError`` (a parallel size that is not built); what needs the checkpoint (dtype,
+``NotImplementedError`` (``pipeline_parallel_size`` > 1, not built); what needs the checkpoint (dtype,
 ``max_model_len`` against the model's positions, the KV cache's size) is checked by ``LLM`` as it
 assembles the engine (llm.py).
 """
@@ -52,14 +52,19 @@ def check_llm_args(
         ("pipeline_parallel_size", pipeline_parallel_size, False),
     ):
         inputs.check_positive_int(name, value, opt)
-    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
-        if size != 1:
-            raise NotImplementedError(
-                f"LLM {name}={size}: only 1 is built (one worker holds the whole model); what exists is "
-                "distributed_executor_backend=None (in process) or 'mp' (one worker process)"
-            )
+    if pipeline_parallel_size != 1:
+        raise NotImplementedError(
+            f"LLM pipeline_parallel_size={pipeline_parallel_size}: only 1 is built (tensor_parallel_size splits the "
+            "model across worker processes)"
+        )
     if distributed_executor_backend not in BACKENDS:
         raise ValueError(f"LLM distributed_executor_backend must be one of {BACKENDS}, got {distributed_executor_backend!r}")
+    if tensor_parallel_size > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if tensor_parallel_size > cores and os.environ.get("PAGEDGEN_TP_OVERSUBSCRIBE", "") in ("", "0"):  # tests on small machines set it
+            raise ValueError(f"LLM tensor_parallel_size={tensor_parallel_size} must be <= the CPU cores this process may use ({cores})")
+        if distributed_executor_backend == "pickle":
+            raise ValueError(f"LLM tensor_parallel_size={tensor_parallel_size} needs distributed_executor_backend='mp' (or None), got 'pickle'")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
     if not -(2**63) <= seed < 2**64:

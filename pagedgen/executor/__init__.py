@@ -12,7 +12,8 @@ The driver (``LLMEngine``: scheduler, block manager, Sequences, detokenizers, be
 - ``"pickle"``: ``PicklingExecutor``, the same worker in this process with every record and reply
   pickled and unpickled: the test of the boundary without process start-up.
 
-Tensor and pipeline parallelism (several workers with a shard each) are not built yet.
+``tensor_parallel_size`` = N > 1 runs N ``"mp"`` workers, each with its shard of the weights and
+the KV cache (pagedgen/distributed, docs/architecture.md). Pipeline parallelism is not built yet.
 """
 from __future__ import annotations
 

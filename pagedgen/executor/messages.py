@@ -145,6 +145,7 @@ class Shutdown:
 class WorkerReady:
     rank: int
     pid: int
+    communicator: str = ""  # the tensor-parallel all-reduce ("shm", "gloo"; "" with one rank)
 
 
 @dataclass(frozen=True)

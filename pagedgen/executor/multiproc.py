@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
 import weakref
 from typing import Callable, Optional
+
+import multiprocessing.connection as mp_connection
 
 import torch.multiprocessing as mp
 
@@ -42,16 +47,16 @@ POLL_S = 0.05  # how often a waiting driver checks that its workers are alive
 START_TIMEOUT_S = 600.0  # loading a model may take minutes; a worker that dies while loading is seen at once
 
 
-def worker_main(spec: WorkerSpec, rank: int, conn) -> None:
+def worker_main(spec: WorkerSpec, rank: int, conn, store_path: Optional[str] = None) -> None:
     """A worker process: build the worker, then answer messages until ``Shutdown`` or until the
     driver's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     try:
-        worker = Worker(spec, rank)
+        worker = Worker(spec, rank, store_path)
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises
         _send(conn, WorkerError(rank, -1, type(exc).__name__, str(exc), traceback.format_exc()))
         return
-    if not _send(conn, WorkerReady(rank, os.getpid())):
+    if not _send(conn, WorkerReady(rank, os.getpid(), worker.tp.comm.name if worker.tp is not None else "")):
         return
     while True:
         try:
@@ -86,12 +91,21 @@ def _send(conn, msg) -> bool:
         return False
 
 
+def _send_bytes(conn, data: bytes) -> bool:
+    try:
+        conn.send_bytes(data)
+        return True
+    except (BrokenPipeError, EOFError, OSError):
+        return False
+
+
 def _reply_id(reply) -> int:
     return reply.step_id if isinstance(reply, StepReply) else reply.call_id
 
 
-def _stop(procs: list, conns: list, grace_s: float = 5.0) -> None:
-    """End worker processes: ask, then terminate, then kill (each after a grace period)."""
+def _stop(procs: list, conns: list, tmpdir: Optional[str] = None, grace_s: float = 5.0) -> None:
+    """End worker processes: ask, then terminate, then kill (each after a grace period); remove
+    the group's temporary folder."""
     for conn in conns:
         _send(conn, Shutdown())
     deadline = time.monotonic() + grace_s
@@ -106,6 +120,8 @@ def _stop(procs: list, conns: list, grace_s: float = 5.0) -> None:
             proc.join(1.0)
     for conn in conns:
         conn.close()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _describe_exit(code: Optional[int]) -> str:
@@ -120,16 +136,20 @@ def _describe_exit(code: Optional[int]) -> str:
 
 
 class MultiprocExecutor:
-    """One worker process (rank 0), spawned with torch.multiprocessing.
+    """``spec.tensor_parallel_size`` worker processes (ranks 0 .. N - 1), spawned with
+    torch.multiprocessing; each holds its shard of the weights and of the KV cache. Every record
+    goes to every rank (pickled once); every rank answers (so that an error anywhere is seen), and
+    the reply of rank 0 is the step's: all ranks hold the same gathered logits and draw the same
+    tokens (``PAGEDGEN_TP_CHECK=1`` asserts that the replies are equal).
 
     Args:
-        spec: what the worker builds (model, device, cache, seed).
-        world_size: worker processes (1: tensor and pipeline parallelism are not built yet).
+        spec: what the workers build (model, device, cache, seed, tensor-parallel size).
     """
 
-    def __init__(self, spec: WorkerSpec, world_size: int = 1) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.world_size = world_size
+        self.world_size = spec.tensor_parallel_size
+        self._check_replies = os.environ.get("PAGEDGEN_TP_CHECK", "") not in ("", "0")
         self.model_runner = None  # the model lives in the worker
         self._records = RecordBuilder()
         self._ids = itertools.count(1)
@@ -171,10 +191,13 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         self._procs, self._conns = procs, conns
-        self._finalizer = weakref.finalize(self, _stop, procs, conns)
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the shared-memory all-reduce's file lives here
+        tmpdir = tempfile.mkdtemp(prefix="pagedgen-tp-", dir=shm_dir) if self.world_size > 1 else None
+        store_path = os.path.join(tmpdir, "store") if tmpdir else None  # torch.distributed's file store
+        self._finalizer = weakref.finalize(self, _stop, procs, conns, tmpdir)
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(self.spec, rank, child_end), name=f"pagedgen-worker-{rank}", daemon=True)
+            proc = ctx.Process(target=worker_main, args=(self.spec, rank, child_end, store_path), name=f"pagedgen-worker-{rank}", daemon=True)
             proc.start()
             child_end.close()
             procs.append(proc)
@@ -185,6 +208,7 @@ class MultiprocExecutor:
                 self._fail(rank, "starting", f"raised {msg.exc_type}: {msg.message}\n--- worker traceback ---\n{msg.traceback}")
             if not isinstance(msg, WorkerReady):
                 self._fail(rank, "starting", f"sent {type(msg).__name__} instead of WorkerReady")
+            self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
 
     def _ready(self) -> None:
         if self._dead is not None:
@@ -197,24 +221,67 @@ class MultiprocExecutor:
 
     def _call(self, msg, call_id: int, what: str) -> list:
         with self._lock:
+            data = pickle.dumps(msg) if self.world_size > 1 else None  # one pickle for every rank
             for rank, conn in enumerate(self._conns):
                 try:
-                    sent = _send(conn, msg)
+                    sent = _send(conn, msg) if data is None else _send_bytes(conn, data)
                 except BaseException:
                     self._desynced = True  # half a message may be in the pipe
                     raise
                 if not sent:
                     self._fail(rank, what, _describe_exit(self._exitcode(rank)))
-            replies = []
-            for rank, conn in enumerate(self._conns):
-                reply = self._wait(rank, conn, lambda r: _reply_id(r) >= call_id, what)
+            if self.world_size == 1:
+                replies = [self._wait(0, self._conns[0], lambda r: _reply_id(r) >= call_id, what)]
+            else:
+                replies = self._wait_all(call_id, what)
+            for rank, reply in enumerate(replies):
                 if isinstance(reply, WorkerError):
+                    if self.world_size > 1:  # the other ranks may wait in a collective: start them over
+                        self._restart_later()
                     raise RuntimeError(
                         f"pagedgen worker rank {rank} raised {reply.exc_type} in {what}: {reply.message}\n"
                         f"--- worker traceback ---\n{reply.traceback}"
                     )
-                replies.append(reply)
+            if self._check_replies and isinstance(replies[0], StepReply):
+                for rank, reply in enumerate(replies[1:], 1):
+                    if (reply.seq_ids, reply.token_ids) != (replies[0].seq_ids, replies[0].token_ids):
+                        raise AssertionError(f"tensor-parallel rank {rank} sampled {reply.token_ids}, rank 0 {replies[0].token_ids} in {what}")
             return replies
+
+    def _wait_all(self, call_id: int, what: str) -> list:
+        """Every rank's answer to ``call_id``, read as they come (a rank that raised may leave the
+        others waiting in a collective: its error is seen at once); RuntimeError naming a rank that
+        dies first."""
+        replies: list = [None] * self.world_size
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        while pending:
+            for conn in mp_connection.wait(list(pending), POLL_S):
+                rank = pending[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(rank, what, _describe_exit(self._exitcode(rank)))
+                except BaseException:
+                    self._desynced = True
+                    raise
+                if _reply_id(msg) < call_id:
+                    continue  # a late reply to an interrupted call
+                replies[rank] = msg
+                del pending[conn]
+                if isinstance(msg, WorkerError):
+                    return replies
+            for rank, proc in enumerate(self._procs):
+                if not proc.is_alive():
+                    self._fail(rank, what, _describe_exit(self._exitcode(rank)))
+        return replies
+
+    def _restart_later(self) -> None:
+        """Stop the workers now (no orphan waits in a collective); the next call starts fresh ones."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        self._finalizer()
+        self._desynced = True
 
     def _wait(self, rank: int, conn, wanted: Callable, what: str, timeout_s: Optional[float] = None):
         """The next message of ``rank`` that ``wanted`` accepts (older replies are dropped);
@@ -246,5 +313,8 @@ class MultiprocExecutor:
     def _fail(self, rank: int, what: str, how: str) -> None:
         pid = self._procs[rank].pid
         self._dead = f"pagedgen worker rank {rank} (pid {pid}) {how} during {what}; the workers were stopped: make a new LLM"
+        for other in self._procs:  # the others may wait in a collective for the dead one
+            if other.is_alive() and self.world_size > 1:
+                other.terminate()
         self._finalizer()  # no orphans: stop the other workers too
         raise RuntimeError(self._dead)

@@ -18,10 +18,13 @@ children. A mirror never needs a token back from the driver that is not in a rec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from pagedgen.config import CacheConfig
+from pagedgen.distributed.communicator import init_process_group, make_communicator
+from pagedgen.distributed.group import TPGroup
 from pagedgen.engine.model_runner import ModelRunner, StepOutput
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
@@ -35,8 +38,10 @@ from pagedgen.model import loader
 class WorkerSpec:
     """Everything a worker needs to build itself, checked by ``LLM`` before any worker starts.
 
-    ``dtype``: the resolved model dtype; ``num_threads``: torch intra-op threads (0: torch's own
-    default); ``cuda_graph_max_seqs``: as ``ModelRunner``'s.
+    ``dtype``: the resolved model dtype; ``num_threads``: torch intra-op threads per worker (0:
+    torch's own default); ``cuda_graph_max_seqs``: as ``ModelRunner``'s (0 when
+    ``tensor_parallel_size`` > 1: the collectives are not captured); ``tensor_parallel_size``: the
+    ranks that each hold a shard of the weights and of the KV cache (KV heads split across them).
     """
 
     model: str
@@ -48,6 +53,7 @@ class WorkerSpec:
     seed: int
     cuda_graph_max_seqs: int = 0
     num_threads: int = 0
+    tensor_parallel_size: int = 1
 
 
 class Worker:
@@ -55,17 +61,24 @@ class Worker:
 
     Args:
         spec: the model, device, cache and seed.
-        rank: this worker's rank (0 while there is one worker).
+        rank: this worker's rank (``rank = pp_rank * tensor_parallel_size + tp_rank`` once
+            pipeline stages exist; today the tensor-parallel rank).
+        store_path: with ``tensor_parallel_size`` > 1, the file the ranks meet at
+            (torch.distributed's file store, in the driver's temporary folder).
     """
 
-    def __init__(self, spec: WorkerSpec, rank: int = 0) -> None:
+    def __init__(self, spec: WorkerSpec, rank: int = 0, store_path: Optional[str] = None) -> None:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.rank = rank
+        self.tp: Optional[TPGroup] = None
+        if spec.tensor_parallel_size > 1:
+            self.backend = init_process_group(store_path, rank, spec.tensor_parallel_size, spec.device)
+            self.tp = TPGroup(rank, spec.tensor_parallel_size, make_communicator(self.backend, rank, spec.tensor_parallel_size, store_path, spec.device))
         hf_config = loader.load_hf_config(spec.model)
         model_config = loader.model_config_from_hf(hf_config, spec.dtype)
-        model = loader.load_model(spec.model, hf_config, model_config, spec.device)
+        model = loader.load_model(spec.model, hf_config, model_config, spec.device, self.tp)
         prepare_matmuls(model, spec.matmul_config)
         self.runner = ModelRunner(model, spec.cache_config, Sampler(spec.seed), spec.cuda_graph_max_seqs, spec.max_model_len)
         self.seqs: dict[int, Sequence] = {}  # the sequence mirrors, by seq id

@@ -36,9 +36,36 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
         raise ValueError(f"parameter of shape {tuple(param.shape)} has no shard {shard_id!r}")
     if check_shape(loaded, tuple(param.shape)):
         with torch.no_grad():
-            param.copy_(loaded)
+            param.copy_(read(loaded))
 
 
 def weight_loader(param: nn.Parameter):
     """The loader of ``param``: its own ``weight_loader`` or ``default_weight_loader``."""
     return getattr(param, "weight_loader", default_weight_loader)
+
+
+class CheckpointSlice:
+    """A checkpoint tensor not read yet (safetensors' ``get_slice``): ``narrow`` composes index
+    ranges and ``load()`` reads only them, so a tensor-parallel rank reads only its shard."""
+
+    def __init__(self, sl, ranges: tuple = None) -> None:
+        self._sl = sl
+        self._ranges = ranges if ranges is not None else tuple((0, n) for n in sl.get_shape())
+        self.shape = torch.Size(n for _, n in self._ranges)
+        self.is_meta = False
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointSlice":
+        r = list(self._ranges)
+        off, n = r[dim]
+        if start < 0 or start + length > n:
+            raise IndexError(f"narrow({dim}, {start}, {length}) outside {n}")
+        r[dim] = (off + start, length)
+        return CheckpointSlice(self._sl, tuple(r))
+
+    def load(self) -> torch.Tensor:
+        return self._sl[tuple(slice(o, o + n) for o, n in self._ranges)]
+
+
+def read(loaded) -> torch.Tensor:
+    """The data of ``loaded``: a tensor as it is, a ``CheckpointSlice`` read."""
+    return loaded.load() if isinstance(loaded, CheckpointSlice) else loaded

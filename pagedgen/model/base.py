@@ -16,11 +16,13 @@ subclasses ``CausalLM``, builds its layers in ``__init__`` from ``(hf_config, co
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import replace
+from typing import ClassVar, Optional
 
 import torch
 
 from pagedgen.config import ModelConfig
+from pagedgen.distributed.group import TPGroup, tp_size
 from pagedgen.layers.module import Module
 from pagedgen.ops import AttentionMetadata
 
@@ -46,6 +48,8 @@ class CausalLM(Module):
     Args:
         hf_config: the transformers config of the checkpoint (the family's own fields).
         config: the engine's view of it (shape of the KV cache, dtype).
+        tp: this rank's tensor-parallel group (None: one rank holds the whole model); the layers
+            get it in their constructors, and ``self.config`` then holds the rank's heads.
 
     Subclasses set the decoder stack as the attribute named ``base_model_prefix`` (``self.model``,
     GPT-2's ``self.transformer``...; ``forward(input_ids, positions, attn, kv_caches,
@@ -64,9 +68,12 @@ class CausalLM(Module):
     #: config.json fields that describe the weight shapes (named in shape-mismatch errors)
     shape_fields: ClassVar[tuple[str, ...]] = ("hidden_size", "num_attention_heads", "vocab_size")
 
-    def __init__(self, hf_config, config: ModelConfig) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.config = config
+        # a tensor-parallel rank's config holds its own heads (the KV cache it allocates)
+        n = tp_size(tp)
+        self.config = config if n == 1 else replace(config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n)
+        self.tp = tp
 
     @classmethod
     def check_config(cls, hf_config) -> None:

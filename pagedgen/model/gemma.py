@@ -15,7 +15,10 @@ norm and embedding scale; checkpoint names are Llama's.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from pagedgen.config import ModelConfig
+from pagedgen.distributed.group import TPGroup
 from pagedgen.layers.embedding import ParallelLMHead
 from pagedgen.layers.rotary_embedding import get_rope
 from pagedgen.model.base import CausalLM
@@ -35,18 +38,18 @@ class GemmaForCausalLM(CausalLM):
         if getattr(hf_config, "use_bidirectional_attention", None):
             raise ValueError("config.json use_bidirectional_attention=True (an embedding model) is not supported: pagedgen's attention is causal")
 
-    def __init__(self, hf_config, config: ModelConfig) -> None:
-        super().__init__(hf_config, config)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp)
         bias = bool(getattr(hf_config, "attention_bias", False))
         rotary_emb = get_rope(hf_config, config.head_dim)
         layers = [
             LlamaDecoderLayer(
                 hf_config,
-                LlamaAttention(hf_config, config, rotary_emb, qkv_bias=bias, o_bias=bias, qk_norm=False, sliding_window=0),
-                LlamaMLP(config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act),
+                LlamaAttention(hf_config, config, rotary_emb, qkv_bias=bias, o_bias=bias, qk_norm=False, sliding_window=0, tp=tp),
+                LlamaMLP(config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, tp=tp),
                 gemma_norm=True,
             )
             for _ in range(config.num_layers)
         ]
-        self.model = LlamaModel(hf_config, layers, embed_scale=config.hidden_size**0.5, gemma_norm=True)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if config.tie_word_embeddings else None)
+        self.model = LlamaModel(hf_config, layers, embed_scale=config.hidden_size**0.5, gemma_norm=True, tp=tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if config.tie_word_embeddings else None, tp=tp)

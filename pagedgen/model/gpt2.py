@@ -15,10 +15,13 @@ transposed into ordinary linear layers (``layout="conv1d"``). Older checkpoints 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from pagedgen.config import ModelConfig
+from pagedgen.distributed.group import TPGroup
 from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
@@ -33,15 +36,15 @@ class GPT2Attention(Module):
     """Multi-head attention; q·k scaled by 1/sqrt(head_dim) (``scale_attn_weights``) and by
     1/(layer index + 1) with ``scale_attn_by_inverse_layer_idx``."""
 
-    def __init__(self, hf_config, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, hf_config, config: ModelConfig, layer_idx: int, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         H, D = config.num_heads, config.head_dim
         scale = D**-0.5 if hf_config.scale_attn_weights else 1.0
         if hf_config.scale_attn_by_inverse_layer_idx:
             scale /= float(layer_idx + 1)
-        self.c_attn = QKVParallelLinear(config.hidden_size, D, H, H, bias=True, layout="conv1d")
-        self.attn = Attention(H, D, scale, H)
-        self.c_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias=True, layout="conv1d")
+        self.c_attn = QKVParallelLinear(config.hidden_size, D, H, H, bias=True, layout="conv1d", tp=tp)
+        self.attn = Attention(self.c_attn.num_heads, D, scale, self.c_attn.num_heads)
+        self.c_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias=True, layout="conv1d", tp=tp)
 
     def forward(self, h: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.c_attn.split(self.c_attn(h))  # [T, H, D] each
@@ -49,25 +52,25 @@ class GPT2Attention(Module):
 
 
 class GPT2MLP(Module):
-    def __init__(self, hf_config, hidden_size: int) -> None:
+    def __init__(self, hf_config, hidden_size: int, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         inner = hf_config.n_inner or 4 * hidden_size
-        self.c_fc = ColumnParallelLinear(hidden_size, inner, bias=True, layout="conv1d")
+        self.c_fc = ColumnParallelLinear(hidden_size, inner, bias=True, layout="conv1d", tp=tp)
         self.act = get_act_fn(hf_config.activation_function, "activation_function")
-        self.c_proj = RowParallelLinear(inner, hidden_size, bias=True, layout="conv1d")
+        self.c_proj = RowParallelLinear(inner, hidden_size, bias=True, layout="conv1d", tp=tp)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(h)))
 
 
 class GPT2Block(Module):
-    def __init__(self, hf_config, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, hf_config, config: ModelConfig, layer_idx: int, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         eps = hf_config.layer_norm_epsilon
         self.ln_1 = LayerNorm(config.hidden_size, eps)
-        self.attn = GPT2Attention(hf_config, config, layer_idx)
+        self.attn = GPT2Attention(hf_config, config, layer_idx, tp)
         self.ln_2 = LayerNorm(config.hidden_size, eps)
-        self.mlp = GPT2MLP(hf_config, config.hidden_size)
+        self.mlp = GPT2MLP(hf_config, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
         x = self.attn(self.ln_1(x), kv_cache, attn) + x
@@ -75,11 +78,11 @@ class GPT2Block(Module):
 
 
 class GPT2Model(Module):
-    def __init__(self, hf_config, config: ModelConfig) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.wpe = PositionEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList([GPT2Block(hf_config, config, i) for i in range(config.num_layers)])
+        self.h = nn.ModuleList([GPT2Block(hf_config, config, i, tp) for i in range(config.num_layers)])
         self.ln_f = LayerNorm(config.hidden_size, hf_config.layer_norm_epsilon)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
@@ -101,7 +104,7 @@ class GPT2LMHeadModel(CausalLM):
         if getattr(hf_config, "add_cross_attention", False):
             raise ValueError("config.json add_cross_attention=True (an encoder-decoder GPT-2) is not supported")
 
-    def __init__(self, hf_config, config: ModelConfig) -> None:
-        super().__init__(hf_config, config)
-        self.transformer = GPT2Model(hf_config, config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.transformer.wte if config.tie_word_embeddings else None)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp)
+        self.transformer = GPT2Model(hf_config, config, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.transformer.wte if config.tie_word_embeddings else None, tp=tp)

@@ -17,10 +17,13 @@ features), reordered on load (``layout="interleaved_qkv"``); older ones carry th
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from pagedgen.config import ModelConfig
+from pagedgen.distributed.group import TPGroup
 from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -33,13 +36,13 @@ from pagedgen.ops import AttentionMetadata
 
 
 class GPTNeoXAttention(Module):
-    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         H, D, bias = config.num_heads, config.head_dim, hf_config.attention_bias
-        self.query_key_value = QKVParallelLinear(config.hidden_size, D, H, H, bias=bias, layout="interleaved_qkv")
+        self.query_key_value = QKVParallelLinear(config.hidden_size, D, H, H, bias=bias, layout="interleaved_qkv", tp=tp)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(H, D, D**-0.5, H)
-        self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias)
+        self.attn = Attention(self.query_key_value.num_heads, D, D**-0.5, self.query_key_value.num_heads)
+        self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, positions, h: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.query_key_value.split(self.query_key_value(h))  # [T, H, D] each
@@ -48,24 +51,24 @@ class GPTNeoXAttention(Module):
 
 
 class GPTNeoXMLP(Module):
-    def __init__(self, hf_config) -> None:
+    def __init__(self, hf_config, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.dense_h_to_4h = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size, bias=True)
+        self.dense_h_to_4h = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size, bias=True, tp=tp)
         self.act = get_act_fn(hf_config.hidden_act)
-        self.dense_4h_to_h = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size, bias=True)
+        self.dense_4h_to_h = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size, bias=True, tp=tp)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(h)))
 
 
 class GPTNeoXLayer(Module):
-    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         self.use_parallel_residual = hf_config.use_parallel_residual
         self.input_layernorm = LayerNorm(config.hidden_size, hf_config.layer_norm_eps)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, hf_config.layer_norm_eps)
-        self.attention = GPTNeoXAttention(hf_config, config, rotary_emb)
-        self.mlp = GPTNeoXMLP(hf_config)
+        self.attention = GPTNeoXAttention(hf_config, config, rotary_emb, tp)
+        self.mlp = GPTNeoXMLP(hf_config, tp)
 
     def forward(self, positions, x: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
         a = self.attention(positions, self.input_layernorm(x), kv_cache, attn)
@@ -76,11 +79,11 @@ class GPTNeoXLayer(Module):
 
 
 class GPTNeoXModel(Module):
-    def __init__(self, hf_config, config: ModelConfig) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         rotary_emb = get_rope(hf_config, config.head_dim)
-        self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([GPTNeoXLayer(hf_config, config, rotary_emb) for _ in range(config.num_layers)])
+        self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList([GPTNeoXLayer(hf_config, config, rotary_emb, tp) for _ in range(config.num_layers)])
         self.final_layer_norm = LayerNorm(config.hidden_size, hf_config.layer_norm_eps)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
@@ -99,7 +102,7 @@ class GPTNeoXForCausalLM(CausalLM):
     required_config_fields = ("intermediate_size",)
     shape_fields = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 
-    def __init__(self, hf_config, config: ModelConfig) -> None:
-        super().__init__(hf_config, config)
-        self.gpt_neox = GPTNeoXModel(hf_config, config)
-        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.gpt_neox.embed_in if config.tie_word_embeddings else None)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp)
+        self.gpt_neox = GPTNeoXModel(hf_config, config, tp)
+        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.gpt_neox.embed_in if config.tie_word_embeddings else None, tp=tp)

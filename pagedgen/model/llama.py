@@ -23,10 +23,13 @@ output matches it token for token.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from pagedgen.config import ModelConfig
+from pagedgen.distributed.group import TPGroup
 from pagedgen.layers.activation import ActAndMul
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -47,15 +50,16 @@ class LlamaAttention(Module):
         sliding_window: this layer's window (0: full attention).
     """
 
-    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int) -> None:
+    def __init__(self, hf_config, config: ModelConfig, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int,
+                 tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        H, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, Hkv, bias=qkv_bias)
+        H, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim  # global
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, Hkv, bias=qkv_bias, tp=tp)
         self.q_norm = RMSNorm(D, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(D, hf_config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(H, D, D**-0.5, Hkv, sliding_window)
-        self.o_proj = RowParallelLinear(H * D, config.hidden_size, bias=o_bias)
+        self.attn = Attention(self.qkv_proj.num_heads, D, D**-0.5, self.qkv_proj.num_kv_heads, sliding_window)  # this rank's heads
+        self.o_proj = RowParallelLinear(H * D, config.hidden_size, bias=o_bias, tp=tp)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
         T, D = h.shape[0], self.attn.head_dim
@@ -73,11 +77,11 @@ class LlamaMLP(Module):
     """Gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``, gate and up in one matmul
     (SwiGLU for ``silu``; Gemma's GeGLU with ``gelu_pytorch_tanh``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias, tp=tp)
         self.act_fn = ActAndMul(hidden_act)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(h)))  # [T, hidden]
@@ -120,9 +124,9 @@ class LlamaModel(Module):
         gemma_norm: Gemma's RMSNorm form for the final norm.
     """
 
-    def __init__(self, hf_config, layers: list[nn.Module], embed_scale: float = 1.0, gemma_norm: bool = False) -> None:
+    def __init__(self, hf_config, layers: list[nn.Module], embed_scale: float = 1.0, gemma_norm: bool = False, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, scale=embed_scale)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, scale=embed_scale, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, gemma=gemma_norm)
 
@@ -150,8 +154,8 @@ class LlamaForCausalLM(CausalLM):
     required_config_fields = ("intermediate_size",)
     shape_fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 
-    def __init__(self, hf_config, config: ModelConfig) -> None:
-        super().__init__(hf_config, config)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp)
         arch = config.architecture
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = True if arch == "Qwen2ForCausalLM" else attention_bias  # Qwen2: q/k/v biases, no o_proj bias
@@ -161,10 +165,10 @@ class LlamaForCausalLM(CausalLM):
         layers = [
             LlamaDecoderLayer(
                 hf_config,
-                LlamaAttention(hf_config, config, rotary_emb, qkv_bias, attention_bias, qk_norm, windows[i]),
-                LlamaMLP(config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bool(getattr(hf_config, "mlp_bias", False))),
+                LlamaAttention(hf_config, config, rotary_emb, qkv_bias, attention_bias, qk_norm, windows[i], tp),
+                LlamaMLP(config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bool(getattr(hf_config, "mlp_bias", False)), tp),
             )
             for i in range(config.num_layers)
         ]
-        self.model = LlamaModel(hf_config, layers)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if config.tie_word_embeddings else None)
+        self.model = LlamaModel(hf_config, layers, tp=tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if config.tie_word_embeddings else None, tp=tp)

@@ -117,10 +117,27 @@ def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
     )
 
 
-def load_model(path: str, hf_config, config: ModelConfig, device: Union[str, torch.device] = "cpu"):
-    """The model of the checkpoint folder ``path``, its weights streamed in (``weights.load_model``)."""
+def load_model(path: str, hf_config, config: ModelConfig, device: Union[str, torch.device] = "cpu", tp=None):
+    """The model of the checkpoint folder ``path``, its weights streamed in (``weights.load_model``;
+    ``tp``: a tensor-parallel rank's group, which loads only its shards)."""
     _, cls = registry.resolve_architecture([config.architecture])
-    return weights.load_model(cls, path, hf_config, config, torch.device(device))
+    return weights.load_model(cls, path, hf_config, config, torch.device(device), tp)
+
+
+def check_tensor_parallel(hf_config, config: ModelConfig, size: int) -> None:
+    """Build the model of one rank of ``size`` on the meta device (no memory, no process): a
+    ValueError naming the size that does not divide (heads, KV heads, MLP width)."""
+    from pagedgen.distributed.group import TPGroup
+
+    _, cls = registry.resolve_architecture([config.architecture])
+    for name, total in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)):
+        if total % size:
+            raise ValueError(f"LLM tensor_parallel_size={size} must divide {name} ({total}) of the model")
+    try:
+        with torch.device("meta"):
+            cls(hf_config, config, TPGroup(0, size))
+    except ValueError as exc:
+        raise ValueError(f"LLM tensor_parallel_size={size}: {exc}") from exc
 
 
 def load_tokenizer(path: str):

@@ -15,10 +15,13 @@ Checkpoints saved from the bare model start with ``decoder.`` (``model.`` is pre
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from pagedgen.config import ModelConfig
+from pagedgen.distributed.group import TPGroup
 from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
@@ -32,13 +35,13 @@ POSITION_OFFSET = 2  # OPT's learned positions reserve rows 0 and 1
 
 
 class OPTAttention(Module):
-    def __init__(self, config: ModelConfig, bias: bool) -> None:
+    def __init__(self, config: ModelConfig, bias: bool, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         H, D = config.num_heads, config.head_dim
         self.scaling = D**-0.5
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, H, bias=bias)
-        self.attn = Attention(H, D, 1.0, H)  # q is scaled before, as transformers does
-        self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, H, bias=bias, tp=tp)
+        self.attn = Attention(self.qkv_proj.num_heads, D, 1.0, self.qkv_proj.num_heads)  # q is scaled before, as transformers does
+        self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, h: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(h))  # [T, H, D] each
@@ -47,15 +50,15 @@ class OPTAttention(Module):
 
 
 class OPTDecoderLayer(Module):
-    def __init__(self, hf_config, config: ModelConfig) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         hidden, bias, affine = config.hidden_size, hf_config.enable_bias, hf_config.layer_norm_elementwise_affine
         self.pre_norm = hf_config.do_layer_norm_before
-        self.self_attn = OPTAttention(config, bias)
+        self.self_attn = OPTAttention(config, bias, tp)
         self.self_attn_layer_norm = LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = ColumnParallelLinear(hidden, hf_config.ffn_dim, bias=bias)
+        self.fc1 = ColumnParallelLinear(hidden, hf_config.ffn_dim, bias=bias, tp=tp)
         self.act = get_act_fn(hf_config.activation_function, "activation_function")
-        self.fc2 = RowParallelLinear(hf_config.ffn_dim, hidden, bias=bias)
+        self.fc2 = RowParallelLinear(hf_config.ffn_dim, hidden, bias=bias, tp=tp)
         self.final_layer_norm = LayerNorm(hidden, elementwise_affine=affine)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
@@ -67,14 +70,14 @@ class OPTDecoderLayer(Module):
 
 
 class OPTDecoder(Module):
-    def __init__(self, hf_config, config: ModelConfig) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         hidden, word_dim = config.hidden_size, hf_config.word_embed_proj_dim
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, word_dim)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, word_dim, tp=tp)
         self.embed_positions = PositionEmbedding(config.max_position_embeddings, hidden, offset=POSITION_OFFSET)
         self.project_in = ReplicatedLinear(word_dim, hidden) if word_dim != hidden else None
         self.project_out = ReplicatedLinear(hidden, word_dim) if word_dim != hidden else None
-        self.layers = nn.ModuleList([OPTDecoderLayer(hf_config, config) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([OPTDecoderLayer(hf_config, config, tp) for _ in range(config.num_layers)])
         keep_final_norm = hf_config.do_layer_norm_before and not getattr(hf_config, "_remove_final_layer_norm", False)
         self.final_layer_norm = LayerNorm(hidden, elementwise_affine=hf_config.layer_norm_elementwise_affine) if keep_final_norm else None
 
@@ -94,9 +97,9 @@ class OPTDecoder(Module):
 
 
 class OPTModel(Module):
-    def __init__(self, hf_config, config: ModelConfig) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(hf_config, config)
+        self.decoder = OPTDecoder(hf_config, config, tp)
 
     def forward(self, *args) -> torch.Tensor:
         return self.decoder(*args)
@@ -109,8 +112,8 @@ class OPTForCausalLM(CausalLM):
     required_config_fields = ("ffn_dim",)
     shape_fields = ("hidden_size", "ffn_dim", "word_embed_proj_dim", "num_attention_heads", "max_position_embeddings", "vocab_size")
 
-    def __init__(self, hf_config, config: ModelConfig) -> None:
-        super().__init__(hf_config, config)
-        self.model = OPTModel(hf_config, config)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp)
+        self.model = OPTModel(hf_config, config, tp)
         embed = self.model.decoder.embed_tokens
-        self.lm_head = ParallelLMHead(config.vocab_size, hf_config.word_embed_proj_dim, tie_to=embed if config.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(config.vocab_size, hf_config.word_embed_proj_dim, tie_to=embed if config.tie_word_embeddings else None, tp=tp)

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from pagedgen.config import ModelConfig
-from pagedgen.layers.loading import WeightShapeError, weight_loader
+from pagedgen.distributed.group import TPGroup, tp_size
+from pagedgen.layers.loading import CheckpointSlice, WeightShapeError, weight_loader
 from pagedgen.model.base import CausalLM
 from pagedgen.model.files import CheckpointError, read_json
 
@@ -196,30 +197,32 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
                 setattr(module, name, memo.setdefault(id(b), b.to(device)))
 
 
-def read_weights(model: CausalLM, plan: list[TensorPlan]) -> None:
+def read_weights(model: CausalLM, plan: list[TensorPlan], sharded: bool = False) -> None:
     """Copy every planned tensor into its parameter, one ``safe_open`` per tensor (see the module
-    docstring for why)."""
+    docstring for why). ``sharded`` (a tensor-parallel rank): each loader gets a
+    ``CheckpointSlice`` and reads only its rank's rows or columns (``get_slice``)."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
     for t in plan:
         param = params[t.param_name]
         with safe_open(t.file, framework="pt") as f:
-            tensor = f.get_tensor(t.name)
+            tensor = CheckpointSlice(f.get_slice(t.name)) if sharded else f.get_tensor(t.name)
             weight_loader(param)(param, tensor, t.shard_id)
             del tensor
 
 
-def load_model(cls: type, path: str, hf_config, config: ModelConfig, device: torch.device) -> CausalLM:
-    """Build ``cls`` for ``hf_config`` and load the checkpoint folder ``path`` into it.
+def load_model(cls: type, path: str, hf_config, config: ModelConfig, device: torch.device, tp: Optional[TPGroup] = None) -> CausalLM:
+    """Build ``cls`` for ``hf_config`` and load the checkpoint folder ``path`` into it (``tp``: this
+    rank's tensor-parallel group; the rank then allocates and reads only its shards).
 
     Raises:
         ValueError: the config has a field the family cannot honour, or the weights do not match
             it (see ``plan_checkpoint``); FileNotFoundError / CheckpointError for unusable files.
     """
     with torch.device("meta"):
-        model = cls(hf_config, config)
+        model = cls(hf_config, config) if tp_size(tp) == 1 else cls(hf_config, config, tp)
     plan = plan_checkpoint(model, path, hf_config)
     materialize(model, config.dtype, device)
-    read_weights(model, plan)
+    read_weights(model, plan, sharded=tp_size(tp) > 1)
     return model.eval()

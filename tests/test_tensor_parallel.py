@@ -1,0 +1,199 @@
+"""Tensor parallelism (``LLM(tensor_parallel_size=N)``) against TP = 1, on the CPU with gloo.
+
+- stories260K (8 query / 4 KV heads, 5 layers, vocab 512): TP = 2 and TP = 4 give TP = 1's greedy
+  tokens for 64 prompts of mixed lengths, with preemption and chunked prefill (a small cache),
+  prompt logprobs within 1e-4 (fp32); seeded sampling, n > 1, prefix caching and the streaming API
+  at TP = 2;
+- tiny random checkpoints of the families whose heads divide by 2 (GPT-2's Conv1D and fused
+  c_attn, GPT-NeoX's interleaved q/k/v, OPT with biases and project_in/out, Phi-3's fused
+  checkpoints) at TP = 2;
+- a size that does not divide the KV heads is a ValueError before any process starts;
+- faults: a rank killed mid-step, an exception in one rank.
+TP = 4 runs on a 2-core machine with ``PAGEDGEN_TP_OVERSUBSCRIBE=1`` (the size is otherwise
+limited to the cores).
+"""
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import story_openings
+from pagedgen import LLM, SamplingParams
+
+KW = dict(num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=96)  # preemption and chunked prefill
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return story_openings(64, seed=5)
+
+
+@pytest.fixture(scope="module")
+def tp1(stories_path):
+    return LLM(stories_path, **KW)
+
+
+@pytest.fixture(scope="module")
+def tp2(stories_path):
+    llm = LLM(stories_path, tensor_parallel_size=2, **KW)
+    yield llm
+    llm.shutdown()
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_tp2_greedy_tokens_equal_tp1_with_preemption(tp1, tp2, prompts):
+    assert len(tp2.llm_engine.executor.worker_pids) == 2
+    expected = _tokens(tp1.generate(prompts, GREEDY, use_tqdm=False))
+    assert _tokens(tp2.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert tp2.get_stats().num_preemptions > 0
+
+
+def test_tp2_prompt_logprobs_within_1e_4(tp1, tp2, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, logprobs=2)
+    a, b = tp1.generate(prompts[:8], sp, use_tqdm=False), tp2.generate(prompts[:8], sp, use_tqdm=False)
+    worst = 0.0
+    for x, y in zip(a, b):
+        for px, py in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+            assert px.keys() == py.keys()
+            worst = max(worst, max(abs(px[t].logprob - py[t].logprob) for t in px))
+    assert worst <= 1e-4, worst
+
+
+def test_tp2_seeds_n_prefix_caching_and_streaming(tp1, tp2, prompts):
+    sps = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=8) for i in range(16)]
+    shared = ["Once upon a time there was a little girl named Lily. " + p for p in prompts[:16]]  # cached prefixes
+    assert _tokens(tp2.generate(shared, sps, use_tqdm=False)) == _tokens(tp1.generate(shared, sps, use_tqdm=False))
+    streamed = {o.index: [c.token_ids for c in o.outputs] for o in tp2.generate_stream(prompts[:16], GREEDY)}
+    assert [streamed[i] for i in range(16)] == _tokens(tp1.generate(prompts[:16], GREEDY, use_tqdm=False))
+
+
+def test_tp2_uses_the_shared_memory_all_reduce(tp2):
+    assert tp2.llm_engine.executor.communicator == "shm"
+
+
+def test_tp4_greedy_tokens_equal_tp1_over_gloo(stories_path, tp1, prompts, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_TP_OVERSUBSCRIBE", "1")
+    monkeypatch.setenv("PAGEDGEN_TP_ALLREDUCE", "gloo")  # the fallback; TP = 2 above runs the shared-memory one
+    expected = _tokens(tp1.generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(stories_path, tensor_parallel_size=4, **KW) as llm:
+        assert llm.llm_engine.executor.communicator == "gloo"
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "opt-postnorm-proj", "phi3"])
+def test_family_tp2_equals_tp1(family, tmp_path):
+    from tiny_checkpoints import build
+
+    build(family, str(tmp_path))
+    prompts = [[(7 * i + j) % 4000 + 5 for j in range(3 + 5 * i)] for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = _tokens(LLM(str(tmp_path), num_kv_blocks=64).generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False))
+    with LLM(str(tmp_path), num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        assert _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)) == expected
+
+
+def test_bad_size_is_refused_before_any_process(stories_path, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_TP_OVERSUBSCRIBE", "1")
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide num_attention_heads \(8\)"):
+        LLM(stories_path, tensor_parallel_size=3)
+    monkeypatch.delenv("PAGEDGEN_TP_OVERSUBSCRIBE")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=64 must be <= the CPU cores"):
+        LLM(stories_path, tensor_parallel_size=64)
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
+        LLM(stories_path, pipeline_parallel_size=2)
+    assert set(multiprocessing.active_children()) == before
+
+
+def _slow_steps(worker, seconds: float) -> int:
+    model = worker.runner.model
+    real = type(model).forward
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    model.forward = slow.__get__(model)
+    return os.getpid()
+
+
+def _fail_on_rank_1(worker) -> None:
+    if worker.rank != 1:
+        return
+    model = worker.runner.model
+
+    def failing(*args, **kwargs):
+        raise ValueError("injected in rank 1")
+
+    model.forward = failing
+
+
+def _gone(pids, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z" for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_exception_in_one_rank_then_fresh_group(tp1, tp2, prompts):
+    expected = _tokens(tp1.generate(prompts[:8], GREEDY, use_tqdm=False))
+    executor = tp2.llm_engine.executor
+    old = executor.worker_pids
+    executor.collective_rpc(_fail_on_rank_1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 raised ValueError in step \d+: injected in rank 1"):
+        tp2.generate(prompts[:8], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 10.0 and _gone(old)
+    assert _tokens(tp2.generate(prompts[:8], GREEDY, use_tqdm=False)) == expected  # fresh workers
+
+
+def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prompts):
+    llm = LLM(stories_path, tensor_parallel_size=2, **KW)
+    pids = llm.llm_engine.executor.collective_rpc(_slow_steps, (0.2,))
+    timer = threading.Timer(0.8, os.kill, (pids[1], signal.SIGKILL))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"worker rank 1 \(pid {pids[1]}\) was killed by SIGKILL"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 10.0
+    timer.cancel()
+    assert _gone(pids)
+    assert llm.llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_shm_all_reduce_sums_in_rank_order_on_every_rank(tmp_path, monkeypatch):
+    """Three ranks (threads here) reduce tensors larger than a slot: every rank gets bitwise
+    s0 + s1 + s2 summed in that order, whatever the timing; all_gather is in rank order."""
+    import torch
+
+    from pagedgen.distributed import shm
+
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 4096)
+    size, path = 3, str(tmp_path / "allreduce")
+    data = [torch.randn(5, 700, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(size)]
+    expected = (data[0] + data[1]) + data[2]
+    results, gathered = [None] * size, [None] * size
+
+    def rank(r):
+        comm = shm.ShmCommunicator(path, r, size, fallback=None)
+        for _ in range(3):  # rounds reuse the two slot sets
+            results[r] = comm.all_reduce(data[r].clone())
+        gathered[r] = comm.all_gather(torch.full((2, 3), float(r)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r in range(size):
+        assert torch.equal(results[r], expected)
+        assert torch.equal(gathered[r], torch.cat([torch.full((2, 3), float(k)) for k in range(size)], dim=-1))
