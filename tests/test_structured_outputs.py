@@ -5,6 +5,7 @@ tokenizer cut to 4,096 ids (whose EOS is the text token "!"); with sampling and 
 steps; bad constraints refused before any work; the bitmask op against its reference."""
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -413,11 +414,13 @@ def test_eos_set_on_the_llm(tiny_gpt2):
         assert c.finish_reason == "stop" and c.token_ids[-1] == 13 and c.text in ("a!", "b!")
 
 
-def test_dead_end_is_reported_not_looped_on(tiny_gpt2):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_dead_end_is_reported_not_looped_on(tiny_gpt2, overlap):
     """"!" is the tiny model's EOS, so no token of its vocabulary writes "!". The regex a!b is refused
     when it is compiled; [ab]! can start but never finish: the step names the request (the LLM is
-    usable afterwards)."""
+    usable afterwards), whether the mask that finds it was filled on the helper thread or before the step."""
     llm = LLM(tiny_gpt2, max_num_seqs=8)
+    llm.llm_engine.grammars.overlap = overlap
     S = StructuredOutputsParams
     with pytest.raises(ValueError, match=r"sampling_params\.structured_outputs: no token sequence of this vocabulary satisfies the regex"):
         llm.generate(_tiny_prompts(1), SamplingParams(structured_outputs=S(regex="a!b")), use_tqdm=False)
@@ -426,3 +429,30 @@ def test_dead_end_is_reported_not_looped_on(tiny_gpt2):
                                         SamplingParams(max_tokens=8, structured_outputs=S(regex="[ab]!"))], use_tqdm=False)
     outs = llm.generate(_tiny_prompts(2), SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])), use_tqdm=False)
     assert {o.outputs[0].text for o in outs} <= {"x", "y"}
+
+
+# ----- the mask of a step filled on the helper thread while the model runs it --------------------
+def test_mask_overlap_is_exact_and_runs_on_the_helper_thread(stories_path, monkeypatch):
+    """The same seeded requests (constrained and not, n = 2, preemption by recompute, chunked
+    prefill) give the same tokens with the masks filled before the forward and during it, in
+    process and behind the pickled boundary; with overlap every fill runs on the one helper thread."""
+    prompts, params = _mixed_requests(24)
+    threads, fill = [], grammar_mod.StructuredOutputManager._fill
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return fill(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_mod.StructuredOutputManager, "_fill", recorded)
+    results = {}
+    for backend in (None, "pickle"):
+        for overlap in (False, True):
+            llm = LLM(stories_path, max_num_seqs=16, num_kv_blocks=40, max_num_batched_tokens=64, distributed_executor_backend=backend)
+            llm.llm_engine.grammars.overlap = overlap
+            threads.clear()
+            results[backend, overlap] = _ids(llm.generate(prompts, params, use_tqdm=False))
+            assert llm.get_stats().num_preemptions > 0 and threads
+            assert all(name.startswith("pagedgen-mask") == overlap for name in threads), (backend, overlap, set(threads))
+            grammars = llm.llm_engine.grammars
+            assert grammars.num_masks > 0 and 0 < grammars.mask_wait_seconds and 0 < grammars.mask_seconds
+    assert all(r == results[None, False] for r in results.values())
