@@ -415,20 +415,26 @@ def test_eos_set_on_the_llm(tiny_gpt2):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_dead_end_is_reported_not_looped_on(tiny_gpt2, overlap):
+def test_dead_end_is_reported_not_looped_on(tiny_gpt2, overlap, caplog):
     """"!" is the tiny model's EOS, so no token of its vocabulary writes "!". The regex a!b is refused
-    when it is compiled; [ab]! can start but never finish: the step names the request (the LLM is
-    usable afterwards), whether the mask that finds it was filled on the helper thread or before the step."""
+    when it is compiled; [ab]! can start but never finish: that request alone ends with EOS
+    (finish_reason "stop", as vLLM's llguidance backend) and a warning naming it, the other keeps its
+    output, whether the mask that finds it was filled on the helper thread or before the step."""
     llm = LLM(tiny_gpt2, max_num_seqs=8)
     llm.llm_engine.grammars.overlap = overlap
     S = StructuredOutputsParams
     with pytest.raises(ValueError, match=r"sampling_params\.structured_outputs: no token sequence of this vocabulary satisfies the regex"):
         llm.generate(_tiny_prompts(1), SamplingParams(structured_outputs=S(regex="a!b")), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"request '1': no token of the vocabulary continues its regex constraint after 1 generated tokens \('[ab]'\)"):
-        llm.generate(_tiny_prompts(2), [SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])),
-                                        SamplingParams(max_tokens=8, structured_outputs=S(regex="[ab]!"))], use_tqdm=False)
-    outs = llm.generate(_tiny_prompts(2), SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])), use_tqdm=False)
-    assert {o.outputs[0].text for o in outs} <= {"x", "y"}
+    with caplog.at_level("WARNING", logger="pagedgen"):
+        outs = llm.generate(_tiny_prompts(3), [SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])),
+                                               SamplingParams(max_tokens=8, structured_outputs=S(regex="[ab]!")),
+                                               SamplingParams(max_tokens=4)], use_tqdm=False)
+    dead = outs[1].outputs[0]
+    assert dead.finish_reason == "stop" and list(dead.token_ids[1:]) == [0] and dead.text[:1] in ("a", "b")
+    assert outs[0].outputs[0].text in {"x", "y"} and outs[0].outputs[0].finish_reason == "stop"
+    assert len(outs[2].outputs[0].token_ids) == 4
+    assert re.search(r"request '1': no token of the vocabulary continues its regex constraint after 1 generated tokens \('[ab]'\)", caplog.text)
+    assert len(llm.llm_engine.grammars) == 0
 
 
 # ----- the mask of a step filled on the helper thread while the model runs it --------------------

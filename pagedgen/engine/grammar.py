@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import logging
 import os
 import threading
 import time
@@ -46,6 +47,8 @@ import torch
 
 from pagedgen.engine.token_bitmask import GrammarBitmask
 from pagedgen.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger("pagedgen")
 
 MAX_CACHED_GRAMMARS = 4096  # distinct constraints kept compiled (a per-row schema column may hold many)
 #: fill each step's bitmask on one helper thread while the model runs the step (PAGEDGEN_MASK_OVERLAP=0: before it, serially)
@@ -226,6 +229,11 @@ def _message(matcher) -> str:
     return matcher.get_error().split("\n<state>")[0].strip()
 
 
+def _int32(word: int) -> int:
+    """A 32-bit word as the signed int32 a bitmask tensor holds."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 def _only_eos(row: torch.Tensor, eos: int) -> bool:
     """True when bitmask row [W] int32 allows token ``eos`` and nothing else (or nothing at all)."""
     allowed = row.clone()
@@ -278,6 +286,7 @@ class StructuredOutputManager:
         self._grammars: dict[int, tuple] = {}  # seq_id -> (Sequence, Grammar)
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # one helper thread, made on first use
         self._pending: Optional[GrammarBitmask] = None  # the step's mask while its fill may still run
+        self._dead: set[int] = set()  # seq ids given EOS alone in this step (dead ends: see _check_dead_ends)
         self.mask_seconds = 0.0  # time spent filling bitmasks (benchmarks/structured.py reports it)
         self.mask_wait_seconds = 0.0  # time the step waited for them (all of mask_seconds when serial)
         self.num_masks = 0
@@ -295,6 +304,7 @@ class StructuredOutputManager:
         """Forget every matcher (the engine aborted every request), after any fill still running."""
         self._join(raise_errors=False)
         self._grammars.clear()
+        self._dead.clear()
 
     def _join(self, raise_errors: bool = True) -> None:
         """Wait for the last step's fill (the sampler has waited for it already unless the step failed)."""
@@ -349,19 +359,24 @@ class StructuredOutputManager:
         self.num_masks += len(sampling)
 
     def _check_dead_ends(self, sampling: list, matchers: list, bitmask: torch.Tensor) -> None:
-        """ValueError for a sequence whose grammar is in error or can only stop while incomplete."""
+        """A sequence whose grammar is in error, or can only stop while incomplete, gets the mask of
+        EOS alone and a warning: it finishes in this step (finish_reason "stop", as vLLM's llguidance
+        backend ends it), the others run on."""
         eos = self.compiler._vocabulary(frozenset(sampling[0].eos_token_ids)).eos_token_id
         # only rows that allow EOS can be dead ends (llguidance allows EOS alone there, and errors end in EOS too)
         suspects = ((bitmask[:, eos // 32] >> (eos % 32)) & 1).nonzero().flatten().tolist()
         for row in suspects:
             seq, matcher = sampling[row], matchers[row]
             if matcher.is_error() or (not matcher.is_accepting() and _only_eos(bitmask[row], eos)):
+                bitmask[row] = 0
+                bitmask[row, eos // 32] = _int32(1 << (eos % 32))
+                self._dead.add(seq.seq_id)
                 text = self.compiler.tokenizer.decode(seq.output_token_ids)
-                raise ValueError(
-                    f"request {seq.request_id!r}: no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
-                    f"constraint after {seq.num_output_tokens} generated tokens ({text[-60:]!r}): the constraint cannot be "
-                    f"completed with this tokenizer" + (f" ({_message(matcher)})" if matcher.is_error() else "")
-                )
+                logger.warning(
+                    "request %r: no token of the vocabulary continues its %s constraint after %d generated tokens (%r): the "
+                    "constraint cannot be completed with this tokenizer%s; the completion ends here, incomplete (finish_reason 'stop')",
+                    seq.request_id, seq.sampling_params.structured_outputs.kind, seq.num_output_tokens, text[-60:],
+                    f" ({_message(matcher)})" if matcher.is_error() else "")
 
     def accept(self, seqs: list, token_ids: list[int]) -> None:
         """Advance the matchers of the constrained ``seqs`` over their new tokens (before the
@@ -371,6 +386,10 @@ class StructuredOutputManager:
         if not grammars:
             return
         for seq, token in zip(seqs, token_ids):
+            if seq.seq_id in self._dead:  # a dead end: it sampled EOS, its only allowed token, and ends
+                self._dead.discard(seq.seq_id)
+                del grammars[seq.seq_id]
+                continue
             entry = grammars.get(seq.seq_id)
             if entry is None or (token in seq.eos_token_ids and entry[1].is_terminated()):
                 continue  # not constrained, or EOS after a grammar that ended by itself (NoExtension)
