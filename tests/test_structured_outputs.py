@@ -433,7 +433,7 @@ def test_dead_end_is_reported_not_looped_on(tiny_gpt2, overlap, caplog):
     assert dead.finish_reason == "stop" and list(dead.token_ids[1:]) == [0] and dead.text[:1] in ("a", "b")
     assert outs[0].outputs[0].text in {"x", "y"} and outs[0].outputs[0].finish_reason == "stop"
     assert len(outs[2].outputs[0].token_ids) == 4
-    assert re.search(r"request '1': no token of the vocabulary continues its regex constraint after 1 generated tokens \('[ab]'\)", caplog.text)
+    assert re.search(r"request '1': .*its regex constraint .* after 1 generated tokens \('[ab]'\); the completion ends here", caplog.text, re.S)
     assert len(llm.llm_engine.grammars) == 0
 
 
@@ -462,3 +462,19 @@ def test_mask_overlap_is_exact_and_runs_on_the_helper_thread(stories_path, monke
             grammars = llm.llm_engine.grammars
             assert grammars.num_masks > 0 and 0 < grammars.mask_wait_seconds and 0 < grammars.mask_seconds
     assert all(r == results[None, False] for r in results.values())
+
+
+def test_grammar_past_the_parser_row_limit_ends_that_request_alone(tiny_gpt2, caplog):
+    """A Lark grammar whose second ``x`` opens a parser row of 2,501 items (llguidance's
+    max_items_in_row is 2,000) compiles and starts, then fails mid-generation: that request ends
+    with EOS and a warning carrying llguidance's message; the unconstrained request keeps its output."""
+    llm = LLM(tiny_gpt2, max_num_seqs=8)
+    words = " | ".join(f'"w{i}" y' for i in range(2500))
+    spec = StructuredOutputsParams(grammar=f'start: x x\nx: {words}\ny: "a" | "b"')
+    with caplog.at_level("WARNING", logger="pagedgen"):
+        outs = llm.generate(_tiny_prompts(2), [SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs=spec),
+                                               SamplingParams(max_tokens=6)], use_tqdm=False)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "stop" and failed.token_ids[-1] == 0 and re.fullmatch(r"w\d*[ab]?", failed.text), failed.text
+    assert re.search(r"request '0': llguidance failed on its grammar constraint \(.*max is 2000.*\) after \d+ generated tokens", caplog.text)
+    assert len(outs[1].outputs[0].token_ids) == 6

@@ -372,11 +372,11 @@ class StructuredOutputManager:
                 bitmask[row, eos // 32] = _int32(1 << (eos % 32))
                 self._dead.add(seq.seq_id)
                 text = self.compiler.tokenizer.decode(seq.output_token_ids)
-                logger.warning(
-                    "request %r: no token of the vocabulary continues its %s constraint after %d generated tokens (%r): the "
-                    "constraint cannot be completed with this tokenizer%s; the completion ends here, incomplete (finish_reason 'stop')",
-                    seq.request_id, seq.sampling_params.structured_outputs.kind, seq.num_output_tokens, text[-60:],
-                    f" ({_message(matcher)})" if matcher.is_error() else "")
+                why = (f"llguidance failed on its {seq.sampling_params.structured_outputs.kind} constraint ({_message(matcher)})"
+                       if matcher.is_error() else f"no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
+                       "constraint (it cannot be completed with this tokenizer)")
+                logger.warning("request %r: %s after %d generated tokens (%r); the completion ends here, incomplete (finish_reason 'stop')",
+                               seq.request_id, why, seq.num_output_tokens, text[-60:])
 
     def accept(self, seqs: list, token_ids: list[int]) -> None:
         """Advance the matchers of the constrained ``seqs`` over their new tokens (before the
@@ -393,9 +393,8 @@ class StructuredOutputManager:
             entry = grammars.get(seq.seq_id)
             if entry is None or (token in seq.eos_token_ids and entry[1].is_terminated()):
                 continue  # not constrained, or EOS after a grammar that ended by itself (NoExtension)
-            if not entry[1].accept([token]):
-                raise RuntimeError(f"request {seq.request_id!r}: the grammar refused token {token}, which its bitmask allowed: "
-                                   f"{_message(entry[1].matcher)}")
+            entry[1].accept([token])  # refused (a parser limit such as max_items_in_row met mid-generation):
+            # the matcher is in error, and the next mask (``_check_dead_ends``) ends the request with a warning
 
 
 class _TimedFuture:
