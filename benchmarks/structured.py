@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
 
     modes = {"overlap": [True], "serial": [False], "both": [False, True]}[args.mask]
     runs = {("overlap" if o else "serial"): constrained_run(o) for o in modes}
-    outs, tokens, t_constrained, main_run = runs["overlap" if modes[-1] else "serial"]
+    outs, tokens, _, main_run = runs["overlap" if modes[-1] else "serial"]
     if any(_ids(r[0]) != _ids(outs) for r in runs.values()):
         raise SystemExit("serial and overlapped masks gave different outputs")
     valid, finish = 0, {}

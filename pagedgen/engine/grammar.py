@@ -23,14 +23,17 @@ Pieces:
     Grammar           one sequence's matcher: accept, validate, rollback, fill_bitmask, is_terminated
                       (the interface of STYLE.md's structured-outputs pattern).
     StructuredOutputManager  the engine's grammars by seq id: ``add`` when a request is queued,
-                      ``bitmask(batch)`` before sampling, ``accept`` after it, ``clear`` on rollback.
+                      ``bitmask(batch)`` when the step is scheduled (the rows are filled on one
+                      helper thread while the forward runs; the sampler's read waits for them),
+                      ``accept`` after sampling, ``clear`` on rollback.
 
 The matcher state follows the sequence's output tokens, not its KV cache: preemption (recompute or
 swap), prefix-cache hits and chunked prefill change which tokens are computed, never which are
 generated, so they leave it alone. A step that raises aborts every request (``LLMEngine.step``),
 and ``clear`` drops every matcher with them. EOS is allowed only where the grammar may end; a
 state from which no token of the vocabulary leads on (llguidance then allows EOS alone while the
-grammar is not complete) is a ValueError naming the request, not a loop.
+grammar is not complete), or a matcher in error mid-generation (a parser limit), ends that sequence
+alone with EOS and a warning naming the request (as vLLM's llguidance backend), not a loop.
 """
 from __future__ import annotations
 
