@@ -5,6 +5,7 @@ tokenizer cut to 4,096 ids (whose EOS is the text token "!"); with sampling and 
 steps; bad constraints refused before any work; the bitmask op against its reference."""
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -413,16 +414,67 @@ def test_eos_set_on_the_llm(tiny_gpt2):
         assert c.finish_reason == "stop" and c.token_ids[-1] == 13 and c.text in ("a!", "b!")
 
 
-def test_dead_end_is_reported_not_looped_on(tiny_gpt2):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_dead_end_is_reported_not_looped_on(tiny_gpt2, overlap, caplog):
     """"!" is the tiny model's EOS, so no token of its vocabulary writes "!". The regex a!b is refused
-    when it is compiled; [ab]! can start but never finish: the step names the request (the LLM is
-    usable afterwards)."""
+    when it is compiled; [ab]! can start but never finish: that request alone ends with EOS
+    (finish_reason "stop", as vLLM's llguidance backend) and a warning naming it, the other keeps its
+    output, whether the mask that finds it was filled on the helper thread or before the step."""
     llm = LLM(tiny_gpt2, max_num_seqs=8)
+    llm.llm_engine.grammars.overlap = overlap
     S = StructuredOutputsParams
     with pytest.raises(ValueError, match=r"sampling_params\.structured_outputs: no token sequence of this vocabulary satisfies the regex"):
         llm.generate(_tiny_prompts(1), SamplingParams(structured_outputs=S(regex="a!b")), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"request '1': no token of the vocabulary continues its regex constraint after 1 generated tokens \('[ab]'\)"):
-        llm.generate(_tiny_prompts(2), [SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])),
-                                        SamplingParams(max_tokens=8, structured_outputs=S(regex="[ab]!"))], use_tqdm=False)
-    outs = llm.generate(_tiny_prompts(2), SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])), use_tqdm=False)
-    assert {o.outputs[0].text for o in outs} <= {"x", "y"}
+    with caplog.at_level("WARNING", logger="pagedgen"):
+        outs = llm.generate(_tiny_prompts(3), [SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])),
+                                               SamplingParams(max_tokens=8, structured_outputs=S(regex="[ab]!")),
+                                               SamplingParams(max_tokens=4)], use_tqdm=False)
+    dead = outs[1].outputs[0]
+    assert dead.finish_reason == "stop" and list(dead.token_ids[1:]) == [0] and dead.text[:1] in ("a", "b")
+    assert outs[0].outputs[0].text in {"x", "y"} and outs[0].outputs[0].finish_reason == "stop"
+    assert len(outs[2].outputs[0].token_ids) == 4
+    assert re.search(r"request '1': .*its regex constraint .* after 1 generated tokens \('[ab]'\); the completion ends here", caplog.text, re.S)
+    assert len(llm.llm_engine.grammars) == 0
+
+
+# ----- the mask of a step filled on the helper thread while the model runs it --------------------
+def test_mask_overlap_is_exact_and_runs_on_the_helper_thread(stories_path, monkeypatch):
+    """The same seeded requests (constrained and not, n = 2, preemption by recompute, chunked
+    prefill) give the same tokens with the masks filled before the forward and during it, in
+    process and behind the pickled boundary; with overlap every fill runs on the one helper thread."""
+    prompts, params = _mixed_requests(24)
+    threads, fill = [], grammar_mod.StructuredOutputManager._fill
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return fill(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_mod.StructuredOutputManager, "_fill", recorded)
+    results = {}
+    for backend in (None, "pickle"):
+        for overlap in (False, True):
+            llm = LLM(stories_path, max_num_seqs=16, num_kv_blocks=40, max_num_batched_tokens=64, distributed_executor_backend=backend)
+            llm.llm_engine.grammars.overlap = overlap
+            threads.clear()
+            results[backend, overlap] = _ids(llm.generate(prompts, params, use_tqdm=False))
+            assert llm.get_stats().num_preemptions > 0 and threads
+            assert all(name.startswith("pagedgen-mask") == overlap for name in threads), (backend, overlap, set(threads))
+            grammars = llm.llm_engine.grammars
+            assert grammars.num_masks > 0 and 0 < grammars.mask_wait_seconds and 0 < grammars.mask_seconds
+    assert all(r == results[None, False] for r in results.values())
+
+
+def test_grammar_past_the_parser_row_limit_ends_that_request_alone(tiny_gpt2, caplog):
+    """A Lark grammar whose second ``x`` opens a parser row of 2,501 items (llguidance's
+    max_items_in_row is 2,000) compiles and starts, then fails mid-generation: that request ends
+    with EOS and a warning carrying llguidance's message; the unconstrained request keeps its output."""
+    llm = LLM(tiny_gpt2, max_num_seqs=8)
+    words = " | ".join(f'"w{i}" y' for i in range(2500))
+    spec = StructuredOutputsParams(grammar=f'start: x x\nx: {words}\ny: "a" | "b"')
+    with caplog.at_level("WARNING", logger="pagedgen"):
+        outs = llm.generate(_tiny_prompts(2), [SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs=spec),
+                                               SamplingParams(max_tokens=6)], use_tqdm=False)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "stop" and failed.token_ids[-1] == 0 and re.fullmatch(r"w\d*[ab]?", failed.text), failed.text
+    assert re.search(r"request '0': llguidance failed on its grammar constraint \(.*max is 2000.*\) after \d+ generated tokens", caplog.text)
+    assert len(outs[1].outputs[0].token_ids) == 6

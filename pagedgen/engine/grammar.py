@@ -23,19 +23,25 @@ Pieces:
     Grammar           one sequence's matcher: accept, validate, rollback, fill_bitmask, is_terminated
                       (the interface of STYLE.md's structured-outputs pattern).
     StructuredOutputManager  the engine's grammars by seq id: ``add`` when a request is queued,
-                      ``bitmask(batch)`` before sampling, ``accept`` after it, ``clear`` on rollback.
+                      ``bitmask(batch)`` when the step is scheduled (the rows are filled on one
+                      helper thread while the forward runs; the sampler's read waits for them),
+                      ``accept`` after sampling, ``clear`` on rollback.
 
 The matcher state follows the sequence's output tokens, not its KV cache: preemption (recompute or
 swap), prefix-cache hits and chunked prefill change which tokens are computed, never which are
 generated, so they leave it alone. A step that raises aborts every request (``LLMEngine.step``),
 and ``clear`` drops every matcher with them. EOS is allowed only where the grammar may end; a
 state from which no token of the vocabulary leads on (llguidance then allows EOS alone while the
-grammar is not complete) is a ValueError naming the request, not a loop.
+grammar is not complete), or a matcher in error mid-generation (a parser limit), ends that sequence
+alone with EOS and a warning naming the request (as vLLM's llguidance backend), not a loop.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
+import logging
+import os
 import threading
 import time
 from typing import Optional
@@ -45,7 +51,11 @@ import torch
 from pagedgen.engine.token_bitmask import GrammarBitmask
 from pagedgen.structured_outputs import StructuredOutputsParams
 
+logger = logging.getLogger("pagedgen")
+
 MAX_CACHED_GRAMMARS = 4096  # distinct constraints kept compiled (a per-row schema column may hold many)
+#: fill each step's bitmask on one helper thread while the model runs the step (PAGEDGEN_MASK_OVERLAP=0: before it, serially)
+MASK_OVERLAP = os.environ.get("PAGEDGEN_MASK_OVERLAP", "1") != "0"
 PARALLEL_ROWS = 16  # masks of this many rows or more are filled on llguidance's thread pool (fewer: one by one is faster)
 
 
@@ -222,6 +232,11 @@ def _message(matcher) -> str:
     return matcher.get_error().split("\n<state>")[0].strip()
 
 
+def _int32(word: int) -> int:
+    """A 32-bit word as the signed int32 a bitmask tensor holds."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 def _only_eos(row: torch.Tensor, eos: int) -> bool:
     """True when bitmask row [W] int32 allows token ``eos`` and nothing else (or nothing at all)."""
     allowed = row.clone()
@@ -268,10 +283,15 @@ class StructuredOutputManager:
     at once and ``accept`` returns at once.
     """
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, overlap: bool = MASK_OVERLAP) -> None:
         self.compiler = compiler
+        self.overlap = overlap  # fill masks on the helper thread during the forward (see ``bitmask``)
         self._grammars: dict[int, tuple] = {}  # seq_id -> (Sequence, Grammar)
+        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # one helper thread, made on first use
+        self._pending: Optional[GrammarBitmask] = None  # the step's mask while its fill may still run
+        self._dead: set[int] = set()  # seq ids given EOS alone in this step (dead ends: see _check_dead_ends)
         self.mask_seconds = 0.0  # time spent filling bitmasks (benchmarks/structured.py reports it)
+        self.mask_wait_seconds = 0.0  # time the step waited for them (all of mask_seconds when serial)
         self.num_masks = 0
 
     def __len__(self) -> int:
@@ -284,17 +304,33 @@ class StructuredOutputManager:
             self._grammars[seq.seq_id] = (seq, self.compiler.grammar(spec, seq.eos_token_ids))
 
     def clear(self) -> None:
-        """Forget every matcher (the engine aborted every request)."""
+        """Forget every matcher (the engine aborted every request), after any fill still running."""
+        self._join(raise_errors=False)
         self._grammars.clear()
+        self._dead.clear()
+
+    def _join(self, raise_errors: bool = True) -> None:
+        """Wait for the last step's fill (the sampler has waited for it already unless the step failed)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.wait()
+            except Exception:
+                if raise_errors:
+                    raise
 
     def bitmask(self, batch) -> Optional[GrammarBitmask]:
         """The bitmask rows of the constrained sequences that sample in ``batch`` (a ScheduledBatch
         whose parallel samples are forked already), or None when there are none. Matchers of
-        finished or aborted sequences are dropped here; forked children get a copy of their parent's."""
+        finished or aborted sequences are dropped here; forked children get a copy of their parent's.
+
+        With ``overlap`` the rows are filled on the helper thread (llguidance drops the GIL) and
+        the returned mask is pending: the sampler's read of ``bitmask`` waits for it, after the
+        forward. No matcher changes until then: ``accept`` runs after the step's sampling."""
+        self._join()
         grammars = self._grammars
         if not grammars:
             return None
-        start = time.perf_counter()
         for seq_id in [i for i, (s, _) in grammars.items() if s.is_finished]:
             del grammars[seq_id]
         for child, parent in batch.forked:
@@ -307,38 +343,72 @@ class StructuredOutputManager:
             return None
         bitmask = torch.empty(len(sampling), self.compiler.num_words, dtype=torch.int32)
         matchers = [(grammars[seq.seq_id][1].matcher, row) for row, seq in enumerate(sampling)]
+        seq_ids = [seq.seq_id for seq in sampling]
+        if not self.overlap:
+            start = time.perf_counter()
+            self._fill(sampling, matchers, bitmask)
+            self.mask_wait_seconds += time.perf_counter() - start
+            return GrammarBitmask(seq_ids, bitmask)
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedgen-mask")
+        self._pending = GrammarBitmask(seq_ids, bitmask, _TimedFuture(self._thread.submit(self._fill, sampling, matchers, bitmask), self))
+        return self._pending
+
+    def _fill(self, sampling: list, matchers: list, bitmask: torch.Tensor) -> None:
+        start = time.perf_counter()
         fill_bitmask_rows(matchers, bitmask, self.compiler.executor() if len(matchers) >= PARALLEL_ROWS else None)
-        self._check_dead_ends(sampling, bitmask)
+        self._check_dead_ends(sampling, [m for m, _ in matchers], bitmask)
         self.mask_seconds += time.perf_counter() - start
         self.num_masks += len(sampling)
-        return GrammarBitmask([seq.seq_id for seq in sampling], bitmask)
 
-    def _check_dead_ends(self, sampling: list, bitmask: torch.Tensor) -> None:
-        """ValueError for a sequence whose grammar is in error or can only stop while incomplete."""
+    def _check_dead_ends(self, sampling: list, matchers: list, bitmask: torch.Tensor) -> None:
+        """A sequence whose grammar is in error, or can only stop while incomplete, gets the mask of
+        EOS alone and a warning: it finishes in this step (finish_reason "stop", as vLLM's llguidance
+        backend ends it), the others run on."""
         eos = self.compiler._vocabulary(frozenset(sampling[0].eos_token_ids)).eos_token_id
         # only rows that allow EOS can be dead ends (llguidance allows EOS alone there, and errors end in EOS too)
         suspects = ((bitmask[:, eos // 32] >> (eos % 32)) & 1).nonzero().flatten().tolist()
         for row in suspects:
-            seq = sampling[row]
-            matcher = self._grammars[seq.seq_id][1].matcher
+            seq, matcher = sampling[row], matchers[row]
             if matcher.is_error() or (not matcher.is_accepting() and _only_eos(bitmask[row], eos)):
+                bitmask[row] = 0
+                bitmask[row, eos // 32] = _int32(1 << (eos % 32))
+                self._dead.add(seq.seq_id)
                 text = self.compiler.tokenizer.decode(seq.output_token_ids)
-                raise ValueError(
-                    f"request {seq.request_id!r}: no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
-                    f"constraint after {seq.num_output_tokens} generated tokens ({text[-60:]!r}): the constraint cannot be "
-                    f"completed with this tokenizer" + (f" ({_message(matcher)})" if matcher.is_error() else "")
-                )
+                why = (f"llguidance failed on its {seq.sampling_params.structured_outputs.kind} constraint ({_message(matcher)})"
+                       if matcher.is_error() else f"no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
+                       "constraint (it cannot be completed with this tokenizer)")
+                logger.warning("request %r: %s after %d generated tokens (%r); the completion ends here, incomplete (finish_reason 'stop')",
+                               seq.request_id, why, seq.num_output_tokens, text[-60:])
 
     def accept(self, seqs: list, token_ids: list[int]) -> None:
         """Advance the matchers of the constrained ``seqs`` over their new tokens (before the
         engine appends them)."""
+        self._join()
         grammars = self._grammars
         if not grammars:
             return
         for seq, token in zip(seqs, token_ids):
+            if seq.seq_id in self._dead:  # a dead end: it sampled EOS, its only allowed token, and ends
+                self._dead.discard(seq.seq_id)
+                del grammars[seq.seq_id]
+                continue
             entry = grammars.get(seq.seq_id)
             if entry is None or (token in seq.eos_token_ids and entry[1].is_terminated()):
                 continue  # not constrained, or EOS after a grammar that ended by itself (NoExtension)
-            if not entry[1].accept([token]):
-                raise RuntimeError(f"request {seq.request_id!r}: the grammar refused token {token}, which its bitmask allowed: "
-                                   f"{_message(entry[1].matcher)}")
+            entry[1].accept([token])  # refused (a parser limit such as max_items_in_row met mid-generation):
+            # the matcher is in error, and the next mask (``_check_dead_ends``) ends the request with a warning
+
+
+class _TimedFuture:
+    """A fill's future whose ``result`` adds the time the caller waited to ``manager.mask_wait_seconds``."""
+
+    def __init__(self, future: concurrent.futures.Future, manager: StructuredOutputManager) -> None:
+        self.future, self.manager = future, manager
+
+    def result(self):
+        start = time.perf_counter()
+        try:
+            return self.future.result()
+        finally:
+            self.manager.mask_wait_seconds += time.perf_counter() - start

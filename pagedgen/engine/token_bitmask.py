@@ -15,7 +15,6 @@ Elsewhere (GPUs) the bits are unpacked with shifts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import numpy as np
@@ -64,13 +63,33 @@ def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(allowed == 0, float("-inf"))
 
 
-@dataclass
 class GrammarBitmask:
     """The bitmask rows of one step: ``bitmask[i]`` is for the sequence ``seq_ids[i]``; the
-    sampler finds each one's logits row (vLLM's ``GrammarOutput``: request ids and their rows)."""
+    sampler finds each one's logits row (vLLM's ``GrammarOutput``: request ids and their rows).
 
-    seq_ids: list[int]
-    bitmask: torch.Tensor  # [len(seq_ids), ceil(vocab / 32)] int32, CPU
+    ``pending``: a ``concurrent.futures.Future`` still filling ``bitmask`` on a helper thread while
+    the model runs the step (engine/grammar.py); reading ``bitmask`` (or pickling this, for a
+    worker behind a pickled boundary) waits for it first and re-raises what the fill raised.
+    """
+
+    def __init__(self, seq_ids: list[int], bitmask: torch.Tensor, pending=None) -> None:
+        self.seq_ids = seq_ids
+        self._bitmask = bitmask  # [len(seq_ids), ceil(vocab / 32)] int32, CPU
+        self._pending = pending
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        self.wait()
+        return self._bitmask
+
+    def wait(self) -> None:
+        """Block until the rows are filled (at once when they are); re-raises the fill's error."""
+        if self._pending is not None:
+            self._pending.result()  # raises again on every read if the fill failed
+            self._pending = None
+
+    def __getstate__(self) -> dict:
+        return {"seq_ids": self.seq_ids, "_bitmask": self.bitmask, "_pending": None}
 
     def apply(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
         """Mask ``logits`` [len(seqs), V] (row i for seqs[i]) in place, on the constrained rows only."""
