@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import os
 import threading
-from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -32,6 +32,7 @@ from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
 from pagedgen.executor.worker import WorkerSpec
 from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
 from pagedgen.llm_args import check_llm_args, check_use_tqdm
+from pagedgen.spec.config import SpeculativeConfig, check_draft_vocab
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
@@ -55,6 +56,18 @@ def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
 
 
 ChatMessage = dict  # {"role": str, "content": str}
+
+
+def check_speculative_model(spec: SpeculativeConfig, model_config) -> None:
+    """The checks of a speculative config that need the target's config (a draft's vocabulary),
+    then NotImplementedError: verification in the engine is not built yet (docs/speculative.md)."""
+    if spec.method == "draft_model":
+        draft = loader.model_config_from_hf(loader.load_hf_config(spec.model), model_config.dtype)
+        check_draft_vocab(draft.vocab_size, model_config.vocab_size, spec.model)
+    raise NotImplementedError(
+        "LLM speculative_config: the config and the n-gram proposer are built, verification in the engine "
+        "is not yet (docs/speculative.md)"
+    )
 
 
 class LLM:
@@ -120,6 +133,12 @@ class LLM:
             NotImplementedError).
         pipeline_parallel_size: 1 (pipeline parallelism is not built yet; other values raise
             NotImplementedError).
+        speculative_config: speculative decoding, vLLM's names (docs/speculative.md): a dict
+            {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft path,
+            "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}, checked before
+            anything is loaded (ValueError naming the field and its range; a draft with another
+            vocabulary is refused). Verification in the engine is not built yet: a valid config
+            raises NotImplementedError.
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -153,6 +172,7 @@ class LLM:
         distributed_executor_backend: Optional[str] = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        speculative_config: Optional[dict[str, Any]] = None,
     ) -> None:
         check_llm_args(
             model=model, tokenizer=tokenizer, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -164,6 +184,7 @@ class LLM:
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         )  # TypeError / ValueError / NotImplementedError before anything is loaded (llm_args.py)
+        spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
         device = inputs.resolve_device(device)
         if enforce_extension and not ops.extension_available(device.type):
             raise RuntimeError(ops.extension_error(device.type))
@@ -171,6 +192,8 @@ class LLM:
         model = os.fspath(model)
         hf_config = loader.load_hf_config(model)
         model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
+        if spec_config is not None:
+            check_speculative_model(spec_config, model_config)
         if batch_invariant is None:
             batch_invariant = device.type == "cpu"
         self.matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading
