@@ -59,15 +59,15 @@ ChatMessage = dict  # {"role": str, "content": str}
 
 
 def check_speculative_model(spec: SpeculativeConfig, model_config) -> None:
-    """The checks of a speculative config that need the target's config (a draft's vocabulary),
-    then NotImplementedError: verification in the engine is not built yet (docs/speculative.md)."""
+    """The checks of a speculative config that need the target's config (a draft's vocabulary);
+    a draft model then raises NotImplementedError (only n-gram speculation is built)."""
     if spec.method == "draft_model":
         draft = loader.model_config_from_hf(loader.load_hf_config(spec.model), model_config.dtype)
         check_draft_vocab(draft.vocab_size, model_config.vocab_size, spec.model)
-    raise NotImplementedError(
-        "LLM speculative_config: the config and the n-gram proposer are built, verification in the engine "
-        "is not yet (docs/speculative.md)"
-    )
+        raise NotImplementedError(
+            "LLM speculative_config: method 'draft_model' is not built yet (its config is checked); "
+            "method 'ngram' is (docs/speculative.md)"
+        )
 
 
 class LLM:
@@ -137,8 +137,8 @@ class LLM:
             {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft path,
             "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}, checked before
             anything is loaded (ValueError naming the field and its range; a draft with another
-            vocabulary is refused). Verification in the engine is not built yet: a valid config
-            raises NotImplementedError.
+            vocabulary is refused). "ngram" is built (in process; outputs equal speculation off,
+            token for token); "draft_model" raises NotImplementedError after its checks.
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -185,6 +185,11 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         )  # TypeError / ValueError / NotImplementedError before anything is loaded (llm_args.py)
         spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
+        if spec_config is not None and distributed_executor_backend is not None:
+            raise ValueError(
+                f"LLM speculative_config needs distributed_executor_backend=None (in process), got "
+                f"{distributed_executor_backend!r}: drafts do not travel in the step record yet"
+            )
         device = inputs.resolve_device(device)
         if enforce_extension and not ops.extension_available(device.type):
             raise RuntimeError(ops.extension_error(device.type))
@@ -262,7 +267,7 @@ class LLM:
             executor = MultiprocExecutor(spec) if distributed_executor_backend == "mp" else PicklingExecutor(spec)
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
         self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)
-        self.llm_engine = LLMEngine(cache_config, scheduler_config, executor, self.processor, eos_token_ids)
+        self.llm_engine = LLMEngine(cache_config, scheduler_config, executor, self.processor, eos_token_ids, spec_config)
         self._lock = threading.Lock()
         self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
 
