@@ -71,9 +71,9 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path):
         LLM(MODEL, num_kv_blocks=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft)})
 
 
-def test_valid_config_says_verification_is_not_built():
-    with pytest.raises(NotImplementedError, match="verification"):
-        LLM(MODEL, num_kv_blocks=64, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_draft_model_is_not_built_yet():
+    with pytest.raises(NotImplementedError, match="draft_model"):
+        LLM(MODEL, num_kv_blocks=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": MODEL})
 
 
 def test_cli_flag_parses_json():
@@ -163,3 +163,99 @@ def test_streams_do_not_collide_with_the_ordinary_draw():
     assert not torch.equal(spec_uniforms(42, 3, 10, 4, ACCEPT_STREAM), ordinary)
     assert not torch.equal(spec_uniforms(42, 3, 10, 4, RESIDUAL_STREAM), ordinary)
     assert torch.equal(spec_uniforms(42, 3, 10, 4, ACCEPT_STREAM), spec_uniforms(42, 3, 10, 4, ACCEPT_STREAM))
+
+
+# ----- n-gram speculation in the engine: outputs equal speculation off ------------------------------
+from conftest import story_openings  # noqa: E402
+
+from pagedgen import SamplingParams  # noqa: E402
+
+
+def _spec(k, lo=1, hi=3, batch=None):
+    cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+    if batch is not None:
+        cfg["disable_by_batch_size"] = batch
+    return cfg
+
+
+def _run(prompts, params, **kw):
+    llm = LLM(MODEL, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_used_blocks == 0 or bm.enable_prefix_caching, "blocks left held after the call"
+    assert not bm.check(), bm.check()
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs], llm.get_stats()
+
+
+@pytest.fixture(scope="module")
+def prompts64(stories_path):
+    return story_openings(64)
+
+
+@pytest.mark.parametrize("dtype, k, num_prompts, kw", [
+    ("float32", 3, 64, dict(block_size=4, enable_prefix_caching=True)),
+    ("bfloat16", 8, 64, dict(block_size=4)),
+    ("float32", 1, 16, dict(block_size=16)),
+    ("float32", 8, 16, dict(block_size=4, enable_prefix_caching=False, max_num_batched_tokens=64)),  # chunked prefill
+])
+def test_greedy_identity_64_prompts(prompts64, dtype, k, num_prompts, kw):
+    params = SamplingParams(temperature=0, max_tokens=32)
+    base = dict(dtype=dtype, num_kv_blocks=1024, **kw)
+    ref, _ = _run(prompts64[:num_prompts], params, **base)
+    got, stats = _run(prompts64[:num_prompts], params, speculative_config=_spec(k), **base)
+    assert got == ref
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert 1 <= len(stats.acceptance_rate_per_position) <= k
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_identity_under_preemption_tiny_cache(prompts64, mode):
+    """A cache too small for the batch: sequences are preempted while they hold lookahead slots."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    base = dict(num_kv_blocks=24, block_size=4, max_model_len=96, preemption_mode=mode)
+    ref, ref_stats = _run(prompts64[:6], params, **base)
+    got, stats = _run(prompts64[:6], params, speculative_config=_spec(4), **base)
+    assert got == ref
+    assert stats.num_preemptions > 0 and stats.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_n_penalties_logprobs_stops_identity(prompts64):
+    """Seeded sampling, n > 1 (copy-on-write of the shared prompt), penalties, min_tokens,
+    logprobs, a stop string met inside accepted tokens and max_tokens ending mid-proposal: the same
+    tokens, text, logprobs and finish reasons as speculation off."""
+    cases = [
+        SamplingParams(temperature=0.8, seed=11, n=3, max_tokens=37),
+        SamplingParams(temperature=0, max_tokens=29, stop=[" the"], min_tokens=3),
+        SamplingParams(temperature=1.0, seed=5, presence_penalty=0.5, repetition_penalty=1.2, logprobs=2, max_tokens=33),
+        SamplingParams(temperature=0, max_tokens=7),
+    ]
+    prompts = prompts64[:12]
+    params = [cases[i % len(cases)] for i in range(len(prompts))]
+    base = dict(num_kv_blocks=512, block_size=4)
+    llm_ref, llm_spec = LLM(MODEL, **base), LLM(MODEL, speculative_config=_spec(5), **base)
+    ref = llm_ref.generate(prompts, params, use_tqdm=False)
+    got = llm_spec.generate(prompts, params, use_tqdm=False)
+    for r, g in zip(ref, got):
+        for rc, gc in zip(r.outputs, g.outputs):
+            assert (gc.token_ids, gc.text, gc.finish_reason, gc.stop_reason) == (rc.token_ids, rc.text, rc.finish_reason, rc.stop_reason)
+            assert gc.cumulative_logprob == rc.cumulative_logprob
+            assert gc.logprobs == rc.logprobs
+    assert llm_spec.get_stats().num_accepted_tokens > 0
+    assert any(c.stop_reason == " the" for r in got for c in r.outputs)
+
+
+def test_disable_by_batch_size_and_beams(prompts64):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    got, stats = _run(prompts64[:8], params, num_kv_blocks=256, speculative_config=_spec(3, batch=8))
+    ref, _ = _run(prompts64[:8], params, num_kv_blocks=256)
+    assert got == ref and stats.num_draft_tokens == 0  # 8 running >= 8: no proposals
+    from pagedgen import BeamSearchParams
+    llm = LLM(MODEL, num_kv_blocks=256, speculative_config=_spec(3))
+    beams = llm.beam_search([{"prompt": prompts64[0]}], BeamSearchParams(beam_width=2, max_tokens=10))
+    ref_beams = LLM(MODEL, num_kv_blocks=256).beam_search([{"prompt": prompts64[0]}], BeamSearchParams(beam_width=2, max_tokens=10))
+    assert [s.tokens for s in beams[0].sequences] == [s.tokens for s in ref_beams[0].sequences]  # beams do not speculate
+
+
+def test_mp_executor_refused():
+    with pytest.raises(ValueError, match="distributed_executor_backend=None"):
+        LLM(MODEL, distributed_executor_backend="pickle", speculative_config=_spec(2))
