@@ -3,7 +3,7 @@ reserve their lookahead slots, and after the step commit the kept tokens one by 
 engine's normal per-token path (stop checks after each) and give back the rejected slots.
 
 Which sequences speculate: decode sequences (one token to compute, the prompt done), not beams,
-not a step with a structured-output bitmask, not a sequence with completions still to fork; none in
+not a step with a structured-output bitmask, not a sliding-window model, not a sequence with completions still to fork; none in
 a step with ``disable_by_batch_size`` or more running sequences. k is capped so that the k + 1
 tokens a step can keep do not pass the sequence's length limit (max_tokens, max_model_len).
 """
@@ -48,8 +48,8 @@ class Speculator:
         """Drafts for the decode sequences of ``batch`` (just scheduled), their lookahead slots
         reserved in the plan; returns {seq_id: drafts}."""
         cfg = self.config
-        if batch.grammar_bitmask is not None:
-            return {}
+        if batch.grammar_bitmask is not None or scheduler.block_manager.sliding_window:
+            return {}  # structured outputs, sliding-window models: not speculated (untested there)
         if cfg.disable_by_batch_size is not None and len(scheduler.running) >= cfg.disable_by_batch_size:
             return {}
         wanted: dict[int, list[int]] = {}
