@@ -186,7 +186,7 @@ class ModelRunner:
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
         if batch.drafts:  # speculative decoding: k + 1 rows per verified sequence
-            logits_indices, sampling, beams, beam_rows, prompt_plan = verify.logits_rows(batch, starts, ends, query_start_loc)
+            logits_indices, sampling, beams, beam_rows, prompt_plan = verify.logits_rows(batch, starts, ends, query_start_loc, PromptLogprobsPlan())
         else:
             logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
         attn = AttentionMetadata(

@@ -26,13 +26,11 @@ def _view(seq, prefix: list[int]):
     return dataclasses.replace(seq, token_ids=seq.token_ids + prefix)
 
 
-def logits_rows(batch, starts: list[int], ends: list[int], query_start_loc: list[int]):
+def logits_rows(batch, starts: list[int], ends: list[int], query_start_loc: list[int], prompt_plan):
     """``ModelRunner._logits_rows`` for a step with drafts (``batch.drafts``: {seq_id: drafts}):
-    a verified sequence gets its k + 1 rows, itself then k views; others as usual."""
-    from pagedgen.engine.model_runner import PromptLogprobsPlan  # the runner imports this module
-
+    a verified sequence gets its k + 1 rows, itself then k views; others as usual (prompt
+    positions into ``prompt_plan``, an empty ``PromptLogprobsPlan``)."""
     drafts = batch.drafts
-    prompt_plan = PromptLogprobsPlan()
     logits_indices, sampling, beams, beam_rows = [], [], [], []
     for seq, start, end, row_end in zip(batch.seqs, starts, ends, query_start_loc[1:]):
         draft = drafts.get(seq.seq_id)
