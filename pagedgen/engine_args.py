@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -61,6 +61,7 @@ class EngineArgs:
     distributed_executor_backend: Optional[str] = _arg(None, name="distributed_executor_backend")
     tensor_parallel_size: int = _arg(1, name="tensor_parallel_size")
     pipeline_parallel_size: int = _arg(1, name="pipeline_parallel_size")
+    speculative_config: Optional[dict[str, Any]] = _arg(None, name="speculative_config", metavar="JSON")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, title: str = "engine (LLM arguments)") -> argparse.ArgumentParser:

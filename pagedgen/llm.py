@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import os
 import threading
-from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -32,6 +32,7 @@ from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
 from pagedgen.executor.worker import WorkerSpec
 from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
 from pagedgen.llm_args import check_llm_args, check_use_tqdm
+from pagedgen.spec.config import SpeculativeConfig, check_draft_vocab
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
@@ -55,6 +56,18 @@ def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
 
 
 ChatMessage = dict  # {"role": str, "content": str}
+
+
+def check_speculative_model(spec: SpeculativeConfig, model_config) -> None:
+    """The checks of a speculative config that need the target's config (a draft's vocabulary);
+    a draft model then raises NotImplementedError (only n-gram speculation is built)."""
+    if spec.method == "draft_model":
+        draft = loader.model_config_from_hf(loader.load_hf_config(spec.model), model_config.dtype)
+        check_draft_vocab(draft.vocab_size, model_config.vocab_size, spec.model)
+        raise NotImplementedError(
+            "LLM speculative_config: method 'draft_model' is not built yet (its config is checked); "
+            "method 'ngram' is (docs/speculative.md)"
+        )
 
 
 class LLM:
@@ -123,6 +136,12 @@ class LLM:
             ``distributed_executor_backend="mp"``; each worker gets cores // size threads.
         pipeline_parallel_size: 1 (pipeline parallelism is not built yet; other values raise
             NotImplementedError).
+        speculative_config: speculative decoding, vLLM's names (docs/speculative.md): a dict
+            {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft path,
+            "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}, checked before
+            anything is loaded (ValueError naming the field and its range; a draft with another
+            vocabulary is refused). "ngram" is built (in process; outputs equal speculation off,
+            token for token); "draft_model" raises NotImplementedError after its checks.
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -156,6 +175,7 @@ class LLM:
         distributed_executor_backend: Optional[str] = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        speculative_config: Optional[dict[str, Any]] = None,
     ) -> None:
         check_llm_args(
             model=model, tokenizer=tokenizer, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -167,6 +187,13 @@ class LLM:
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         )  # TypeError / ValueError / NotImplementedError before anything is loaded (llm_args.py)
+        spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
+        if spec_config is not None and (distributed_executor_backend is not None or tensor_parallel_size > 1):
+            raise ValueError(
+                f"LLM speculative_config needs distributed_executor_backend=None (in process) and "
+                f"tensor_parallel_size=1, got {distributed_executor_backend!r} and {tensor_parallel_size}: "
+                "drafts do not travel in the step record yet"
+            )
         device = inputs.resolve_device(device)
         if distributed_executor_backend is not None and device.type == "cuda" and num_kv_blocks is None and kv_cache_memory_bytes is None:
             # the driver sizes the KV cache, and on a GPU that needs a profiling forward pass of the model,
@@ -185,6 +212,8 @@ class LLM:
         if tensor_parallel_size > 1:
             loader.check_tensor_parallel(hf_config, model_config, tensor_parallel_size)  # ValueError before any process
             distributed_executor_backend = "mp"
+        if spec_config is not None:
+            check_speculative_model(spec_config, model_config)
         if batch_invariant is None:
             batch_invariant = device.type == "cpu"
         self.matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading
@@ -251,7 +280,7 @@ class LLM:
             executor = MultiprocExecutor(spec) if distributed_executor_backend == "mp" else PicklingExecutor(spec)
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
         self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)
-        self.llm_engine = LLMEngine(cache_config, scheduler_config, executor, self.processor, eos_token_ids)
+        self.llm_engine = LLMEngine(cache_config, scheduler_config, executor, self.processor, eos_token_ids, spec_config)
         self._lock = threading.Lock()
         self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
 

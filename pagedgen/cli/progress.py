@@ -133,6 +133,12 @@ def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], c
             f"{e.peak_used_blocks:,} of {e.num_kv_blocks:,} blocks), {e.num_preemptions:,} preemptions, "
             f"prefix-cache hit rate {e.prefix_cache_hit_rate:.1%}"
         )
+        if getattr(e, "num_draft_tokens", 0):  # speculative decoding (docs/speculative.md)
+            rates = ", ".join(f"{r:.0%}" for r in e.acceptance_rate_per_position)
+            lines.append(
+                f"pagedgen: speculative decoding: {e.num_accepted_tokens:,} of {e.num_draft_tokens:,} draft tokens accepted "
+                f"({e.num_accepted_tokens / e.num_draft_tokens:.1%}; by position {rates})"
+            )
     lines.append((f"pagedgen: output {output}" if has_rows else f"pagedgen: no row was written to {output}")
                  + (f", bad rows in {errors}" if errors else ""))
     return "\n".join(lines)

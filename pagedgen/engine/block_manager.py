@@ -303,6 +303,28 @@ class BlockManager:
             self._name_full_blocks(seq_id, num_tokens, token_ids)
         return True
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the slots past ``num_tokens`` (speculative decoding: the rejected draft tokens'
+        lookahead slots). Blocks the rollback empties return to the pool. Lookahead slots are
+        allocated without token ids, so no block past the committed tokens was ever named in the
+        prefix cache; the last kept block is the sequence's own (copy-on-write ran when the
+        lookahead was allocated)."""
+        old = self._num_tokens.get(seq_id, 0)
+        if num_tokens >= old:
+            return
+        bs, table = self.block_size, self._tables[seq_id]
+        keep = max(cdiv(num_tokens, bs), self._released.get(seq_id, 0))
+        while len(table) > keep:
+            self._drop_ref(table.pop())
+            self._logical_blocks -= 1
+        if table and num_tokens % bs:
+            last, fill = table[-1], num_tokens - (len(table) - 1) * bs
+            if self._filled[last] > fill:
+                self._used_slots -= self._filled[last] - fill
+                self._filled[last] = fill
+        self._num_tokens[seq_id] = num_tokens
+        del self._hashes.setdefault(seq_id, [])[num_tokens // bs :]
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (reference counts + 1; no copy yet)."""
         if self._tables.get(child_id):

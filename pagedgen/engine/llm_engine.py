@@ -43,6 +43,7 @@ from pagedgen.engine.sequence import Sequence, SequenceStatus
 from pagedgen.engine.step_log import StepLog
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
+from pagedgen.spec.speculator import Speculator
 
 logger = logging.getLogger("pagedgen")
 
@@ -77,6 +78,11 @@ class EngineStats:
     sharing_savings_mean: float  # mean over steps of 1 - physical blocks / blocks unshared tables need
     peak_sharing_savings: float
     num_copy_on_write: int  # blocks copied because a shared block was written
+    # speculative decoding (docs/speculative.md): draft tokens proposed and accepted, and the
+    # acceptance rate of each draft position (0, 1, ...); zeros and () without speculation
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_rate_per_position: tuple = ()
 
     def __repr__(self) -> str:
         return _repr.render("EngineStats", _repr.engine_stats(self))
@@ -105,6 +111,7 @@ class LLMEngine:
         executor,
         processor: RequestProcessor,
         eos_token_ids: frozenset[int],
+        speculative_config=None,
     ) -> None:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -127,6 +134,8 @@ class LLMEngine:
         self._peak_savings = 0.0
         self.step_log: Optional[StepLog] = None  # set by LLM.start_recording(): one record per step
         self.grammars = StructuredOutputManager(processor.grammars)  # structured outputs: one matcher per constrained sequence
+        # speculative decoding (pagedgen/spec/): drafts, lookahead slots, commit and rollback
+        self.speculator = None if speculative_config is None else Speculator(speculative_config)
 
     # ----- the request API -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None) -> None:
@@ -276,6 +285,8 @@ class LLMEngine:
         batch = ScheduledBatch(plan, self.scheduler.scheduled)  # the Sequences of plan.seq_ids
         self._fork_parallel_samples(batch)
         batch.grammar_bitmask = self.grammars.bitmask(batch)  # structured outputs: None unless a sequence sampling now is constrained
+        if self.speculator is not None:
+            batch.drafts = self.speculator.plan(batch, self.scheduler)
         out = self.executor.execute(batch, self.scheduler.seqs)
         for seq, n in zip(batch.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += n
@@ -293,6 +304,8 @@ class LLMEngine:
         self.grammars.accept(out.seqs, out.token_ids)
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
         self.num_generated_tokens += len(out.token_ids)
+        if getattr(out, "spec", None):  # the verified sequences' tokens after their first
+            self.num_generated_tokens += self.speculator.commit(out.spec, finished, self.scheduler)
         if self.step_log is not None:
             self.step_log.record(self.num_generated_tokens, len(finished))
         self.scheduler.finish_many(finished)
@@ -378,4 +391,12 @@ class LLMEngine:
             sharing_savings_mean=self._savings_sum / s.num_steps if s.num_steps else 0.0,
             peak_sharing_savings=self._peak_savings,
             num_copy_on_write=bm.num_copies,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return dict(num_draft_tokens=st.num_draft_tokens, num_accepted_tokens=st.num_accepted_tokens,
+                    acceptance_rate_per_position=tuple(round(r, 4) for r in st.acceptance_rate_per_position()))

@@ -42,6 +42,7 @@ from pagedgen.engine.prefault import Prefaulter
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.sequence import Sequence
+from pagedgen.spec import verify
 from pagedgen.model.llama import LlamaForCausalLM
 from pagedgen.ops import AttentionMetadata
 from pagedgen.outputs import Logprob
@@ -93,6 +94,9 @@ class StepOutput:
     logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
     beam_logprobs: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
+    # speculative decoding: (sequence, tokens sampled after its first, their logprobs, drafts) for
+    # each sequence verified this step (pagedgen/spec/verify.py)
+    spec: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -181,7 +185,10 @@ class ModelRunner:
         flat_block = rows * tables.shape[1] + torch.div(positions, bs, rounding_mode="floor")  # [T] into tables.view(-1)
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
-        logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
+        if batch.drafts:  # speculative decoding: k + 1 rows per verified sequence
+            logits_indices, sampling, beams, beam_rows, prompt_plan = verify.logits_rows(batch, starts, ends, query_start_loc, PromptLogprobsPlan())
+        else:
+            logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
         attn = AttentionMetadata(
             slot_mapping=self._to_device(slots),  # [T]
             block_tables=self._to_device(tables),  # [n, max_blocks]
@@ -267,6 +274,8 @@ class ModelRunner:
         if sampling:
             sampled = self.sampler(logits[:num_sampling], sampling, batch.grammar_bitmask)
             out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
+            if batch.drafts:
+                verify.collapse(out, batch.drafts)
         if beams:
             beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1)  # [B, vocab]
             out.beam_logprobs = list(zip(beams, beam_logprobs))

@@ -146,9 +146,13 @@ class Scheduler:
         out.seq_ids = [seq.seq_id for seq in planned]
         out.num_computed_tokens = starts = [seq.num_computed_tokens for seq in planned]
         out.token_ids = [seq.token_ids[c : c + n] for seq, c, n in zip(planned, starts, out.num_new_tokens)]
+        self._table_updates(out, self._grown)
+
+    def _table_updates(self, out: SchedulerOutput, grown: list[Sequence]) -> None:
+        """The block-table deltas of ``grown`` since the tables last sent (see ``_fill_plan``)."""
         sent_tables, tables, updates = self._sent_tables, self.block_manager.block_table, out.block_table_updates
         sent_released, num_released = self._sent_released, self.block_manager.num_released
-        for seq in self._grown:
+        for seq in grown:
             seq_id = seq.seq_id
             table = tables(seq_id)
             sent = sent_tables.get(seq_id)
@@ -168,6 +172,45 @@ class Scheduler:
                 delta = table[start:]
                 sent[start:] = delta
                 updates[seq_id] = (start, delta)
+
+    def add_lookahead(self, out: SchedulerOutput, drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Speculative decoding: reserve lookahead slots for the draft tokens of decode sequences of
+        the step just planned (``drafts``: index in ``scheduled`` -> draft token ids) and add them to
+        the plan (the sequence computes its last token and the drafts, k + 1 rows). Drafts never
+        preempt anything: a sequence whose drafts do not fit the free blocks or the token budget
+        gets fewer or none. Returns the drafts kept, by index."""
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens - sum(out.num_new_tokens)
+        kept: dict[int, list[int]] = {}
+        grown: list[Sequence] = []
+        for i, draft in drafts.items():
+            seq = self.scheduled[i]
+            draft = draft[: max(budget, 0)]
+            total = seq.num_computed_tokens + 1 + len(draft)
+            if not draft or not bm.can_allocate(seq.seq_id, total):
+                continue
+            bm.allocate(seq.seq_id, total)  # no token ids: draft slots never enter the prefix cache
+            out.num_new_tokens[i] += len(draft)
+            out.token_ids[i] = out.token_ids[i] + draft
+            budget -= len(draft)
+            kept[i] = draft
+            grown.append(seq)
+        out.blocks_to_copy.extend(bm.take_copies())
+        planned = {seq.seq_id: out.block_table_updates.pop(seq.seq_id) for seq in grown if seq.seq_id in out.block_table_updates}
+        self._table_updates(out, grown)
+        for seq_id, (start, _) in planned.items():  # one delta per step: from the planned one's start
+            new = out.block_table_updates.get(seq_id)
+            if new is None or start < new[0]:
+                out.block_table_updates[seq_id] = (start, list(bm.block_table(seq_id)[start:]))
+        return kept
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back a sequence's slots past ``num_tokens`` (its rejected draft tokens); the table a
+        worker holds is cut to match (its next delta starts from the shorter table)."""
+        self.block_manager.truncate(seq.seq_id, num_tokens)
+        sent = self._sent_tables.get(seq.seq_id)
+        if sent is not None:
+            del sent[len(self.block_manager.block_table(seq.seq_id)) :]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Bring back swapped-out sequences, then admit waiting ones, first come first served,

@@ -1,0 +1,81 @@
+"""Rejection sampling of draft tokens (Leviathan et al. 2023, section 2.3; Chen et al. 2023, alg. 2).
+
+One sequence's verification step: the target's probabilities at its k + 1 rows (the last committed
+token, then each of the k draft tokens), the k draft tokens and the draft's probabilities q (None for
+n-gram proposals: q is one-hot on the draft token).
+
+    row i < k:  accept draft d_i with probability min(1, p_i(d_i) / q_i(d_i))   (u_i * q < p)
+                else emit one token from normalise(max(0, p_i - q_i)) and stop  (the recovered token)
+    all k accepted: emit one more from p_k                                     (the bonus token)
+
+The emitted tokens follow the target's distribution whatever the draft (the tests check it with a
+chi-square test and a deliberately bad draft). Greedy rows (temperature 0) accept while the draft
+equals the target's argmax and then emit that argmax: the output equals non-speculative greedy.
+
+Draws are counter-based, like the sampler's (engine/sampler.py): the accept draw of the token at
+position p uses stream ``stream ^ ACCEPT_STREAM``, the recovered and bonus draws ``stream ^
+RESIDUAL_STREAM``, so neither collides with the ordinary draw (stream, p) and a seeded request's
+tokens do not depend on its batch company.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedgen.engine.sampler import as_int64, counter_uniforms, inverse_cdf_sample
+
+ACCEPT_STREAM = 0x5A5A_0000_0000_0001
+RESIDUAL_STREAM = 0x5A5A_0000_0000_0002
+
+
+def spec_uniforms(key: int, stream: int, first_position: int, count: int, tag: int) -> torch.Tensor:
+    """``count`` draws [count] float64 for positions first_position.. of stream ``stream ^ tag``."""
+    return counter_uniforms([key] * count, [as_int64(stream ^ tag)] * count, list(range(first_position, first_position + count)))
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_ids: list[int],
+    draft_probs: Optional[torch.Tensor],
+    accept_u: torch.Tensor,
+    residual_u: torch.Tensor,
+) -> list[int]:
+    """The tokens one verification step emits (1 to k + 1 of them).
+
+    Args:
+        target_probs: [k + 1, vocab] the target's probabilities (after temperature and filters).
+        draft_ids: the k draft tokens.
+        draft_probs: [k, vocab] the draft's probabilities, or None (n-gram: one-hot on the draft).
+        accept_u: [k] float64 U[0, 1) accept draws; residual_u: [k + 1] float64 recovered/bonus draws.
+    """
+    k = len(draft_ids)
+    out: list[int] = []
+    for i, d in enumerate(draft_ids):
+        p_row = target_probs[i].double()  # [vocab]
+        p = float(p_row[d])
+        q = 1.0 if draft_probs is None else float(draft_probs[i, d])
+        if float(accept_u[i]) * q < p:  # u < min(1, p / q)
+            out.append(d)
+            continue
+        if draft_probs is None:
+            residual = p_row.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p_row - draft_probs[i].double()).clamp_(min=0.0)  # [vocab]
+        out.append(int(inverse_cdf_sample(residual.unsqueeze(0), residual_u[i : i + 1])[0]))
+        return out
+    out.append(int(inverse_cdf_sample(target_probs[k : k + 1].double(), residual_u[k : k + 1])[0]))
+    return out
+
+
+def greedy_verify(target_argmax: list[int], draft_ids: list[int]) -> list[int]:
+    """Greedy verification: the draft's longest prefix equal to the target's argmax at each row,
+    then the target's argmax at the first mismatch (or the bonus row). ``target_argmax``: k + 1 ids."""
+    out: list[int] = []
+    for want, d in zip(target_argmax, draft_ids):
+        out.append(want)
+        if want != d:
+            return out
+    out.append(target_argmax[len(draft_ids)])
+    return out

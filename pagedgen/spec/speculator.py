@@ -1,0 +1,94 @@
+"""The driver's side of speculative decoding: propose drafts for the step's decode sequences,
+reserve their lookahead slots, and after the step commit the kept tokens one by one through the
+engine's normal per-token path (stop checks after each) and give back the rejected slots.
+
+Which sequences speculate: decode sequences (one token to compute, the prompt done), not beams,
+not a step with a structured-output bitmask, not a sliding-window model, not a sequence with completions still to fork; none in
+a step with ``disable_by_batch_size`` or more running sequences. k is capped so that the k + 1
+tokens a step can keep do not pass the sequence's length limit (max_tokens, max_model_len).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedgen.spec.config import SpeculativeConfig
+from pagedgen.spec.ngram import propose
+
+
+@dataclass
+class SpecStats:
+    """Draft tokens proposed and accepted since the engine was made, in total and by position."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        for counts, n in ((self.proposed_per_position, num_drafts), (self.accepted_per_position, num_accepted)):
+            if len(counts) < n:
+                counts.extend([0] * (n - len(counts)))
+            for p in range(n):
+                counts[p] += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / p for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+
+
+class Speculator:
+    """N-gram speculation for one engine (``config.method == "ngram"``)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecStats()
+
+    def plan(self, batch, scheduler) -> dict[int, list[int]]:
+        """Drafts for the decode sequences of ``batch`` (just scheduled), their lookahead slots
+        reserved in the plan; returns {seq_id: drafts}."""
+        cfg = self.config
+        if batch.grammar_bitmask is not None or scheduler.block_manager.sliding_window:
+            return {}  # structured outputs, sliding-window models: not speculated (untested there)
+        if cfg.disable_by_batch_size is not None and len(scheduler.running) >= cfg.disable_by_batch_size:
+            return {}
+        wanted: dict[int, list[int]] = {}
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.plan.num_new_tokens)):
+            c = seq.num_computed_tokens
+            if n != 1 or c + 1 != len(seq.token_ids) or c < seq.num_prompt_tokens or seq.beam_group is not None or seq.pending_forks:
+                continue
+            k = min(cfg.num_speculative_tokens, seq._max_len - len(seq.token_ids) - 1)
+            if k < 1:
+                continue
+            draft = propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if draft:
+                wanted[i] = draft
+        if not wanted:
+            return {}
+        kept = scheduler.add_lookahead(batch.plan, wanted)
+        return {batch.seqs[i].seq_id: draft for i, draft in kept.items()}
+
+    def commit(self, spec, finished: list, scheduler) -> int:
+        """Append each verified sequence's kept tokens after its first (already appended), stopping
+        at the first that ends it (added to ``finished``); roll back the slots of what was not
+        kept. Returns the tokens appended."""
+        done = set(finished)
+        appended = 0
+        for seq, more, entries, draft in spec:
+            self.stats.record(len(draft), len(more))
+            if seq in done:
+                continue
+            ended = False
+            for tok, entry in zip(more, entries):
+                if entry is not None:
+                    seq.add_logprobs(entry, tok)
+                appended += 1
+                if seq.append_token(tok):
+                    ended = True
+                    finished.append(seq)
+                    break
+            if not ended:
+                keep = len(seq.token_ids) - 1  # the last kept token is computed next step
+                scheduler.rollback(seq, keep)
+                seq.num_computed_tokens = keep
+        return appended
