@@ -259,21 +259,22 @@ class ModelRunner:
         self.move_blocks(batch)
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
-            logits = self.graphs.run(input_ids, positions, attn)[logits_indices].cpu()  # pure decode step
+            logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step
         else:
-            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + B + R, vocab], model dtype
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices)  # [S + B + R, vocab], model dtype
+        # the logits stay on the device: the sampler sends back only ids and requested logprobs
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
             sampled = self.sampler(logits[:num_sampling], sampling, batch.grammar_bitmask)
             out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
         if beams:
-            beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1)  # [B, vocab]
+            beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1).cpu()  # [B, vocab]
             out.beam_logprobs = list(zip(beams, beam_logprobs))
         if prompt_plan.rows:
             dicts = logprob_dicts(
                 logits[num_sampling + num_beams :].float().log_softmax(dim=-1),
-                torch.tensor(prompt_plan.target_ids, dtype=torch.int64),
+                torch.tensor(prompt_plan.target_ids, dtype=torch.int64).to(logits.device),
                 prompt_plan.num_logprobs,
             )
             offset = 0
