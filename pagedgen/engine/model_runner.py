@@ -41,6 +41,7 @@ from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.prefault import Prefaulter
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
+from pagedgen.engine.step_buffers import StepBuffers
 from pagedgen.engine.sequence import Sequence
 from pagedgen.model.llama import LlamaForCausalLM
 from pagedgen.ops import AttentionMetadata
@@ -137,6 +138,7 @@ class ModelRunner:
         block_bytes = cfg.kv_bytes_per_token() * cache_config.block_size
         self.prefaulter = Prefaulter(self.kv_caches, block_bytes) if self.on_cpu else None
         # persistent block tables, updated from each step's deltas: [rows, ceil(max_model_len / block_size)] int32
+        self.buffers = StepBuffers(model.device)  # the step's inputs: one staging buffer, one copy per step
         self.block_tables = BlockTables(-(-max_model_len // cache_config.block_size) if max_model_len else 16)
         self.graphs: Optional[CUDAGraphRunner] = None
         if cuda_graph_max_seqs and model.device.type == "cuda":
@@ -182,19 +184,19 @@ class ModelRunner:
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
         logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
+        ids_d, positions_d, slots_d, tables_d, seq_lens_d, qsl_d, logits_d = self.buffers.stage([
+            int_tensor(input_ids, torch.int64),  # [T]
+            positions,  # [T]
+            slots,  # [T]
+            tables,  # [n, max_blocks]
+            int_tensor(ends, torch.int32),  # [n]
+            int_tensor(query_start_loc, torch.int32),  # [n + 1]
+            int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64),  # [S + B + R]
+        ])  # one host-to-device copy (none on the CPU)
         attn = AttentionMetadata(
-            slot_mapping=self._to_device(slots),  # [T]
-            block_tables=self._to_device(tables),  # [n, max_blocks]
-            seq_lens=self._to_device(int_tensor(ends, torch.int32)),  # [n]
-            query_start_loc=self._to_device(int_tensor(query_start_loc, torch.int32)),  # [n + 1]
-            max_seq_len=max_seq_len,
+            slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d, max_seq_len=max_seq_len
         )
-        tensors = (
-            self._to_device(int_tensor(input_ids, torch.int64)),
-            self._to_device(positions),
-            attn,
-            self._to_device(int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64)),
-        )
+        tensors = (ids_d, positions_d, attn, logits_d)
         return tensors, sampling, beams, prompt_plan
 
     @staticmethod
@@ -223,10 +225,6 @@ class ModelRunner:
             logits_indices.append(logits_indices[sampling.index(parent)])
             sampling.append(child)
         return logits_indices, sampling, beams, beam_rows, prompt_plan
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host-built input on the model's device (skipped on the CPU, where it is already)."""
-        return t if self.on_cpu else t.to(self.model.device, non_blocking=True)
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write copies, in every layer (before the step's forward:
