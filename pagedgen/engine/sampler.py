@@ -22,6 +22,13 @@ or a rolled-back step is the same token. A request without a seed uses the key o
 seed (``LLM(seed=...)``) and its sequence id as the stream. Every step of the pipeline is row-wise:
 a row's token does not depend on what else shares the batch, on the batch order, or on preemption.
 
+Device: every step above is batched tensor work on the logits' device (a GPU's logits never
+travel whole); the per-row parameters go down as a few small tensors, and the sampled ids and the
+requested logprobs (packed by ``engine/logprobs.py::logprob_tensors`` into one float64 tensor) come
+back in one copy, ``_to_host``. The draws are computed there too: ``counter_uniforms_torch`` is the
+same hash in torch int64 arithmetic (wrapping + and *, shifts made logical), bit for bit the Python
+reference; on the CPU the numpy version ``counter_uniforms`` is used (cheaper on small arrays).
+
 Fast path: when every row is greedy and no row asks for logprobs, penalties, logit bias,
 allowed_token_ids or min_tokens, a step is one argmax; deciding that reads one flag per sequence
 (``Sequence.plain_greedy``, computed once when the sequence is made).
