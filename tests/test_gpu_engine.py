@@ -78,8 +78,8 @@ def test_gpu_sampler_equals_the_cpu_sampler_on_identical_logits():
 
 
 def test_gpu_seeded_sampling_ignores_the_batch_company(stories_path, workload):
-    """On the GPU, a seeded request's completion is the same alone and in a batch, and the same as
-    on the CPU where the logits agree (greedy-close prompts are not required: the draws are keyed)."""
+    """On the GPU, a seeded request's completion is the same alone and in a batch (its draws are
+    keyed by seed and position, computed on the device)."""
     prompts, _, _ = workload
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, logprobs=2)
     llm = LLM(stories_path, device="cuda")
