@@ -26,16 +26,18 @@ from typing import Optional
 import torch
 
 
-def token_counts(token_ids: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """How often each token appears in each row's list: [num_rows, vocab] float32.
-    Costs one C-level pass over all the ids (no per-token Python work)."""
-    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32)
-    lengths = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
-    if int(lengths.sum()) == 0:
+def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """How often each token appears in each row's list: [num_rows, vocab] float32 on ``device``.
+    The ids go to the device in one copy, then one scatter-add counts them (no per-token Python work)."""
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
+    lengths = [len(t) for t in token_ids]
+    total = sum(lengths)
+    if total == 0:
         return counts
-    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
-    counts.index_put_((rows, flat), torch.ones(flat.shape[0]), accumulate=True)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), torch.tensor(lengths), output_size=total)  # [N]
+    flat = torch.stack([rows, torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)])  # [2, N]
+    rows, flat = flat.to(device) if device.type != "cpu" else flat
+    counts.view(-1).index_add_(0, rows * vocab_size + flat, torch.ones(total, device=device))
     return counts
 
 
@@ -65,13 +67,13 @@ def apply_logit_bias(
 
 def apply_token_ban(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Set ``logits[rows[b], token_ids[b]]`` to -inf (rows, token_ids: [B] int64)."""
-    return logits.index_put((rows, token_ids), torch.tensor(float("-inf")))
+    return logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Keep only the (row, token) pairs given (rows, token_ids: [B] int64) in the rows that appear
     in ``rows``; the other tokens of those rows get -inf, other rows are unchanged."""
-    drop = torch.zeros(logits.shape, dtype=torch.bool)  # [R, V]
+    drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)  # [R, V]
     drop[rows] = True
     drop[rows, token_ids] = False
     return logits.masked_fill(drop, float("-inf"))

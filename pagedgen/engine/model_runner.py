@@ -41,6 +41,7 @@ from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.prefault import Prefaulter
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
+from pagedgen.engine.step_buffers import StepBuffers
 from pagedgen.engine.sequence import Sequence
 from pagedgen.spec import verify
 from pagedgen.model.llama import LlamaForCausalLM
@@ -141,6 +142,7 @@ class ModelRunner:
         block_bytes = cfg.kv_bytes_per_token() * cache_config.block_size
         self.prefaulter = Prefaulter(self.kv_caches, block_bytes) if self.on_cpu else None
         # persistent block tables, updated from each step's deltas: [rows, ceil(max_model_len / block_size)] int32
+        self.buffers = StepBuffers(model.device)  # the step's inputs: one staging buffer, one copy per step
         self.block_tables = BlockTables(-(-max_model_len // cache_config.block_size) if max_model_len else 16)
         self.graphs: Optional[CUDAGraphRunner] = None
         if cuda_graph_max_seqs and model.device.type == "cuda":
@@ -189,19 +191,19 @@ class ModelRunner:
             logits_indices, sampling, beams, beam_rows, prompt_plan = verify.logits_rows(batch, starts, ends, query_start_loc, PromptLogprobsPlan())
         else:
             logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
+        ids_d, positions_d, slots_d, tables_d, seq_lens_d, qsl_d, logits_d = self.buffers.stage([
+            int_tensor(input_ids, torch.int64),  # [T]
+            positions,  # [T]
+            slots,  # [T]
+            tables,  # [n, max_blocks]
+            int_tensor(ends, torch.int32),  # [n]
+            int_tensor(query_start_loc, torch.int32),  # [n + 1]
+            int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64),  # [S + B + R]
+        ])  # one host-to-device copy (none on the CPU)
         attn = AttentionMetadata(
-            slot_mapping=self._to_device(slots),  # [T]
-            block_tables=self._to_device(tables),  # [n, max_blocks]
-            seq_lens=self._to_device(int_tensor(ends, torch.int32)),  # [n]
-            query_start_loc=self._to_device(int_tensor(query_start_loc, torch.int32)),  # [n + 1]
-            max_seq_len=max_seq_len,
+            slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d, max_seq_len=max_seq_len
         )
-        tensors = (
-            self._to_device(int_tensor(input_ids, torch.int64)),
-            self._to_device(positions),
-            attn,
-            self._to_device(int_tensor(logits_indices + beam_rows + prompt_plan.rows, torch.int64)),
-        )
+        tensors = (ids_d, positions_d, attn, logits_d)
         return tensors, sampling, beams, prompt_plan
 
     @staticmethod
@@ -230,10 +232,6 @@ class ModelRunner:
             logits_indices.append(logits_indices[sampling.index(parent)])
             sampling.append(child)
         return logits_indices, sampling, beams, beam_rows, prompt_plan
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host-built input on the model's device (skipped on the CPU, where it is already)."""
-        return t if self.on_cpu else t.to(self.model.device, non_blocking=True)
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write copies, in every layer (before the step's forward:
@@ -266,9 +264,10 @@ class ModelRunner:
         self.move_blocks(batch)
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
-            logits = self.graphs.run(input_ids, positions, attn)[logits_indices].cpu()  # pure decode step
+            logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step
         else:
-            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices).cpu()  # [S + B + R, vocab], model dtype
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices)  # [S + B + R, vocab], model dtype
+        # the logits stay on the device: the sampler sends back only ids and requested logprobs
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
@@ -277,12 +276,12 @@ class ModelRunner:
             if batch.drafts:
                 verify.collapse(out, batch.drafts)
         if beams:
-            beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1)  # [B, vocab]
+            beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1).cpu()  # [B, vocab]
             out.beam_logprobs = list(zip(beams, beam_logprobs))
         if prompt_plan.rows:
             dicts = logprob_dicts(
                 logits[num_sampling + num_beams :].float().log_softmax(dim=-1),
-                torch.tensor(prompt_plan.target_ids, dtype=torch.int64),
+                torch.tensor(prompt_plan.target_ids, dtype=torch.int64).to(logits.device),
                 prompt_plan.num_logprobs,
             )
             offset = 0

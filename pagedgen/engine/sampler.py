@@ -22,6 +22,13 @@ or a rolled-back step is the same token. A request without a seed uses the key o
 seed (``LLM(seed=...)``) and its sequence id as the stream. Every step of the pipeline is row-wise:
 a row's token does not depend on what else shares the batch, on the batch order, or on preemption.
 
+Device: every step above is batched tensor work on the logits' device (a GPU's logits never
+travel whole); the per-row parameters go down as a few small tensors, and the sampled ids and the
+requested logprobs (packed by ``engine/logprobs.py::logprob_tensors`` into one float64 tensor) come
+back in one copy, ``_to_host``. The draws are computed there too: ``counter_uniforms_torch`` is the
+same hash in torch int64 arithmetic (wrapping + and *, shifts made logical), bit for bit the Python
+reference; on the CPU the numpy version ``counter_uniforms`` is used (cheaper on small arrays).
+
 Fast path: when every row is greedy and no row asks for logprobs, penalties, logit bias,
 allowed_token_ids or min_tokens, a step is one argmax; deciding that reads one flag per sequence
 (``Sequence.plain_greedy``, computed once when the sequence is made).
@@ -37,12 +44,13 @@ import torch
 
 from pagedgen import ops
 from pagedgen.engine import logits_processors as lp
-from pagedgen.engine.logprobs import logprob_dicts
+from pagedgen.engine.logprobs import logprob_tensors, unpack_logprob_dicts
 from pagedgen.engine.sequence import Sequence
 from pagedgen.engine.token_bitmask import GrammarBitmask
 from pagedgen.outputs import Logprob
 
 _PLAIN_GREEDY = attrgetter("plain_greedy")
+_CPU = torch.device("cpu")
 
 
 _M64 = (1 << 64) - 1
@@ -97,6 +105,36 @@ def counter_uniforms(keys, streams, positions) -> torch.Tensor:
     return torch.from_numpy((h >> _S11).astype(np.float64) * 2.0**-53)
 
 
+def _i64(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+_G_I64, _MUL1_I64, _MUL2_I64 = _i64(_GOLDEN), _i64(_MUL1), _i64(_MUL2)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits: torch's ``>>`` is arithmetic on int64, so the k copies of
+    the sign bit it shifts in are masked off."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix_i64(z: torch.Tensor) -> torch.Tensor:  # [R] int64; + and * wrap mod 2**64 in two's complement
+    z = z + _G_I64
+    z = (z ^ _shr(z, 30)) * _MUL1_I64
+    z = (z ^ _shr(z, 27)) * _MUL2_I64
+    return z ^ _shr(z, 31)
+
+
+def counter_uniforms_torch(keys: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``counter_uniforms`` in torch int64 arithmetic on the tensors' device (a GPU worker draws
+    without a host round trip): keys, streams, positions [R] int64 on one device -> [R] float64,
+    bit for bit ``counter_uniform`` of each row (tests/test_sampling_draws.py). Multiplication and
+    addition of int64 wrap modulo 2**64 as unsigned arithmetic does; shifts are made logical."""
+    h = _mix_i64(_mix_i64(_mix_i64(keys) ^ streams) ^ positions)  # [R] int64, the bits of the uint64 hash
+    return _shr(h, 11).double() * 2.0**-53  # 53 bits: exact in float64
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim: [N, vocab] float32 / bfloat16 / float16 -> [N] int64, the ids of
     ``logits.max(dim=-1).indices`` and ``argmax`` (the first maximal index on ties, NaN counting as
@@ -130,14 +168,17 @@ class Sampler:
         self.unseeded_key = unseeded_key(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask] = None) -> SamplerOutput:
-        """logits: [num_seqs, vocab] on the CPU (float32 or the model's bf16/fp16), row i for seqs[i].
-        The fast path takes the argmax in the logits' own dtype; every other path works in float32.
-        ``grammar_bitmask``: the structured-output rows of this step (engine/grammar.py), applied
-        first, in place (vLLM's order: logprobs are then those of the masked logits)."""
+        """logits: [num_seqs, vocab] on any device (float32 or the model's bf16/fp16), row i for
+        seqs[i]. All the work runs on the logits' device; the sampled ids and the requested
+        logprobs come back to the host in one copy (``_to_host``). The fast path takes the argmax
+        in the logits' own dtype; every other path works in float32. ``grammar_bitmask``: the
+        structured-output rows of this step (engine/grammar.py), applied first, in place (vLLM's
+        order: logprobs are then those of the masked logits)."""
         if grammar_bitmask is not None:
             logits = grammar_bitmask.apply(logits, seqs)
-        if all(map(_PLAIN_GREEDY, seqs)):  # the fast path: one argmax
-            return SamplerOutput(greedy_ids(logits).tolist())
+        if all(map(_PLAIN_GREEDY, seqs)):  # the fast path: one argmax, one copy
+            return SamplerOutput(_to_host(greedy_ids(logits)).tolist())
+        device = logits.device
         params = [s.sampling_params for s in seqs]
         kinds = {id(p): p for p in params}.values()
         all_greedy = all(p.greedy for p in kinds)
@@ -148,23 +189,31 @@ class Sampler:
         raw_logprobs = None
         if want_logprobs:
             lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-            raw_logprobs = logits[lp_rows].log_softmax(dim=-1)  # [L, vocab]
+            lp_index = None if len(lp_rows) == len(params) else _index(lp_rows, device)
+            raw_logprobs = (logits if lp_index is None else logits[lp_index]).log_softmax(dim=-1)  # [L, vocab]
         if processed:
             logits = self._process(logits, seqs, params)
-        sampled = self._sample(logits, seqs, params, all_greedy)  # [num_seqs] int64
+        sampled = self._sample(logits, seqs, params, all_greedy)  # [num_seqs] int64, on the device
+        if not want_logprobs:
+            return SamplerOutput(_to_host(sampled).tolist())
 
-        logprobs = None
-        if want_logprobs:
-            dicts = logprob_dicts(raw_logprobs, sampled[lp_rows], [params[i].logprobs for i in lp_rows])
-            logprobs = [None] * len(seqs)
-            for i, d in zip(lp_rows, dicts):
-                logprobs[i] = d
-        return SamplerOutput(sampled.tolist(), logprobs)
+        num_logprobs = [params[i].logprobs for i in lp_rows]
+        chosen = sampled if lp_index is None else sampled[lp_index]
+        packed = logprob_tensors(raw_logprobs, chosen, max(num_logprobs))  # [L, 3 + 2k] float64
+        host = _to_host(torch.cat([sampled.double(), packed.view(-1)]))  # the step's one copy
+        n = len(seqs)
+        token_ids = host[:n].long().tolist()
+        dicts = unpack_logprob_dicts(host[n:].view(len(lp_rows), -1), num_logprobs)
+        logprobs = [None] * n
+        for i, d in zip(lp_rows, dicts):
+            logprobs[i] = d
+        return SamplerOutput(token_ids, logprobs)
 
     @staticmethod
     def _process(logits: torch.Tensor, seqs: Seq[Sequence], params) -> torch.Tensor:
-        """Allowed token ids, logit bias, min_tokens bans and penalties, for the rows that ask (steps 2-3)."""
-        vocab = logits.shape[1]
+        """Allowed token ids, logit bias, min_tokens bans and penalties, for the rows that ask (steps 2-3),
+        on the logits' device: the per-row lists are gathered on the host and moved once each."""
+        vocab, device = logits.shape[1], logits.device
         bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, pen_rows = [], [], [], [], [], []
         allow_rows, allow_ids = [], []
         for i, (seq, p) in enumerate(zip(seqs, params)):
@@ -182,71 +231,86 @@ class Sampler:
             if p.has_penalties:
                 pen_rows.append(i)
         if allow_rows:
-            logits = lp.apply_allowed_token_ids(logits, torch.tensor(allow_rows), torch.tensor(allow_ids, dtype=torch.int64))
+            logits = lp.apply_allowed_token_ids(logits, _index(allow_rows, device), _index(allow_ids, device))
         if bias_rows:
             logits = lp.apply_logit_bias(
-                logits, torch.tensor(bias_rows), torch.tensor(bias_ids), torch.tensor(bias_vals, dtype=torch.float32)
+                logits, _index(bias_rows, device), _index(bias_ids, device), torch.tensor(bias_vals, dtype=torch.float32, device=device)
             )
         if ban_rows:
-            logits = lp.apply_token_ban(logits, torch.tensor(ban_rows), torch.tensor(ban_ids, dtype=torch.int64))
+            logits = lp.apply_token_ban(logits, _index(ban_rows, device), _index(ban_ids, device))
         if pen_rows:
-            rows = torch.tensor(pen_rows)
+            rows = _index(pen_rows, device)
             pen_seqs = [seqs[i] for i in pen_rows]
             pen_params = [params[i] for i in pen_rows]
-            seen = lp.token_counts([s.token_ids for s in pen_seqs], vocab) > 0
-            counts = lp.token_counts([s.output_token_ids for s in pen_seqs], vocab)
-            penalised = lp.apply_penalties(
-                logits[rows],
-                seen,
-                counts,
-                torch.tensor([p.presence_penalty for p in pen_params], dtype=torch.float32),
-                torch.tensor([p.frequency_penalty for p in pen_params], dtype=torch.float32),
-                torch.tensor([p.repetition_penalty for p in pen_params], dtype=torch.float32),
-            )
+            seen = lp.token_counts([s.token_ids for s in pen_seqs], vocab, device) > 0
+            counts = lp.token_counts([s.output_token_ids for s in pen_seqs], vocab, device)
+            knobs = torch.tensor(
+                [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in pen_params], dtype=torch.float32
+            ).to(device)  # [P, 3]
+            penalised = lp.apply_penalties(logits[rows], seen, counts, knobs[:, 0], knobs[:, 1], knobs[:, 2])
             logits = logits.index_copy(0, rows, penalised)
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence], params, all_greedy: bool) -> torch.Tensor:
-        """Steps 4-5: [num_seqs] int64 token ids. Greedy rows take the argmax and pay nothing for
-        the sampled ones: temperature, filters, softmax and the draw run on the sampled rows only."""
+        """Steps 4-5: [num_seqs] int64 token ids on the logits' device. Greedy rows take the argmax
+        and pay nothing for the sampled ones: temperature, filters, softmax and the draw run on the
+        sampled rows only."""
         if all_greedy:
             return greedy_ids(logits)
+        device = logits.device
         rows = [i for i, p in enumerate(params) if not p.greedy]
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        x = logits[rows] if greedy_rows else logits  # [R, vocab], the sampled rows
+        rows_t = _index(rows, device) if greedy_rows else None
+        x = logits[rows_t] if greedy_rows else logits  # [R, vocab], the sampled rows
         sp = [params[i] for i in rows]
-        temps = torch.tensor([p.temperature for p in sp], dtype=torch.float32)
-        x = x / temps.unsqueeze(1)
+        knobs = torch.tensor([[p.temperature, p.min_p, p.top_p] for p in sp], dtype=torch.float32).to(device)  # [R, 3]
+        x = x / knobs[:, 0:1]
         if any(p.min_p > 0.0 for p in sp):
-            x = lp.apply_min_p(x, torch.tensor([p.min_p for p in sp], dtype=torch.float32))
+            x = lp.apply_min_p(x, knobs[:, 1])
         filtered = [r for r, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0]
         if filtered:  # top-k / top-p sort the vocabulary: only the rows that ask for it
-            fp = [sp[r] for r in filtered]
-            top_k = torch.tensor([p.top_k for p in fp], dtype=torch.int64)
-            top_p = torch.tensor([p.top_p for p in fp], dtype=torch.float32)
+            top_k = torch.tensor([sp[r].top_k for r in filtered], dtype=torch.int64).to(device)
             if len(filtered) == len(sp):
-                x = lp.apply_top_k_top_p(x, top_k, top_p)
+                x = lp.apply_top_k_top_p(x, top_k, knobs[:, 2])
             else:
-                index = torch.tensor(filtered)
-                x = x.index_copy(0, index, lp.apply_top_k_top_p(x[index], top_k, top_p))
+                index = _index(filtered, device)
+                x = x.index_copy(0, index, lp.apply_top_k_top_p(x[index], top_k, knobs[index, 2]))
         probs = x.softmax(dim=-1)  # [R, vocab]
-        tokens = inverse_cdf_sample(probs, self._uniforms([seqs[i] for i in rows]))  # [R]
+        tokens = inverse_cdf_sample(probs, self._uniforms([seqs[i] for i in rows], device))  # [R]
         if not greedy_rows:
             return tokens
-        sampled = torch.empty(len(params), dtype=torch.int64)
-        sampled[rows] = tokens
-        sampled[greedy_rows] = greedy_ids(logits[greedy_rows])
+        greedy_t = _index(greedy_rows, device)
+        sampled = torch.empty(len(params), dtype=torch.int64, device=device)
+        sampled[rows_t] = tokens
+        sampled[greedy_t] = greedy_ids(logits[greedy_t])
         return sampled
 
-    def _uniforms(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """One U[0, 1) float64 draw per row (see the module docstring): keyed by the request's seed
-        and the completion index, or by the engine's key and the sequence id for a request
-        without a seed; the position is that of the token being drawn."""
+    def _uniforms(self, seqs: Seq[Sequence], device: torch.device = _CPU) -> torch.Tensor:
+        """One U[0, 1) float64 draw per row (see the module docstring), on ``device``: keyed by the
+        request's seed and the completion index, or by the engine's key and the sequence id for a
+        request without a seed; the position is that of the token being drawn. On the CPU through
+        numpy (``counter_uniforms``, cheaper on small arrays), elsewhere in torch int64 arithmetic
+        on the device (``counter_uniforms_torch``): the same bits either way."""
         unseeded = self.unseeded_key
         keys = [unseeded if s.seed is None else s.seed for s in seqs]
         streams = [s.seq_id if s.seed is None else s.index for s in seqs]
         positions = [len(s.token_ids) for s in seqs]
-        return counter_uniforms(keys, streams, positions)
+        if device.type == "cpu":
+            return counter_uniforms(keys, streams, positions)
+        k, s, p = torch.tensor([keys, streams, positions], dtype=torch.int64).to(device)  # one copy: [3, R]
+        return counter_uniforms_torch(k, s, p)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list of ids as an int64 tensor on ``device`` (one host-to-device copy off the CPU)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """The one place where the sampler's results come back: a device tensor to the host (no copy on
+    the CPU). tests/test_sampler_device.py counts the calls."""
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

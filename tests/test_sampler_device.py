@@ -1,0 +1,131 @@
+"""The sampler on the logits' device against the host sampler it replaced (tests/host_sampler_reference.py).
+
+Given the same logits, every ``SamplingParams`` field gives the same tokens, bit for bit, and the
+same logprobs (within 1e-6); the counter-based draws in torch int64 arithmetic equal the plain
+Python reference bit for bit; and a step brings its results back to the host in one copy. Runs on
+the CPU and, where there is one, on a CUDA GPU (the same logits moved there).
+"""
+import random
+
+import pytest
+import torch
+
+from host_sampler_reference import HostSampler
+from pagedgen.engine import sampler as sampler_mod
+from pagedgen.engine.sampler import Sampler, as_int64, counter_uniform, counter_uniforms_torch
+from pagedgen.engine.sequence import Sequence
+from pagedgen.engine.token_bitmask import GrammarBitmask
+from pagedgen.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+VOCAB = 1000
+
+PARAMS = {
+    "greedy": SamplingParams(temperature=0),
+    "greedy_logprobs": SamplingParams(temperature=0, logprobs=3),
+    "temperature_seed": SamplingParams(temperature=0.8, seed=5),
+    "negative_seed": SamplingParams(temperature=1.0, seed=-(2**63) + 7),
+    "unseeded": SamplingParams(temperature=1.0),
+    "top_k": SamplingParams(temperature=1.0, top_k=20, seed=1),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.8, seed=2),
+    "top_k_top_p": SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.05, seed=3),
+    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4, seed=4),
+    "greedy_penalties": SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=1.0),
+    "logit_bias": SamplingParams(temperature=1.0, logit_bias={3: 5.0, 7: -2.0, 11: 3.5}, seed=6),
+    "allowed": SamplingParams(temperature=1.0, allowed_token_ids=list(range(40, 90)), seed=7),
+    "min_tokens": SamplingParams(temperature=0, min_tokens=50, max_tokens=64, stop_token_ids=[4, 9]),
+    "logprobs0": SamplingParams(temperature=1.0, logprobs=0, seed=8),
+    "logprobs5": SamplingParams(temperature=0.9, top_k=30, logprobs=5, seed=9),
+}
+
+
+def _seqs(rng: random.Random, names: list[str]) -> list[Sequence]:
+    seqs = []
+    for i, name in enumerate(names):
+        p = PARAMS[name]
+        tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(6, 40))]
+        seqs.append(Sequence(seq_id=100 + i, request_id=str(i), token_ids=tokens, num_prompt_tokens=5, sampling_params=p,
+                             eos_token_ids=frozenset({2}), max_model_len=512,
+                             seed=None if p.seed is None else as_int64(p.seed), index=i % 3))
+    return seqs
+
+
+def _bitmask(rng: random.Random, seqs: list[Sequence]) -> GrammarBitmask:
+    chosen = [s.seq_id for s in seqs if rng.random() < 0.3] or [seqs[0].seq_id]
+    words = torch.randint(-(2**31), 2**31, (len(chosen), -(-VOCAB // 32)), dtype=torch.int64,
+                          generator=torch.Generator().manual_seed(rng.randrange(1 << 30))).to(torch.int32)
+    return GrammarBitmask(chosen, words)
+
+
+def _compare(got, want) -> None:
+    assert got.token_ids == want.token_ids
+    assert (got.logprobs is None) == (want.logprobs is None)
+    for g, w in zip(got.logprobs or [], want.logprobs or []):
+        assert (g is None) == (w is None)
+        if g is None:
+            continue
+        assert list(g) == list(w)  # the same tokens in the same order (chosen, then the top k)
+        for token in g:
+            assert g[token].rank == w[token].rank
+            assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_each_field_matches_the_host_sampler(device, name):
+    """Rows of one field among greedy rows: the same tokens and logprobs as the host sampler."""
+    rng = random.Random(sorted(PARAMS).index(name))
+    seqs = _seqs(rng, [name, "greedy", name, name])
+    logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    want = HostSampler(11)(logits.clone(), seqs)
+    _compare(Sampler(11)(logits.clone().to(device), seqs), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batches_with_a_grammar_match_the_host_sampler(device, dtype):
+    rng = random.Random(5)
+    for trial in range(6):
+        names = [rng.choice(sorted(PARAMS)) for _ in range(rng.randint(1, 24))]
+        seqs = _seqs(rng, names)
+        logits = (torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(trial)) * 4).to(dtype)
+        mask = _bitmask(rng, seqs) if trial % 2 else None
+        want = HostSampler(3)(logits.clone(), seqs, mask)
+        _compare(Sampler(3)(logits.clone().to(device), seqs, mask), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counter_uniforms_in_torch_equal_the_python_reference(device):
+    rng = random.Random(2)
+    extremes = [0, 1, -1, 2**63 - 1, -(2**63), 2**62, -(2**62) - 3]
+    cols = [extremes + [rng.randrange(-(2**63), 2**63) for _ in range(3000)] for _ in range(3)]
+    for col in cols:
+        rng.shuffle(col)
+    got = counter_uniforms_torch(*(torch.tensor(c, device=device) for c in cols))
+    assert got.dtype == torch.float64 and got.device.type == device
+    assert got.tolist() == [counter_uniform(k, s, p) for k, s, p in zip(*cols)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("names", [["greedy"] * 5, ["greedy", "temperature_seed", "logprobs5", "penalties", "allowed", "min_tokens"]])
+def test_one_copy_to_the_host_per_step(device, names, monkeypatch):
+    """The sampler's results reach the host through ``_to_host`` exactly once; no ``.item()``,
+    ``.tolist()`` or ``.cpu()`` touches a tensor on the logits' device anywhere else."""
+    calls = []
+    real = sampler_mod._to_host
+    monkeypatch.setattr(sampler_mod, "_to_host", lambda t: calls.append(t.shape) or real(t))
+    seqs = _seqs(random.Random(0), names)
+    logits = torch.randn(len(seqs), VOCAB).to(device)
+    syncs = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu) and args[0].device.type != "cpu":
+                syncs.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        out = Sampler(0)(logits, seqs)
+    assert len(calls) == 1 and len(out.token_ids) == len(seqs)
+    assert syncs == ([] if device == "cpu" else ["cpu"])  # the one copy inside _to_host
