@@ -187,10 +187,7 @@ class ModelRunner:
         flat_block = rows * tables.shape[1] + torch.div(positions, bs, rounding_mode="floor")  # [T] into tables.view(-1)
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
-        if batch.drafts:  # speculative decoding: k + 1 rows per verified sequence
-            logits_indices, sampling, beams, beam_rows, prompt_plan = verify.logits_rows(batch, starts, ends, query_start_loc, PromptLogprobsPlan())
-        else:
-            logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
+        logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
         ids_d, positions_d, slots_d, tables_d, seq_lens_d, qsl_d, logits_d = self.buffers.stage([
             int_tensor(input_ids, torch.int64),  # [T]
             positions,  # [T]
@@ -210,15 +207,21 @@ class ModelRunner:
     def _logits_rows(batch: ScheduledBatch, starts: list[int], ends: list[int], query_start_loc: list[int]):
         """The step's rows whose logits are wanted: (flat row of each sampling sequence's last token,
         those sequences, the beams, the beams' rows, the prompt-logprobs plan). A sequence samples
-        when its computed tokens reach its end; a forked parallel sample repeats its parent's row."""
-        seqs = batch.seqs
+        when its computed tokens reach its end; a forked parallel sample repeats its parent's row; a
+        sequence with drafts (speculative decoding, ``batch.drafts``) gets k + 1 rows (spec/verify.py)."""
+        seqs, drafts = batch.seqs, batch.drafts
         prompt_plan = PromptLogprobsPlan()
-        if all(end == len(seq.token_ids) and seq.beam_group is None and seq.prompt_logprobs is None
+        if not drafts and all(end == len(seq.token_ids) and seq.beam_group is None and seq.prompt_logprobs is None
                for seq, end in zip(seqs, ends)):  # the common step: every sequence samples from its last row
             logits_indices, sampling, beams, beam_rows = [r - 1 for r in query_start_loc[1:]], list(seqs), [], []
         else:
             logits_indices, sampling, beams, beam_rows = [], [], [], []
             for seq, start, end, row_end in zip(seqs, starts, ends, query_start_loc[1:]):
+                if drafts and drafts.get(seq.seq_id):  # verified: k + 1 rows
+                    rows, samplers = verify.draft_rows(seq, drafts[seq.seq_id], row_end)
+                    logits_indices.extend(rows)
+                    sampling.extend(samplers)
+                    continue
                 if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                     prompt_plan.add(seq, start, end, row_end - (end - start))
                 if end == len(seq.token_ids):

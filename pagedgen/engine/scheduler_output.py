@@ -82,7 +82,7 @@ class ScheduledBatch:
     seqs: list[Any]
     forked: list[tuple[Any, Any]] = field(default_factory=list)
     grammar_bitmask: Any = None  # structured outputs: the step's GrammarBitmask (engine/grammar.py), for the sampler
-    drafts: dict = field(default_factory=dict)  # speculative decoding: {seq_id: draft token ids} (engine/spec_decode.py)
+    drafts: dict = field(default_factory=dict)  # speculative decoding: {seq_id: draft token ids} (pagedgen/spec/)
 
     @property
     def num_new_tokens(self) -> list[int]:

@@ -26,33 +26,11 @@ def _view(seq, prefix: list[int]):
     return dataclasses.replace(seq, token_ids=seq.token_ids + prefix)
 
 
-def logits_rows(batch, starts: list[int], ends: list[int], query_start_loc: list[int], prompt_plan):
-    """``ModelRunner._logits_rows`` for a step with drafts (``batch.drafts``: {seq_id: drafts}):
-    a verified sequence gets its k + 1 rows, itself then k views; others as usual (prompt
-    positions into ``prompt_plan``, an empty ``PromptLogprobsPlan``)."""
-    drafts = batch.drafts
-    logits_indices, sampling, beams, beam_rows = [], [], [], []
-    for seq, start, end, row_end in zip(batch.seqs, starts, ends, query_start_loc[1:]):
-        draft = drafts.get(seq.seq_id)
-        if draft:
-            k = len(draft)
-            logits_indices.extend(range(row_end - 1 - k, row_end))
-            sampling.append(seq)
-            sampling.extend(_view(seq, draft[:i]) for i in range(1, k + 1))
-            continue
-        if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-            prompt_plan.add(seq, start, end, row_end - (end - start))
-        if end == len(seq.token_ids):
-            if seq.beam_group is not None:
-                beam_rows.append(row_end - 1)
-                beams.append(seq)
-            else:
-                logits_indices.append(row_end - 1)
-                sampling.append(seq)
-    for child, parent in batch.forked:  # parallel samples share their parent's last row
-        logits_indices.append(logits_indices[sampling.index(parent)])
-        sampling.append(child)
-    return logits_indices, sampling, beams, beam_rows, prompt_plan
+def draft_rows(seq, draft: list[int], row_end: int):
+    """The k + 1 logits rows of a verified sequence whose query rows end at ``row_end`` (its last
+    committed token, then its k drafts) and what samples each: the sequence, then k views of it."""
+    k = len(draft)
+    return range(row_end - 1 - k, row_end), [seq] + [_view(seq, draft[:i]) for i in range(1, k + 1)]
 
 
 def collapse(out, drafts: dict) -> None:
