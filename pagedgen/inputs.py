@@ -115,6 +115,9 @@ def tokenize_prompts(tokenizer, prompts, vocab_size: int) -> tuple[list[Optional
     if to_encode:
         encoded = iter(tokenizer(to_encode, add_special_tokens=True)["input_ids"])
         ids = [list(next(encoded)) if x is None else x for x in ids]
+        for i, (text, token_ids) in enumerate(zip(texts, ids)):
+            if text is not None:  # a tokenizer may hold ids past the model's vocabulary (added tokens)
+                check_token_ids(token_ids, vocab_size, f"prompts[{i}] (as tokenized)")
     return texts, fill_empty(tokenizer, ids)
 
 
@@ -123,6 +126,7 @@ def tokenize_prompt(tokenizer, prompt, vocab_size: int, name: str) -> tuple[Opti
     text, ids = parse_prompt(prompt, name)
     if ids is None:
         ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        check_token_ids(ids, vocab_size, f"{name} (as tokenized)")  # a tokenizer may hold ids past the model's vocabulary
     else:
         check_token_ids(ids, vocab_size, name)
     return text, fill_empty(tokenizer, [ids], [name])[0]

@@ -1,4 +1,5 @@
 """Bad input gives a clear error before any work starts, and the same LLM keeps working after it."""
+import dataclasses
 import json
 import os
 import shutil
@@ -42,6 +43,20 @@ def expected(llm):
 def test_bad_generate_input(llm, expected, prompts, sampling_params, error, match):
     with pytest.raises(error, match=match):
         llm.generate(prompts, sampling_params, use_tqdm=False)
+    _assert_clean_and_working(llm, expected)
+
+
+def test_text_tokenized_past_the_model_vocabulary_is_refused(llm, expected, monkeypatch):
+    """A tokenizer may hold ids the model's embedding does not (added tokens): a text prompt that
+    tokenizes to one is a ValueError naming the prompt before any work, not an IndexError mid-step."""
+    ids = llm.tokenizer("a little dog")["input_ids"]
+    monkeypatch.setattr(llm, "model_config", dataclasses.replace(llm.model_config, vocab_size=max(ids)))  # the largest id: one past it
+    monkeypatch.setattr(llm.processor, "vocab_size", max(ids))
+    with pytest.raises(ValueError, match=rf"prompts\[1\] \(as tokenized\) has token id {max(ids)} outside the vocabulary"):
+        llm.generate(["a", "a little dog"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"\(as tokenized\) has token id"):
+        list(llm.generate_stream(iter(["a little dog"]), GREEDY))
+    monkeypatch.undo()
     _assert_clean_and_working(llm, expected)
 
 

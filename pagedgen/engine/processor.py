@@ -128,7 +128,10 @@ class RequestProcessor:
         for index, text, ids, params in parsed:
             name = f"prompts[{index}]"
             try:
-                ids = inputs.fill_empty(self.tokenizer, [list(next(encoded)) if ids is None else ids], [name])[0]
+                if ids is None:
+                    ids = list(next(encoded))
+                    inputs.check_token_ids(ids, self.vocab_size, f"{name} (as tokenized)")  # a tokenizer may hold ids past the model's vocabulary
+                ids = inputs.fill_empty(self.tokenizer, [ids], [name])[0]
                 inputs.check_prompt_length(ids, self.max_model_len, name)
             except ValueError as exc:
                 return requests, exc
