@@ -88,7 +88,8 @@ def test_cli_flag_parses_json():
 def test_ngram_example_from_the_docstring():
     ids = [0, 1, 2, 3, 0, 1, 2, 4, 0, 1, 2]  # a b c d a b c e a b c
     assert propose(ids, 3, 1, 3) == [4, 0, 1]
-    assert propose(ids, 8, 3, 3) == [4, 0, 1, 2]  # a match near the end proposes fewer than k
+    assert propose(ids, 8, 3, 3) == [4, 0, 1, 2, 4, 0, 1, 2]  # past the end: the period (4) repeats
+    assert propose([7, 5, 5, 5], 4, 1, 2) == [5, 5, 5, 5]  # a loop of one token: k proposals, not one
     assert propose([5, 6, 7], 3, 1, 3) == []  # no earlier occurrence
     assert propose([], 3, 1, 3) == [] and propose([9], 3, 1, 3) == []
 
@@ -108,7 +109,7 @@ def test_ngram_proposer_switches_off_at_batch_size():
                                        "prompt_lookup_max": 2, "disable_by_batch_size": 3})
     p = NgramProposer(cfg)
     batch = [[1, 2, 3, 1, 2], [4, 4, 4]]
-    assert p.propose(batch) == [[3, 1], [4]]
+    assert p.propose(batch) == [[3, 1], [4, 4]]
     assert p.propose(batch, num_running=3) == [[], []]
 
 

@@ -1,12 +1,17 @@
 """N-gram (prompt lookup) proposals: draft tokens copied from a sequence's own prompt and output.
 
 For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``: take the sequence's last n tokens
-(its suffix), find the most recent earlier place where those n tokens occur, and propose the (up to)
-k tokens that followed them there. The first n that matches wins; no match, no proposal.
+(its suffix), find the most recent earlier place where those n tokens occur, and propose the k
+tokens that followed them there. The first n that matches wins; no match, no proposal.
 
     tokens  a b c d a b c e a b c        suffix (n=3) "a b c" occurs at 0, 4 and 8 (itself);
             0       4       8            the most recent earlier one starts at 4: propose "e a b"
-                                         (k=3; a match near the end proposes fewer than k)
+                                         (k=3); k=8: "e a b c e a b c"
+
+A match d tokens back says the text repeats with period d, so a continuation that runs into the
+sequence's end goes on with the proposal itself (token m of the proposal is the one at
+``start + m % d``): a model stuck in a loop of d tokens gets all k proposals, not d - 1. (vLLM's
+prompt lookup stops at the end and proposes fewer.)
 
 No model is involved; the target verifies every proposal, so a bad one costs a rejected row, never a
 wrong token. ``propose_reference`` is the plain loop the vectorised version is tested against.
@@ -31,7 +36,8 @@ def propose(token_ids, k: int, min_n: int, max_n: int) -> list[int]:
         hits = np.flatnonzero((windows == suffix).all(axis=1))  # starts of earlier occurrences
         if hits.size:
             start = int(hits[-1]) + n  # the most recent one
-            return tokens[start : start + k].tolist()
+            period = length - start  # >= 1
+            return tokens[start + np.arange(k) % period].tolist()
     return []
 
 
@@ -45,7 +51,8 @@ def propose_reference(token_ids: Sequence[int], k: int, min_n: int, max_n: int) 
         suffix = tokens[length - n:]
         for i in range(length - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                start = i + n
+                return [tokens[start + m % (length - start)] for m in range(k)]
     return []
 
 
