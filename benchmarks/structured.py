@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -58,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="compact JSON (default on: a random model left free writes whitespace runs)")
     ap.add_argument("--mask", choices=["overlap", "serial", "both"], default="overlap",
                     help="fill each step's bitmask during the forward (default), before it, or both side by side (two timed constrained runs)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs of each side, interleaved (unconstrained, then each mask mode, then again); medians reported")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap.parse_args(argv)
@@ -100,12 +103,15 @@ def main(argv=None) -> dict:
     # untimed first pass: each request's length under the schema (and every KV page touched once)
     lengths = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, constrained, use_tqdm=False)]
     free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
-    start = time.perf_counter()
-    outs_free = llm.generate(prompts, free, use_tqdm=False)
-    t_free = time.perf_counter() - start
-    free_tokens = sum(len(o.outputs[0].token_ids) for o in outs_free)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
 
-    def constrained_run(overlap: bool):
+    def free_run():
+        start = time.perf_counter()
+        outs = llm.generate(prompts, free, use_tqdm=False)
+        return outs, time.perf_counter() - start
+
+    def constrained_run(overlap: bool, t_free: float, free_tokens: int):
         grammars.overlap = overlap
         steps0, mask0, wait0, masks0 = llm.get_stats().num_steps, grammars.mask_seconds, grammars.mask_wait_seconds, grammars.num_masks
         start = time.perf_counter()
@@ -121,10 +127,26 @@ def main(argv=None) -> dict:
         }
 
     modes = {"overlap": [True], "serial": [False], "both": [False, True]}[args.mask]
-    runs = {("overlap" if o else "serial"): constrained_run(o) for o in modes}
+    free_times, all_runs = [], {("overlap" if o else "serial"): [] for o in modes}
+    for repeat in range(args.repeats):  # interleaved, so that drift of a shared machine hits every side alike
+        outs_free, t = free_run()
+        free_times.append(t)
+        free_tokens = sum(len(o.outputs[0].token_ids) for o in outs_free)
+        for o in modes:
+            all_runs["overlap" if o else "serial"].append(constrained_run(o, t, free_tokens))
+        print(f"repeat {repeat + 1}/{args.repeats}: unconstrained {free_tokens / t:.1f} tok/s, "
+              + ", ".join(f"{m} {r[-1][3]['constrained_tok_s']:.1f} tok/s ({r[-1][3]['ratio']:.3f}x)" for m, r in all_runs.items()), flush=True)
+    t_free = statistics.median(free_times)
+
+    def median_run(results):  # the run of median seconds (odd repeats) with the ratio to the median unconstrained run
+        r = sorted(results, key=lambda x: x[2])[(len(results) - 1) // 2]
+        stats = dict(r[3], ratio=(r[1] / r[2]) / (free_tokens / t_free), ratios_by_repeat=[x[3]["ratio"] for x in results])
+        return r[0], r[1], r[2], stats
+
+    runs = {m: median_run(r) for m, r in all_runs.items()}
     outs, tokens, _, main_run = runs["overlap" if modes[-1] else "serial"]
-    if any(_ids(r[0]) != _ids(outs) for r in runs.values()):
-        raise SystemExit("serial and overlapped masks gave different outputs")
+    if any(_ids(x[0]) != _ids(outs) for r in all_runs.values() for x in r):
+        raise SystemExit("constrained runs (serial / overlapped masks, repeats) gave different outputs")
     valid, finish = 0, {}
     for o in outs:
         c = o.outputs[0]
@@ -136,7 +158,7 @@ def main(argv=None) -> dict:
             pass
 
     result = {
-        "model": args.model, "dtype": args.dtype, "device": str(llm.device), "requests": len(prompts), "max_tokens": args.max_tokens,
+        "model": args.model, "dtype": args.dtype, "device": str(llm.device), "requests": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
         "output_tokens": tokens, "unconstrained_output_tokens": free_tokens,
         "unconstrained_tok_s": free_tokens / t_free, **main_run,
         "schema_compile_ms": 1e3 * compiler.compile_seconds, "num_compiled": compiler.num_compiled,

@@ -74,6 +74,7 @@ def main() -> None:
     prompts, limits = _workload.load_workload("tinystories", AutoTokenizer.from_pretrained(folder), num_prompts=args.num_prompts,
                                               min_tokens=args.min_tokens, max_tokens=args.max_tokens, max_prompt_tokens=None,
                                               max_model_len=_workload.RANDOM_MAX_LEN, seed=0)
+    prompts, _ = _workload.fold_ids(prompts, _workload.RANDOM_MODELS["random-135m"]["vocab_size"])  # GPT-2 ids past the vocabulary
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in limits]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     kw = dict(dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes=512 << 20)

@@ -6,12 +6,14 @@ Python reference bit for bit; and a step brings its results back to the host in 
 the CPU and, where there is one, on a CUDA GPU (the same logits moved there).
 """
 import random
+import sys
 
 import pytest
 import torch
 
 from host_sampler_reference import HostSampler
 from pagedgen.engine import sampler as sampler_mod
+from pagedgen.engine import token_bitmask
 from pagedgen.engine.sampler import Sampler, as_int64, counter_uniform, counter_uniforms_torch
 from pagedgen.engine.sequence import Sequence
 from pagedgen.engine.token_bitmask import GrammarBitmask
@@ -129,3 +131,63 @@ def test_one_copy_to_the_host_per_step(device, names, monkeypatch):
         out = Sampler(0)(logits, seqs)
     assert len(calls) == 1 and len(out.token_ids) == len(seqs)
     assert syncs == ([] if device == "cpu" else ["cpu"])  # the one copy inside _to_host
+
+
+def _sparse_bitmask(rng: random.Random, seqs: list[Sequence], vocab: int, kinds=("few", "few", "few", "one", "many")) -> GrammarBitmask:
+    """Constrained rows of every kind: a few allowed tokens (sampled among them alone), one, many
+    (past MAX_CANDIDATES: the full masked row), none inside the vocabulary (the grammar manager
+    ends such a request before it is sampled: engine/grammar.py); some rows unconstrained."""
+    chosen = [s.seq_id for s in seqs if rng.random() < 0.8] or [seqs[0].seq_id]
+    words = torch.zeros(len(chosen), -(-vocab // 32) + 1, dtype=torch.int64)  # one word wider than the vocabulary
+    for row in range(len(chosen)):
+        kind = rng.choice(kinds)
+        count = {"few": rng.randint(2, 60), "one": 1, "many": token_bitmask.MAX_CANDIDATES + rng.randint(1, 500), "none": 0}[kind]
+        for t in rng.sample(range(vocab), count):
+            words[row, t // 32] |= 1 << (t % 32)
+        if kind == "none":
+            words[row, -1] = 1  # a bit past the vocabulary only
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return GrammarBitmask(chosen, words)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_with_few_allowed_tokens_sample_among_them_as_the_full_masked_row(device, dtype, monkeypatch):
+    """A grammar row allowing few tokens is sampled over its candidates alone: the same tokens and
+    logprobs as the host sampler over the full masked rows, in batches that mix such rows with
+    dense-mask, unconstrained, logprob and penalised rows; and the step still makes one copy."""
+    vocab = 3000
+    monkeypatch.setattr(sys.modules[__name__], "VOCAB", vocab)
+    calls, used = [], []
+    real_host, real_candidates = sampler_mod._to_host, GrammarBitmask.candidates
+    monkeypatch.setattr(sampler_mod, "_to_host", lambda t: calls.append(t.shape) or real_host(t))
+    monkeypatch.setattr(GrammarBitmask, "candidates", lambda self, *a: used.append(r := real_candidates(self, *a)) or r)
+    rng = random.Random(11)
+    for trial in range(12):
+        names = [rng.choice(sorted(PARAMS)) for _ in range(rng.randint(1, 40))]
+        seqs = _seqs(rng, names)
+        logits = (torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(100 + trial)) * 4).to(dtype)
+        mask = _sparse_bitmask(rng, seqs, vocab)
+        want = HostSampler(3)(logits.clone(), seqs, mask)
+        calls.clear()
+        _compare(Sampler(3)(logits.clone().to(device), seqs, mask), want)
+        assert len(calls) == 1
+    sampled_alone = sum(len(c.rows) for c in used if c is not None)
+    assert sampled_alone > 50  # the candidate path did the work it is for
+
+
+def test_candidates_are_a_row_wise_choice():
+    """Which rows go to the candidate path, and their tokens, depend on each row alone."""
+    rng = random.Random(4)
+    seqs = _seqs(rng, ["temperature_seed", "greedy", "logprobs5", "penalties", "top_p", "greedy"])
+    mask = _sparse_bitmask(random.Random(9), seqs, 3000, kinds=("few", "one", "many", "none"))
+    eligible = [s.sampling_params.logprobs is None and not s.sampling_params.changes_logits for s in seqs]
+    whole = mask.candidates(seqs, eligible, 3000)
+    for i in range(len(seqs)):
+        alone = mask.candidates([seqs[i]], [eligible[i]], 3000)
+        if i in (whole.rows if whole else []):
+            k = whole.rows.index(i)
+            start = int(whole.counts[:k].sum())
+            assert alone is not None and alone.pair_tokens.tolist() == whole.pair_tokens[start:start + whole.counts[k]].tolist()
+        else:
+            assert alone is None

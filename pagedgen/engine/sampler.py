@@ -2,7 +2,9 @@
 
 Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
 0. the grammar bitmask of structured outputs, on the constrained rows (engine/token_bitmask.py;
-   vLLM applies it just before its sampler);
+   vLLM applies it just before its sampler); a constrained row allowing few tokens that asks for
+   no logprobs and no logits processing skips it and runs steps 4-5 over those tokens alone
+   (``_sample_candidates``);
 1. logprobs, if a row asks: log-softmax of the raw logits (see engine/logprobs.py);
 2. allowed_token_ids, logit bias and min_tokens (EOS / stop tokens banned while fewer than
    min_tokens are generated);
@@ -173,11 +175,35 @@ class Sampler:
         logprobs come back to the host in one copy (``_to_host``). The fast path takes the argmax
         in the logits' own dtype; every other path works in float32. ``grammar_bitmask``: the
         structured-output rows of this step (engine/grammar.py), applied first, in place (vLLM's
-        order: logprobs are then those of the masked logits)."""
+        order: logprobs are then those of the masked logits); a constrained row whose grammar allows
+        at most ``token_bitmask.MAX_CANDIDATES`` tokens and that asks for no logprobs and no logits
+        processing is sampled among those tokens alone (``_sample_candidates``)."""
+        sampled, logprobs = self._on_device(logits, seqs, grammar_bitmask)
+        if logprobs is None:
+            return SamplerOutput(_to_host(sampled).tolist())
+        packed, lp_rows, num_logprobs = logprobs
+        host = _to_host(torch.cat([sampled.double(), packed.view(-1)]))  # the step's one copy
+        n = len(seqs)
+        token_ids = host[:n].long().tolist()
+        dicts = unpack_logprob_dicts(host[n:].view(len(lp_rows), -1), num_logprobs)
+        out = [None] * n
+        for i, d in zip(lp_rows, dicts):
+            out[i] = d
+        return SamplerOutput(token_ids, out)
+
+    def _on_device(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask], candidates: bool = True):
+        """(sampled [num_seqs] int64 on the logits' device, None or (packed logprobs [L, 3 + 2k]
+        float64, their rows, each row's number of logprobs))."""
         if grammar_bitmask is not None:
+            found = None
+            if candidates:
+                eligible = [s.sampling_params.logprobs is None and not s.sampling_params.changes_logits for s in seqs]
+                found = grammar_bitmask.candidates(seqs, eligible, logits.shape[1])
+            if found is not None:
+                return self._sample_candidates(logits, seqs, grammar_bitmask, found)
             logits = grammar_bitmask.apply(logits, seqs)
         if all(map(_PLAIN_GREEDY, seqs)):  # the fast path: one argmax, one copy
-            return SamplerOutput(_to_host(greedy_ids(logits)).tolist())
+            return greedy_ids(logits), None
         device = logits.device
         params = [s.sampling_params for s in seqs]
         kinds = {id(p): p for p in params}.values()
@@ -195,19 +221,40 @@ class Sampler:
             logits = self._process(logits, seqs, params)
         sampled = self._sample(logits, seqs, params, all_greedy)  # [num_seqs] int64, on the device
         if not want_logprobs:
-            return SamplerOutput(_to_host(sampled).tolist())
-
+            return sampled, None
         num_logprobs = [params[i].logprobs for i in lp_rows]
         chosen = sampled if lp_index is None else sampled[lp_index]
-        packed = logprob_tensors(raw_logprobs, chosen, max(num_logprobs))  # [L, 3 + 2k] float64
-        host = _to_host(torch.cat([sampled.double(), packed.view(-1)]))  # the step's one copy
-        n = len(seqs)
-        token_ids = host[:n].long().tolist()
-        dicts = unpack_logprob_dicts(host[n:].view(len(lp_rows), -1), num_logprobs)
-        logprobs = [None] * n
-        for i, d in zip(lp_rows, dicts):
-            logprobs[i] = d
-        return SamplerOutput(token_ids, logprobs)
+        return sampled, (logprob_tensors(raw_logprobs, chosen, max(num_logprobs)), lp_rows, num_logprobs)
+
+    def _sample_candidates(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: GrammarBitmask, found):
+        """The rows of ``found`` (a ``token_bitmask.Candidates``) sampled among their allowed tokens
+        alone: greedy, temperature, min-p, top-k, top-p and the draw (its ``u`` the same as the
+        full row's) over [rows, C] candidate logits in vocabulary order instead of [rows, vocab]
+        masked ones. The same token as the masked full row: the argmax is the first maximum in
+        vocabulary order either way, and the draw sees the same probabilities (tokens outside the
+        grammar have probability 0 in the full row), summed over fewer terms, so a draw within a
+        rounding error of a boundary between two tokens may take the other. The other rows (a
+        dense mask, logprobs or logits processing wanted, unconstrained) take the full path, and
+        the two halves are merged on the device before the step's one copy."""
+        values, ids = found.gather(logits)  # [n, C] float32, [n, C] int64
+        picked_seqs = [seqs[i] for i in found.rows]
+        params = [s.sampling_params for s in picked_seqs]
+        columns = self._sample(values, picked_seqs, params, all(p.greedy for p in params))  # [n] int64 in [0, C)
+        tokens = ids.gather(1, columns.unsqueeze(1)).squeeze(1)  # [n] int64 token ids
+        if len(found.rows) == len(seqs):
+            return tokens, None
+        device = logits.device
+        taken = set(found.rows)
+        rest = [i for i in range(len(seqs)) if i not in taken]
+        rest_index = _index(rest, device)
+        rest_sampled, logprobs = self._on_device(logits[rest_index], [seqs[i] for i in rest], grammar_bitmask, candidates=False)
+        sampled = torch.empty(len(seqs), dtype=torch.int64, device=device)
+        sampled[_index(found.rows, device)] = tokens
+        sampled[rest_index] = rest_sampled
+        if logprobs is not None:
+            packed, lp_rows, num_logprobs = logprobs
+            logprobs = (packed, [rest[i] for i in lp_rows], num_logprobs)
+        return sampled, logprobs
 
     @staticmethod
     def _process(logits: torch.Tensor, seqs: Seq[Sequence], params) -> torch.Tensor:

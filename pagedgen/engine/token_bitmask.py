@@ -12,16 +12,21 @@ back, touching the [rows, vocab] logits once; otherwise it unpacks the bits with
 (one byte per token) and masks with ``masked_fill_``, a select over every element (measured on the
 EPYC Zen 4, 2 threads: ~45 ms for [256, 49,152] bf16 logits, a sixth of a random-135m decode step).
 Elsewhere (GPUs) the bits are unpacked with shifts.
+
+``GrammarBitmask.candidates``: the rows whose mask allows at most ``MAX_CANDIDATES`` tokens, with
+those tokens (``Candidates``), which the sampler samples among alone instead of masking the row.
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
 
 import numpy as np
 import torch
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 SPARSE_WORDS = 1 / 16  #: the share of nonzero words up to which the CPU path gathers the allowed logits
+MAX_CANDIDATES = 1024  #: rows allowing at most this many tokens are sampled among them alone (``Candidates``)
 
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -46,11 +51,8 @@ def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         words = bitmask.contiguous().numpy().view(np.uint32)  # [R, W]
         r, w = np.nonzero(words)  # the words that allow something
         if r.size <= SPARSE_WORDS * words.size:
-            bits = np.unpackbits(words[r, w].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # [n, 32]
-            k, b = np.nonzero(bits)
-            tokens = w[k].astype(np.int64) * 32 + b  # [m] allowed (row, token) pairs, tokens past the vocab dropped
-            inside = tokens < vocab
-            row_ids, token_ids = torch.from_numpy(r[k][inside].astype(np.int64)), torch.from_numpy(tokens[inside])
+            pair_rows, pair_tokens = _set_bits(words, r, w, vocab)
+            row_ids, token_ids = torch.from_numpy(pair_rows), torch.from_numpy(pair_tokens)
             allowed = logits[row_ids, token_ids]  # [m]
             logits.fill_(float("-inf"))
             logits[row_ids, token_ids] = allowed
@@ -61,6 +63,49 @@ def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         words = bitmask.to(logits.device, non_blocking=True)
         allowed = ((words.unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1).view(rows, -1)[:, :vocab]  # [R, V]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def _set_bits(words: np.ndarray, r: np.ndarray, w: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The allowed (row, token) pairs of ``words`` [R, W] uint32 given its nonzero words (r, w) [n]
+    (``np.nonzero`` order): (rows [m] int64, tokens [m] int64), row-major with each row's tokens
+    ascending, tokens at or past ``vocab`` dropped."""
+    bits = np.unpackbits(words[r, w].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # [n, 32]
+    k, b = np.nonzero(bits)
+    tokens = w[k].astype(np.int64) * 32 + b  # [m]
+    inside = tokens < vocab
+    return r[k][inside].astype(np.int64), tokens[inside]
+
+
+@dataclass
+class Candidates:
+    """The tokens a grammar allows on some rows of a step, for sampling among them alone.
+
+    rows: the batch rows (indices into the step's sequences), ascending; counts: [len(rows)] int64,
+    each >= 1; pair_rows / pair_tokens: [sum(counts)] int64, position in ``rows`` and token id of
+    every allowed token, row-major, each row's tokens ascending (vocabulary order)."""
+
+    rows: list[int]
+    counts: np.ndarray
+    pair_rows: np.ndarray
+    pair_tokens: np.ndarray
+
+    def gather(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From logits [N, V] (the step's rows, any device): (candidate logits [len(rows), C]
+        float32, -inf past a row's count; candidate token ids [len(rows), C] int64, 0 past it), with
+        C the largest count; column j of a row is its j-th allowed token in vocabulary order."""
+        device, n, width = logits.device, len(self.rows), int(self.counts.max())
+        starts = np.cumsum(self.counts) - self.counts  # [n]
+        cols = np.arange(self.pair_rows.size) - np.repeat(starts, self.counts)  # [m] column within its row
+        batch_rows = np.asarray(self.rows, dtype=np.int64)[self.pair_rows]  # [m]
+        index = torch.from_numpy(np.stack([self.pair_rows, cols, batch_rows, self.pair_tokens]))  # [4, m]
+        if device.type != "cpu":
+            index = index.to(device, non_blocking=True)  # one host-to-device copy
+        pr, col, br, tok = index
+        values = torch.full((n, width), float("-inf"), dtype=torch.float32, device=device)  # [n, C]
+        values[pr, col] = logits[br, tok].float()
+        ids = torch.zeros((n, width), dtype=torch.int64, device=device)  # [n, C]
+        ids[pr, col] = tok
+        return values, ids
 
 
 class GrammarBitmask:
@@ -91,14 +136,40 @@ class GrammarBitmask:
     def __getstate__(self) -> dict:
         return {"seq_ids": self.seq_ids, "_bitmask": self.bitmask, "_pending": None}
 
-    def apply(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
-        """Mask ``logits`` [len(seqs), V] (row i for seqs[i]) in place, on the constrained rows only."""
-        with torch.inference_mode():
-            return self._apply(logits, seqs)
-
-    def _apply(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
+    def candidates(self, seqs: Seq, eligible: Seq[bool], vocab: int) -> Optional[Candidates]:
+        """The constrained rows among ``seqs`` with ``eligible[i]`` whose grammar allows between 1
+        and ``MAX_CANDIDATES`` tokens below ``vocab``, with those tokens; None when there are none.
+        A row-wise choice (it depends on the row's own mask alone), so batch invariance holds."""
         where = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
-        rows = [i for i, s in enumerate(seqs) if s.seq_id in where]
+        rows = [i for i, s in enumerate(seqs) if eligible[i] and s.seq_id in where]
+        if not rows:
+            return None
+        words = self.bitmask[[where[seqs[i].seq_id] for i in rows]].numpy().view(np.uint32)  # [len(rows), W]
+        few = np.count_nonzero(words, axis=1) <= MAX_CANDIDATES  # a row has at least as many tokens as nonzero words
+        words = words[few]
+        r, w = np.nonzero(words)
+        pair_rows, pair_tokens = _set_bits(words, r, w, vocab)
+        counts = np.bincount(pair_rows, minlength=words.shape[0])  # [rows with few words]
+        keep = (counts >= 1) & (counts <= MAX_CANDIDATES)
+        if not keep.any():
+            return None
+        if not keep.all():  # drop the rows allowing no token or too many, renumber the others
+            inside = keep[pair_rows]
+            pair_rows, pair_tokens = (np.cumsum(keep) - 1)[pair_rows[inside]], pair_tokens[inside]
+        few_rows = [row for row, f in zip(rows, few) if f]
+        return Candidates([row for row, k in zip(few_rows, keep) if k], counts[keep], pair_rows, pair_tokens)
+
+    def apply(self, logits: torch.Tensor, seqs: Seq, skip: Seq[int] = ()) -> torch.Tensor:
+        """Mask ``logits`` [len(seqs), V] (row i for seqs[i]) in place, on the constrained rows only
+        (not the rows in ``skip``, sampled among their ``candidates`` instead)."""
+        with torch.inference_mode():
+            return self._apply(logits, seqs, set(skip))
+
+    def _apply(self, logits: torch.Tensor, seqs: Seq, skip: set) -> torch.Tensor:
+        where = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in where and i not in skip]
+        if not rows:
+            return logits
         order = [where[seqs[i].seq_id] for i in rows]
         bitmask = self.bitmask if order == list(range(len(self.seq_ids))) else self.bitmask[order]
         if len(rows) == logits.shape[0]:
