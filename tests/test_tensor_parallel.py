@@ -4,9 +4,11 @@
   tokens for 64 prompts of mixed lengths, with preemption and chunked prefill (a small cache),
   prompt logprobs within 1e-4 (fp32); seeded sampling, n > 1, prefix caching and the streaming API
   at TP = 2;
-- tiny random checkpoints of the families whose heads divide by 2 (GPT-2's Conv1D and fused
+- tiny random checkpoints of every family of the registry at TP = 2 (GPT-2's Conv1D and fused
   c_attn, GPT-NeoX's interleaved q/k/v, OPT with biases and project_in/out, Phi-3's fused
-  checkpoints) at TP = 2;
+  checkpoints, sliding windows, Gemma's head size; Mistral and Gemma with two KV heads);
+- beam search, swap preemption, the request-level API, batch invariance and the resumable CLI
+  (killed with SIGKILL, resumed) at TP = 2;
 - a size that does not divide the KV heads is a ValueError before any process starts;
 - faults: a rank killed mid-step, an exception in one rank.
 TP = 4 runs on a 2-core machine with ``PAGEDGEN_TP_OVERSUBSCRIBE=1`` (the size is otherwise
@@ -87,11 +89,17 @@ def test_tp4_greedy_tokens_equal_tp1_over_gloo(stories_path, tp1, prompts, monke
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "opt-postnorm-proj", "phi3"])
+# every family of the registry; the ones with a single KV head get two (a size must divide the KV heads)
+FAMILY_KV_HEADS = {"mistral": 2, "gemma": 2}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2", "opt", "opt-postnorm-proj",
+                                    "gpt_neox", "gpt_neox-sequential"])
 def test_family_tp2_equals_tp1(family, tmp_path):
     from tiny_checkpoints import build
 
-    build(family, str(tmp_path))
+    extra = {"num_key_value_heads": FAMILY_KV_HEADS[family]} if family in FAMILY_KV_HEADS else {}
+    build(family, str(tmp_path), **extra)
     prompts = [[(7 * i + j) % 4000 + 5 for j in range(3 + 5 * i)] for i in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = _tokens(LLM(str(tmp_path), num_kv_blocks=64).generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False))
@@ -197,3 +205,83 @@ def test_shm_all_reduce_sums_in_rank_order_on_every_rank(tmp_path, monkeypatch):
     for r in range(size):
         assert torch.equal(results[r], expected)
         assert torch.equal(gathered[r], torch.cat([torch.full((2, 3), float(k)) for k in range(size)], dim=-1))
+
+
+def test_tp2_beam_search_equals_tp1(tp1, tp2, prompts):
+    from pagedgen import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    a = tp1.beam_search(prompts[:6], params, use_tqdm=False)
+    b = tp2.beam_search(prompts[:6], params, use_tqdm=False)
+    assert [[s.tokens for s in o.sequences] for o in b] == [[s.tokens for s in o.sequences] for o in a]
+
+
+def test_tp2_swap_preemption_equals_tp1(stories_path, tp1, prompts):
+    expected = _tokens(tp1.generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(stories_path, tensor_parallel_size=2, preemption_mode="swap", **KW) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert llm.get_stats().num_preemptions > 0
+
+
+def test_tp2_request_level_api_and_batch_invariance(tp2, prompts):
+    """add_request / step at TP = 2; each prompt alone gives its tokens in the full batch (a fixed
+    world size keeps batch invariance)."""
+    together = _tokens(tp2.generate(prompts[:8], GREEDY, use_tqdm=False))
+    alone = [_tokens(tp2.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts[:8]]
+    assert alone == together
+    engine = tp2.llm_engine
+    for i, p in enumerate(prompts[:8]):
+        engine.add_request(f"r{i}", p, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+    assert [done[f"r{i}"] for i in range(8)] == together
+
+
+def test_tp2_cli_killed_and_resumed(stories_path, tmp_path, capsys):
+    """The resumable CLI at --tensor-parallel-size 2: killed with SIGKILL mid-run (its workers
+    follow the driver out), resumed, the same bytes as an uninterrupted TP = 1 run."""
+    import json
+
+    from cli_util import popen_cli, run_cli
+
+    src = tmp_path / "in.jsonl"
+    openings = story_openings(300, seed=9)
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p}) + "\n" for i, p in enumerate(openings)))
+    args = ("--temperature", "0", "--max-tokens", 6, "--flush-rows", 10, "--flush-seconds", 0.05)
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", ref, *args)
+    assert rc == 0, err
+    proc = popen_cli("--model", stories_path, "--input", src, "--output", out, "--tensor-parallel-size", 2, *args)
+    end = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < end and (not out.exists() or out.read_bytes().count(b"\n") < 40):
+        time.sleep(0.01)
+    children = _children(proc.pid)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert ref.read_bytes().startswith(out.read_bytes()[: out.read_bytes().rfind(b"\n") + 1])
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if _alive(pid)], "workers outlived their killed driver"
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", out, "--tensor-parallel-size", 2, *args)
+    assert rc == 0, err
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

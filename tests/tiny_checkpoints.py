@@ -53,26 +53,27 @@ _COMMON = dict(
 )
 
 
-def hf_config(name: str):
-    """The transformers config of the family ``name``."""
+def hf_config(name: str, **overrides):
+    """The transformers config of the family ``name`` (``overrides``: config arguments replaced)."""
     import transformers
 
     cls_name, kwargs = FAMILIES[name]
     cls = getattr(transformers, cls_name)
     args = {k: v for k, v in _COMMON.items() if cls_name != "GPT2Config" or k not in ("hidden_size", "num_attention_heads", "num_hidden_layers", "max_position_embeddings")}
     args.update(kwargs)
+    args.update(overrides)
     if cls_name == "OPTConfig":
         args["init_std"] = INIT
     return cls(**args)
 
 
-def build(name: str, folder: str, seed: int = 0):
-    """Save a random-weight checkpoint of family ``name`` in ``folder``; returns transformers' model
-    (float32, eval mode, eager attention), the oracle."""
+def build(name: str, folder: str, seed: int = 0, **overrides):
+    """Save a random-weight checkpoint of family ``name`` in ``folder`` (``overrides``: config
+    arguments replaced); returns transformers' model (float32, eval mode, eager attention), the oracle."""
     import torch
     import transformers
 
-    config = hf_config(name)
+    config = hf_config(name, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None  # generate the full length, as ignore_eos does
