@@ -200,9 +200,11 @@ def test_pairs_match_reference(shape):
 
 
 @needs_pairs
-@pytest.mark.parametrize("shape", [(344, 201), (960, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(344, 201), (960, 576), (100, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_pairs_rows_independent_of_batch_position_and_threads(shape):
-    """Every row of batches of 1-40, 100 and 257 rows has, bitwise, the output it has alone, on 1 and 2 threads."""
+    """Every row of batches of 1-40, 100 and 257 rows has, bitwise, the output it has alone, on 1 and 2 threads.
+    Rows of K = 201 and 576 are read where they are; rows 4 KiB apart (K = 2,048) crowd the L1 sets
+    and are packed into tile order first (rows_crowd_l1 in csrc/cpu/linear_avx512.cpp)."""
     n, k = shape
     g = gen(5)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)

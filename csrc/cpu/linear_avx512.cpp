@@ -23,9 +23,10 @@
 // Layout of the work: a tile of R rows x C panels keeps R x C accumulators (R <= 12 with C = 2, R <= 6
 // with C = 4: at most 24 of the 32 vector registers) and, per pair, loads C panel rows and broadcasts
 // one input pair per row. Threads split the panels (each weight byte is read by one thread); within a
-// thread, blocks of rows (sized so that their inputs stay in L2) sweep the thread's panels. From 7 rows on
-// a block's inputs are first copied pair by pair into tile order (pack_rows: one stream per tile, no
-// L1 set conflicts between rows 4 KiB apart); the copy moves bits, so the arithmetic is the same.
+// thread, blocks of rows (sized so that their inputs stay in L2) sweep the thread's panels. From 7 rows on,
+// where a tile's rows would crowd the L1 sets (rows 4 KiB apart: rows_crowd_l1), a block's inputs are
+// first copied pair by pair into tile order (pack_rows: one stream per tile); other rows are read
+// where they are (the copy cost up to 8% at K = 1,536). The copy moves bits, so the arithmetic is the same.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -166,9 +167,37 @@ void pack_rows(const Gemm& g, int64_t m0, int64_t m1, uint32_t* packed) {
   }
 }
 
+// Whether a tile's kTileRows input rows, ldx elements apart, would crowd the L1 sets (32 KiB, 8 ways,
+// 64 sets of 64-byte lines): more than 3 rows in one set, with the weights' streams beside them, evict
+// each other (rows 4 KiB apart all share one set). Such rows are packed first (pack_rows); others are
+// read where they are, which saves the copy. Either way the tile computes the same bits.
+bool rows_crowd_l1(int64_t ldx) {
+  int count[64] = {0};
+  int most = 0;
+  for (int r = 0; r < kTileRows; ++r) most = std::max(most, ++count[(r * ldx * 2 / 64) % 64]);
+  return most > 3;
+}
+
+// Rows [m0, m1) of panels [p0, p1) in tiles of 2 panels and up to kTileRows rows read from x as it is
+// (its own function: inlined into block, its tiles' code made the packed path's slower).
+__attribute__((noinline)) void block_in_place(const Gemm& g, int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
+  for (int64_t p = p0; p < p1; p += 2) {
+    for (int64_t m = m0; m < m1; m += kTileRows) {
+      const int R = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
+      const uint16_t* x = g.x + m * g.ldx;
+      if (p + 2 <= p1) {
+        rows_of_panels<2>(g, p, m, R, x, g.ldx, 2, g.K);
+      } else {
+        rows_of_panels<1>(g, p, m, R, x, g.ldx, 2, g.K);
+      }
+    }
+  }
+}
+
 // Rows [m0, m1) of panels [p0, p1): a few rows (<= kWideRows) take tiles of 4 panels, read from x as it
-// is; more rows are packed (pack_rows, into `packed`) and take tiles of 2 panels and up to kTileRows
-// rows; a leftover panel gets a tile of its own.
+// is; more rows take tiles of 2 panels and up to kTileRows rows, read from x as it is or, where its
+// rows would crowd L1 (rows_crowd_l1), packed first (pack_rows, into `packed`); a leftover panel gets
+// a tile of its own.
 void block(const Gemm& g, int64_t p0, int64_t p1, int64_t m0, int64_t m1, uint32_t* packed) {
   if (m1 - m0 <= kWideRows) {
     const int R = static_cast<int>(m1 - m0);
@@ -177,6 +206,10 @@ void block(const Gemm& g, int64_t p0, int64_t p1, int64_t m0, int64_t m1, uint32
     for (; p + 4 <= p1; p += 4) rows_of_panels<4>(g, p, m0, R, x, g.ldx, 2, g.K);
     for (; p + 2 <= p1; p += 2) rows_of_panels<2>(g, p, m0, R, x, g.ldx, 2, g.K);
     if (p < p1) rows_of_panels<1>(g, p, m0, R, x, g.ldx, 2, g.K);
+    return;
+  }
+  if (!rows_crowd_l1(g.ldx)) {
+    block_in_place(g, p0, p1, m0, m1);
     return;
   }
   const int64_t Q = (g.K + 1) / 2;
@@ -206,14 +239,14 @@ void run(const Gemm& g) {
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_group);
   if (groups >= at::get_num_threads() || g.M <= rows) {  // threads split the panels
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-      std::vector<uint32_t> packed(g.M > kWideRows ? std::min(g.M, rows) * Q : 0);
+      std::vector<uint32_t> packed(g.M > kWideRows && rows_crowd_l1(g.ldx) ? std::min(g.M, rows) * Q : 0);
       const int64_t p0 = width * g0, p1 = std::min(g.P, width * g1);
       for (int64_t m0 = 0; m0 < g.M; m0 += rows) block(g, p0, p1, m0, std::min(g.M, m0 + rows), packed.data());
     });
   } else {  // fewer panel groups than threads: they split the row blocks
     const int64_t blocks = (g.M + rows - 1) / rows;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<uint32_t> packed(rows * Q);
+      std::vector<uint32_t> packed(rows_crowd_l1(g.ldx) ? rows * Q : 0);
       for (int64_t b = b0; b < b1; ++b) block(g, 0, g.P, b * rows, std::min(g.M, (b + 1) * rows), packed.data());
     });
   }
