@@ -1,7 +1,7 @@
 """Three lm-evaluation-harness tasks over local JSONL files cut from TinyStories, for offline runs.
 
     python examples/lm_eval_local_tasks.py /tmp/ts_tasks          # writes the files, prints a command
-    python -m pagedgen.integrations.lm_eval --model pagedgen --device cpu \\
+    python -m pagedgen.integrations.lm_eval --model pagedgen \\
         --model_args pretrained=../shared/models/stories260K,dtype=float32,max_length=128 \\
         --include_path /tmp/ts_tasks --tasks ts_mc ts_gen ts_roll
 
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     names = write_tasks(args.out_dir, args.data, num_docs=args.num_docs, num_roll_docs=args.num_roll_docs,
                         stories_per_doc=args.stories_per_doc, gen_tokens=args.gen_tokens, prefix=args.prefix)
     print(f"wrote {', '.join(names)} to {args.out_dir}; run them with:")
-    print("  python -m pagedgen.integrations.lm_eval --model pagedgen --device cpu \\\n"
+    print("  python -m pagedgen.integrations.lm_eval --model pagedgen \\\n"
           "      --model_args pretrained=../shared/models/stories260K,dtype=float32,max_length=128 \\\n"
           f"      --include_path {args.out_dir} --tasks {' '.join(names)}")
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, TINYSTORIES, load_example
 
@@ -205,7 +206,7 @@ def test_cli_runs_a_task_end_to_end(stories_path, task_dir, tmp_path, both):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     cmd = [
         sys.executable, "-m", "pagedgen.integrations.lm_eval", "--model", "pagedgen",
-        "--model_args", f"pretrained={stories_path},dtype=float32,max_length={MAX_LENGTH}", "--device", "cpu",
+        "--model_args", f"pretrained={stories_path},dtype=float32,max_length={MAX_LENGTH}",  # no --device: this machine's
         "--include_path", task_dir, "--tasks", "ts_mc", "--output_path", str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
@@ -215,3 +216,12 @@ def test_cli_runs_a_task_end_to_end(stories_path, task_dir, tmp_path, both):
     with open(result_file) as f:
         acc = json.load(f)["results"]["ts_mc"]["acc,none"]
     assert acc == both["hf"]["results"]["ts_mc"]["acc,none"]
+
+
+def test_cli_device_default():
+    from pagedgen.integrations.lm_eval.__main__ import with_default_device
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    assert with_default_device(["--model", "pagedgen", "--tasks", "t"]) == ["--model", "pagedgen", "--tasks", "t", "--device", here]
+    for given in (["--device", "cpu"], ["--device=cuda:1"], ["--model_args", "pretrained=x,device=cpu"], ["--model_args=pretrained=x, device=cpu"]):
+        assert with_default_device(given) == given
