@@ -5,7 +5,7 @@
 #   build       pagedgen._C for sm_90 (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=nproc; 57 s on 2026-12-04);
 #               then random-1b's checkpoint is built in the background (39 s; nice), ready for the
 #               profile and end-to-end stages
-#   tests       tests/test_ops_cuda.py and tests/test_gpu_engine.py, resumed after a crash (below)
+#   tests       tests/test_ops_cuda.py, tests/test_gpu_engine.py and tests/test_sampler_device.py, resumed after a crash (below)
 #   kernels     benchmarks/kernels.py: the decode grid and the prefill cases, paged vs SDPA
 #   profile     benchmarks/gpu_profile.py: torch.profiler over 8 decode steps of pagedgen on the
 #               end-to-end workload (GPU-busy share of a step, top kernels, host gaps)
@@ -64,6 +64,9 @@ ASSETS=(
 )
 GPU_TESTS="tests/test_ops_cuda.py"
 [ -f tests/test_gpu_engine.py ] && GPU_TESTS="$GPU_TESTS tests/test_gpu_engine.py"
+# the device sampler against the host one with the logits on the GPU (its cuda cases), grammar
+# candidates included; no llguidance needed (not on the H200 image)
+[ -f tests/test_sampler_device.py ] && GPU_TESTS="$GPU_TESTS tests/test_sampler_device.py"
 MODEL=random-1b
 WORKLOAD="--model $MODEL --dtype bfloat16 --device cuda --workload sharegpt --num-prompts 512"
 PROFILE_CMD="benchmarks/gpu_profile.py $WORKLOAD --steps 8 --out $RAW"
