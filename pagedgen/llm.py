@@ -133,7 +133,8 @@ class LLM:
             cache (Megatron-style: heads and MLP features split, an all-reduce after each
             row-parallel layer; docs/architecture.md). Must divide the attention and KV heads and
             be at most the CPU cores (ValueError before any process starts); > 1 implies
-            ``distributed_executor_backend="mp"``; each worker gets cores // size threads.
+            ``distributed_executor_backend="mp"``; each worker gets cores // (tensor_parallel_size x
+            pipeline_parallel_size) threads.
         pipeline_parallel_size: pipeline stages, worker processes that each hold a run of the
             decoder layers and their KV cache (the embedding on the first, the final norm and head
             on the last), handing activations on; each step runs as micro-batches, one per stage,

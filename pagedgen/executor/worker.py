@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-from pagedgen.config import CacheConfig
 import torch.distributed as dist
 
+from pagedgen.config import CacheConfig
 from pagedgen.distributed.communicator import init_process_group, make_channel, make_communicator
 from pagedgen.distributed.group import PPGroup, TPGroup, stage_layers
 from pagedgen.engine.model_runner import ModelRunner, StepOutput
