@@ -5,7 +5,7 @@ against one rank, on the CPU.
   greedy tokens identical to TP = PP = 1 for 64 prompts of mixed lengths, with recompute
   preemption and chunked prefill (a small cache); prompt logprobs within 1e-4 at TP 2 x PP 2 and
   bitwise equal at PP = 2 (stages split no sum, and the micro-batches are batch-invariant); seeds,
-  n > 1 and prefix caching; swap preemption over the gloo activation channel;
+  n > 1, beam search and prefix caching; swap preemption over the gloo activation channel;
 - a tiny random GPT-2 (its head tied to an embedding that lives on the other stage) and OPT with
   project_in/out at PP = 2;
 - the micro-batch split and merge without a model;
@@ -23,6 +23,7 @@ import pytest
 
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams
+from pagedgen.beam_search import BeamSearchParams
 
 KW = dict(num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=96)  # preemption and chunked prefill
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -107,13 +108,16 @@ def test_tp2_pp2_prompt_logprobs_within_1e_4(ref, tp2pp2, prompts):
 
 
 @pytest.mark.parametrize("name", ["pp2", "tp2pp2"])
-def test_seeds_n_and_prefix_caching(name, request, ref, prompts):
+def test_seeds_n_beams_and_prefix_caching(name, request, ref, prompts):
     llm = request.getfixturevalue(name)
     sps = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=8) for i in range(12)]
     shared = ["Once upon a time there was a little girl named Lily. " + p for p in prompts[:12]]  # cached prefixes
     cached = llm.get_stats().num_cached_tokens
     assert _tokens(llm.generate(shared, sps, use_tqdm=False)) == _tokens(ref.generate(shared, sps, use_tqdm=False))
     assert llm.get_stats().num_cached_tokens > cached
+    beams = BeamSearchParams(beam_width=3, max_tokens=6)
+    assert [[s.tokens for s in b.sequences] for b in llm.beam_search(prompts[:3], beams)] == [
+        [s.tokens for s in b.sequences] for b in ref.beam_search(prompts[:3], beams)]
 
 
 def test_swap_preemption_over_the_gloo_channel(stories_path, prompts, expected, monkeypatch):
@@ -271,3 +275,15 @@ def test_killed_stage_raises_within_10_s_and_leaves_no_process(stories_path, pro
     timer.cancel()
     assert _gone(pids)
     assert llm.llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_the_flag_reaches_the_cli_lm_eval_and_ray_through_engine_args(stories_path):
+    from pagedgen.cli.args import build_parser
+    from pagedgen.engine_args import EngineArgs
+
+    ns = build_parser().parse_args(["--model", stories_path, "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 2)
+    # lm_eval's model_args and Ray's llm_kwargs go through EngineArgs.from_dict (strings converted)
+    assert EngineArgs.from_dict({"model": stories_path, "pipeline_parallel_size": "2"}).pipeline_parallel_size == 2
+    assert "pipeline stages" in EngineArgs.__dataclass_fields__["pipeline_parallel_size"].metadata["help"]

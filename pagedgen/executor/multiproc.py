@@ -227,14 +227,17 @@ class MultiprocExecutor:
     def _call(self, msg, call_id: int, what: str) -> list:
         with self._lock:
             data = pickle.dumps(msg) if self.world_size > 1 else None  # one pickle for every rank
-            for rank, conn in enumerate(self._conns):
-                try:
+            try:
+                for rank, conn in enumerate(self._conns):
                     sent = _send(conn, msg) if data is None else _send_bytes(conn, data)
-                except BaseException:
-                    self._desynced = True  # half a message may be in the pipe
-                    raise
-                if not sent:
-                    self._fail(rank, what, _describe_exit(self._exitcode(rank)))
+                    if not sent:
+                        self._fail(rank, what, _describe_exit(self._exitcode(rank)))
+            except BaseException:
+                # half a message may be in a pipe, or some ranks got the record and others not (an
+                # interrupt between two sends): ranks that wait for each other in a collective or for
+                # a stage's activations would pair different steps. Start over with fresh workers.
+                self._desynced = True
+                raise
             if self.world_size == 1:
                 replies = [self._wait(0, self._conns[0], lambda r: _reply_id(r) >= call_id, what)]
             else:
