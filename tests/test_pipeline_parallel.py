@@ -141,13 +141,15 @@ def test_family_pp2_equals_one_rank(family, tmp_path):
     assert [[(c.token_ids, c.logprobs) for c in o.outputs] for o in b] == [[(c.token_ids, c.logprobs) for c in o.outputs] for o in a]
 
 
-def test_stages_hold_only_their_layers_and_kv_cache(pp2):
-    def stage(worker):
-        model = worker.runner.model
-        return (worker.pp.start, worker.pp.end, len(worker.runner.kv_caches), sorted({n.split(".")[0] + "." + n.split(".")[1] for n, _ in model.named_parameters()}),
-                sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".layers." in n}))
+def _stage(worker):
+    """(layers, KV caches, top-level modules with parameters, layer indices with parameters)."""
+    names = [n for n, _ in worker.runner.model.named_parameters()]
+    return (worker.pp.start, worker.pp.end, len(worker.runner.kv_caches), sorted({".".join(n.split(".")[:2]) for n in names}),
+            sorted({int(n.split(".")[2]) for n in names if ".layers." in n}))
 
-    first, last = pp2.llm_engine.executor.collective_rpc(stage)
+
+def test_stages_hold_only_their_layers_and_kv_cache(pp2):
+    first, last = pp2.llm_engine.executor.collective_rpc(_stage)
     assert first == (0, 3, 3, ["model.embed_tokens", "model.layers"], [0, 1, 2])
     assert last == (3, 5, 2, ["lm_head.weight", "model.layers", "model.norm"], [3, 4])
 
