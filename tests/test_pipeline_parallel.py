@@ -168,14 +168,14 @@ def test_microbatches_split_balanced_keep_forks_and_merge_in_step_order():
                            freed_seq_ids=[6], forked=[(9, 3)])
     batch = ScheduledBatch(plan, seqs, [(child, seqs[3])])
     a, b = microbatch.split(batch, 2)
-    assert a.plan.seq_ids == [0, 1] and b.plan.seq_ids == [2, 3, 4]  # 41 and 39 tokens
+    assert a.plan.seq_ids == [0] and b.plan.seq_ids == [1, 2, 3, 4]  # 40 and 40 tokens
     assert a.plan.block_table_updates == {3: (0, [7, 8])} and a.plan.freed_seq_ids == [6]  # the first carries the step's deltas
     assert b.plan.block_table_updates == {} and b.plan.freed_seq_ids == []
     assert b.plan.forked == [(9, 3)] and b.forked == [(child, seqs[3])] and a.forked == []
     assert microbatch.split(batch, 1) == [batch]
     assert [mb.plan.seq_ids for mb in microbatch.split(batch, 8)] == [[0], [1], [2], [3], [4]]
-    out_a = StepOutput([seqs[0], seqs[1]], [10, 11], None)
-    out_b = StepOutput([seqs[3], seqs[4], child], [13, 14, 19], [{13: 0.0}, None, None])
+    out_a = StepOutput([seqs[0]], [10], None)
+    out_b = StepOutput([seqs[1], seqs[3], seqs[4], child], [11, 13, 14, 19], [None, {13: 0.0}, None, None])
     merged = microbatch.merge(batch, [out_b, out_a])
     assert [s.seq_id for s in merged.seqs] == [0, 1, 3, 4, 9] and merged.token_ids == [10, 11, 13, 14, 19]
     assert merged.logprobs == [None, None, {13: 0.0}, None, None]
@@ -283,7 +283,7 @@ def test_the_flag_reaches_the_cli_lm_eval_and_ray_through_engine_args(stories_pa
     from pagedgen.cli.args import build_parser
     from pagedgen.engine_args import EngineArgs
 
-    ns = build_parser().parse_args(["--model", stories_path, "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"])
+    ns = build_parser().parse_args(["--model", stories_path, "--input", "in.jsonl", "--output", "out.jsonl", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"])
     args = EngineArgs.from_cli_args(ns)
     assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 2)
     # lm_eval's model_args and Ray's llm_kwargs go through EngineArgs.from_dict (strings converted)
