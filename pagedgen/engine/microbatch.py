@@ -63,9 +63,8 @@ def split(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
 def merge(batch: ScheduledBatch, outputs: list):
     """One ``StepOutput`` of the micro-batches' ``outputs``, in the unsplit step's order (sampled
     sequences in plan order, then the forked children in fork order; beams and prompt logprobs in
-    plan order)."""
-    from pagedgen.engine.model_runner import StepOutput
-
+    plan order). ``outputs``: the model runner's ``StepOutput``s (built here by their own type:
+    this module sits below the model runner)."""
     if len(outputs) == 1:
         return outputs[0]
     order = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
@@ -78,7 +77,7 @@ def merge(batch: ScheduledBatch, outputs: list):
         lps = o.logprobs if o.logprobs is not None else [None] * len(o.seqs)
         rows.extend(zip(o.seqs, o.token_ids, lps))
     rows.sort(key=lambda r: order[r[0].seq_id])
-    out = StepOutput([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows] if asked else None)
+    out = type(outputs[0])([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows] if asked else None)
     out.prompt_logprobs = sorted((p for o in outputs for p in o.prompt_logprobs), key=lambda p: order[p[0].seq_id])
     out.beam_logprobs = sorted((b for o in outputs for b in o.beam_logprobs), key=lambda b: order[b[0].seq_id])
     return out
