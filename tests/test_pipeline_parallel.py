@@ -68,12 +68,38 @@ def _prompt_logprobs(outs):
     return [o.prompt_logprobs[1:] for o in outs]
 
 
+def _count_microbatches(worker) -> None:
+    """Count the rank's steps and the micro-batches it prepares (module level: pickled by name)."""
+    runner, counts = worker.runner, {"steps": 0, "microbatches": 0}
+    worker.counts = counts
+    real_execute, real_prepare = runner.execute, runner.prepare
+
+    def execute(batch):
+        counts["steps"] += 1
+        return real_execute(batch)
+
+    def prepare(batch):
+        counts["microbatches"] += 1
+        return real_prepare(batch)
+
+    runner.execute, runner.prepare = execute, prepare
+
+
+def _counts(worker) -> dict:
+    runner = worker.runner
+    runner.__dict__.pop("execute", None), runner.__dict__.pop("prepare", None)
+    return worker.counts
+
+
 def test_pp2_greedy_tokens_equal_one_rank_with_preemption(pp2, prompts, expected):
     executor = pp2.llm_engine.executor
     assert len(executor.worker_pids) == 2 and executor.output_rank == 1
     assert executor.transfer == "shm"
+    executor.collective_rpc(_count_microbatches)
     assert _tokens(pp2.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert pp2.get_stats().num_preemptions > 0
+    first, last = executor.collective_rpc(_counts)
+    assert first == last and first["microbatches"] > 1.5 * first["steps"]  # most steps ran as two micro-batches
 
 
 def test_tp2_pp2_greedy_tokens_equal_one_rank_with_preemption(tp2pp2, prompts, expected):
