@@ -5,8 +5,9 @@ same bits); ``ShmCommunicator`` (shm.py): the shared-memory fast path between th
 CPU machine, summing in a fixed rank order; ``make_communicator`` picks one (per pipeline stage:
 the stage's ranks form a torch.distributed subgroup and have their own shared file).
 ``make_channel`` picks the channel of a pipeline stage's activations (p2p.py).
-``init_process_group`` joins the group through a file store in a temporary folder the driver made (no fixed port); CUDA workers whose world size equals the device count use nccl
-(untested here: one GPU only).
+``init_process_group`` joins the group through a file store in a temporary folder the driver
+made (no fixed port); CUDA workers whose world size equals the device count use nccl (untested
+here: one GPU only).
 """
 from __future__ import annotations
 
