@@ -315,3 +315,37 @@ def test_the_flag_reaches_the_cli_lm_eval_and_ray_through_engine_args(stories_pa
     # lm_eval's model_args and Ray's llm_kwargs go through EngineArgs.from_dict (strings converted)
     assert EngineArgs.from_dict({"model": stories_path, "pipeline_parallel_size": "2"}).pipeline_parallel_size == 2
     assert "pipeline stages" in EngineArgs.__dataclass_fields__["pipeline_parallel_size"].metadata["help"]
+
+
+def test_shm_channel_hands_on_tensors_bitwise_two_messages_ahead_at_most(tmp_path):
+    """A sender (thread) and a receiver over one shared file: every message comes out bitwise, in
+    order, with its dtypes and shapes; the sender never gets more than two messages ahead."""
+    import torch
+
+    from pagedgen.distributed.p2p import ShmChannel
+
+    path = str(tmp_path / "p2p-0-1")
+    messages = [
+        (torch.randn(7, 64, generator=torch.Generator().manual_seed(i)), torch.randn(7, 64).to(torch.bfloat16))
+        if i % 2 else (torch.randn(3 + i, 5, generator=torch.Generator().manual_seed(i)),)
+        for i in range(9)
+    ]
+    sender, receiver = ShmChannel(path, peer=1), ShmChannel(path, peer=0)
+    sent = []
+
+    def send_all():
+        for i, m in enumerate(messages):
+            sender.send(m)
+            sent.append(i)
+
+    thread = threading.Thread(target=send_all)
+    thread.start()
+    time.sleep(0.3)
+    assert len(sent) == 2  # both slots full, nothing read yet
+    got = []
+    for _ in messages:
+        got.append(receiver.recv())
+    thread.join(10)
+    assert len(got) == len(messages)
+    for m, g in zip(messages, got):
+        assert len(m) == len(g) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(m, g))
