@@ -6,8 +6,9 @@ against one rank, on the CPU.
   preemption and chunked prefill (a small cache); prompt logprobs within 1e-4 at TP 2 x PP 2 and
   bitwise equal at PP = 2 (stages split no sum, and the micro-batches are batch-invariant); seeds,
   n > 1, beam search and prefix caching; swap preemption over the gloo activation channel;
-- a tiny random GPT-2 (its head tied to an embedding that lives on the other stage) and OPT with
-  project_in/out at PP = 2;
+- tiny random GPT-2 (its head tied to an embedding that lives on the other stage), OPT with
+  project_in/out and Qwen2 (per-layer sliding windows, numbered globally on each stage) at PP = 2:
+  tokens and logprobs bitwise PP = 1's (every family was checked once the same way);
 - the micro-batch split and merge without a model;
 - sizes refused before any process starts; faults: a pipeline rank killed mid-step, an exception
   in one stage, Ctrl-C in the driver.
@@ -154,7 +155,7 @@ def test_swap_preemption_over_the_gloo_channel(stories_path, prompts, expected, 
         assert llm.get_stats().num_preemptions > 0
 
 
-@pytest.mark.parametrize("family", ["gpt2", "opt-postnorm-proj"])
+@pytest.mark.parametrize("family", ["gpt2", "opt-postnorm-proj", "qwen2"])
 def test_family_pp2_equals_one_rank(family, tmp_path):
     from tiny_checkpoints import build
 
