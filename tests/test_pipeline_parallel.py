@@ -5,7 +5,8 @@ against one rank, on the CPU.
   greedy tokens identical to TP = PP = 1 for 64 prompts of mixed lengths, with recompute
   preemption and chunked prefill (a small cache); prompt logprobs within 1e-4 at TP 2 x PP 2 and
   bitwise equal at PP = 2 (stages split no sum, and the micro-batches are batch-invariant); seeds,
-  n > 1, beam search and prefix caching; swap preemption over the gloo activation channel;
+  n > 1, beam search and prefix caching; test_executor's mix of requests (structured outputs,
+  penalties, logprobs); swap preemption over the gloo activation channel;
 - tiny random GPT-2 (its head tied to an embedding that lives on the other stage), OPT with
   project_in/out and Qwen2 (per-layer sliding windows, numbered globally on each stage) at PP = 2:
   tokens and logprobs bitwise PP = 1's (every family was checked once the same way);
@@ -350,3 +351,12 @@ def test_shm_channel_hands_on_tensors_bitwise_two_messages_ahead_at_most(tmp_pat
     assert len(got) == len(messages)
     for m, g in zip(messages, got):
         assert len(m) == len(g) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(m, g))
+
+
+def test_mixed_requests_equal_one_rank(pp2, ref):
+    """test_executor's mix at PP = 2: penalties, top-p, logprobs, prompt logprobs with min_tokens,
+    n = 3, and a grammar bitmask that reaches only the micro-batches holding its sequences."""
+    from test_executor import _run
+
+    prompts = story_openings(10, seed=2)
+    assert _run(pp2, prompts) == _run(ref, prompts)
