@@ -2,6 +2,7 @@
 
     python benchmarks/tensor_parallel.py                       # random-135m-tp bf16, TinyStories, 64 requests
     python benchmarks/tensor_parallel.py --num-prompts 8 --max-tokens 8   # a smoke run
+    python benchmarks/tensor_parallel.py --tensor-parallel-size 1 --pipeline-parallel-size 2   # two stages instead
 
 The model: random-135m's shape (hidden 576, 30 layers, MLP 1536, vocab 49152) with 12 query / 4 KV
 heads of 48 features (``random-135m-tp``): random-135m's own 3 KV heads do not divide by 2. The same
@@ -9,6 +10,9 @@ q/k/v sizes, so the same FLOPs. Reports tok/s of both, the share of a TP = 2 ste
 all-reduces / all-gathers (worker side) and in the step broadcast (driver's wall time of a step
 minus rank 0's), which all-reduce ran ("shm" or "gloo"; ``PAGEDGEN_TP_ALLREDUCE``), and per worker
 the weight bytes it holds and its peak RSS. One run, side by side: the ratio is the result.
+With ``--pipeline-parallel-size P`` the parallel run is ``--tensor-parallel-size`` (default 2) x P
+ranks (its keys then start ``tp{T}pp{P}``); a rank's communication time then includes its stage's
+activation sends and receives (a receive also waits for the previous stage: the pipeline bubble).
 """
 from __future__ import annotations
 
@@ -27,19 +31,23 @@ _workload.RANDOM_MODELS["random-135m-tp"] = dict(_workload.RANDOM_MODELS["random
 
 
 def _instrument(worker) -> None:
-    """Time the rank's collectives and its steps (module level: run through collective_rpc)."""
-    comm = worker.tp.comm
+    """Time the rank's collectives, activation transfers and steps (module level: run through
+    collective_rpc)."""
     worker.timing = {"comm_s": 0.0, "step_s": 0.0, "steps": 0}
-    for name in ("all_reduce", "all_gather"):
-        real = getattr(comm, name)
+    targets = [(worker.tp.comm, ("all_reduce", "all_gather"))] if worker.tp is not None else []
+    if worker.pp is not None:
+        targets += [(ch, (name,)) for ch, name in ((worker.pp.prev, "recv"), (worker.pp.next, "send")) if ch is not None]
+    for obj, names in targets:
+        for name in names:
+            real = getattr(obj, name)
 
-        def timed(x, _real=real):
-            t = time.perf_counter()
-            out = _real(x)
-            worker.timing["comm_s"] += time.perf_counter() - t
-            return out
+            def timed(*a, _real=real):
+                t = time.perf_counter()
+                out = _real(*a)
+                worker.timing["comm_s"] += time.perf_counter() - t
+                return out
 
-        setattr(comm, name, timed)
+            setattr(obj, name, timed)
     real_execute = worker.execute
 
     def execute(record):
@@ -63,7 +71,11 @@ def main() -> None:
     ap.add_argument("--min-tokens", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tensor-parallel-size", type=int, default=2)
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     args = ap.parse_args()
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    label = "tp2" if (tp, pp) == (2, 1) else f"tp{tp}pp{pp}"
 
     import torch
     from pagedgen import LLM, SamplingParams
@@ -89,7 +101,7 @@ def main() -> None:
     result["tp1_weight_bytes"] = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     del llm
 
-    with LLM(folder, tensor_parallel_size=2, **kw) as llm:  # one thread per rank (cores // 2 on 2 cores)
+    with LLM(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw) as llm:  # cores // (tp x pp) threads per rank
         executor = llm.llm_engine.executor
         llm.generate(inputs[:4], params[:4], use_tqdm=False)
         executor.collective_rpc(_instrument)
@@ -105,15 +117,18 @@ def main() -> None:
         executor.execute = execute
         t = time.perf_counter()
         llm.generate(inputs, params, use_tqdm=False)
-        result["tp2_1thread_per_rank_tok_s"] = sum(limits) / (time.perf_counter() - t)
+        result[f"{label}_1thread_per_rank_tok_s"] = sum(limits) / (time.perf_counter() - t)
         ranks = executor.collective_rpc(_report)
         result["all_reduce"] = executor.communicator
+        if pp > 1:
+            result["activation_transfer"] = executor.transfer
         result["collectives_share_of_step"] = [r["comm_s"] / r["step_s"] for r in ranks]
-        result["broadcast_share_of_step"] = (driver_s[0] - ranks[0]["step_s"]) / driver_s[0]
-        result["tp2_weight_bytes_per_worker"] = [r["weight_bytes"] for r in ranks]
-        result["tp2_peak_rss_bytes_per_worker"] = [r["peak_rss_bytes"] for r in ranks]
-    result["tp2_over_tp1"] = result["tp2_1thread_per_rank_tok_s"] / result["tp1_2threads_tok_s"]
-    result["weights_per_worker_over_tp1"] = max(result["tp2_weight_bytes_per_worker"]) / result["tp1_weight_bytes"]
+        out = executor.output_rank
+        result["broadcast_share_of_step"] = (driver_s[0] - ranks[out]["step_s"]) / driver_s[0]
+        result[f"{label}_weight_bytes_per_worker"] = [r["weight_bytes"] for r in ranks]
+        result[f"{label}_peak_rss_bytes_per_worker"] = [r["peak_rss_bytes"] for r in ranks]
+    result[f"{label}_over_tp1"] = result[f"{label}_1thread_per_rank_tok_s"] / result["tp1_2threads_tok_s"]
+    result["weights_per_worker_over_tp1"] = max(result[f"{label}_weight_bytes_per_worker"]) / result["tp1_weight_bytes"]
     print(json.dumps(result, indent=1))
 
 

@@ -133,9 +133,15 @@ class LLM:
             cache (Megatron-style: heads and MLP features split, an all-reduce after each
             row-parallel layer; docs/architecture.md). Must divide the attention and KV heads and
             be at most the CPU cores (ValueError before any process starts); > 1 implies
-            ``distributed_executor_backend="mp"``; each worker gets cores // size threads.
-        pipeline_parallel_size: 1 (pipeline parallelism is not built yet; other values raise
-            NotImplementedError).
+            ``distributed_executor_backend="mp"``; each worker gets cores // (tensor_parallel_size x
+            pipeline_parallel_size) threads.
+        pipeline_parallel_size: pipeline stages, worker processes that each hold a run of the
+            decoder layers and their KV cache (the embedding on the first, the final norm and head
+            on the last), handing activations on; each step runs as micro-batches, one per stage,
+            in flight together (docs/architecture.md). Layers split as vLLM does (5 over 2: 3 + 2);
+            must be at most the decoder layers, and tensor_parallel_size x pipeline_parallel_size at
+            most the CPU cores (ValueError before any process starts); > 1 implies
+            ``distributed_executor_backend="mp"``.
         speculative_config: speculative decoding, vLLM's names (docs/speculative.md): a dict
             {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft path,
             "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}, checked before
@@ -186,13 +192,14 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-        )  # TypeError / ValueError / NotImplementedError before anything is loaded (llm_args.py)
+        )  # TypeError / ValueError before anything is loaded (llm_args.py)
         spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
-        if spec_config is not None and (distributed_executor_backend is not None or tensor_parallel_size > 1):
+        world = tensor_parallel_size * pipeline_parallel_size
+        if spec_config is not None and (distributed_executor_backend is not None or world > 1):
             raise ValueError(
                 f"LLM speculative_config needs distributed_executor_backend=None (in process) and "
-                f"tensor_parallel_size=1, got {distributed_executor_backend!r} and {tensor_parallel_size}: "
-                "drafts do not travel in the step record yet"
+                f"tensor_parallel_size=pipeline_parallel_size=1, got {distributed_executor_backend!r}, {tensor_parallel_size} "
+                f"and {pipeline_parallel_size}: drafts do not travel in the step record yet"
             )
         device = inputs.resolve_device(device)
         if distributed_executor_backend is not None and device.type == "cuda" and num_kv_blocks is None and kv_cache_memory_bytes is None:
@@ -209,8 +216,8 @@ class LLM:
         model = os.fspath(model)
         hf_config = loader.load_hf_config(model)
         model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
-        if tensor_parallel_size > 1:
-            loader.check_tensor_parallel(hf_config, model_config, tensor_parallel_size)  # ValueError before any process
+        if world > 1:
+            loader.check_parallel(hf_config, model_config, tensor_parallel_size, pipeline_parallel_size)  # ValueError before any process
             distributed_executor_backend = "mp"
         if spec_config is not None:
             check_speculative_model(spec_config, model_config)
@@ -273,10 +280,9 @@ class LLM:
         if in_process:
             executor = InProcessExecutor(ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=graph_seqs, max_model_len=max_model_len))
         else:
-            tp = tensor_parallel_size
-            threads = torch.get_num_threads() if tp == 1 else max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // tp)
+            threads = torch.get_num_threads() if world == 1 else max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // world)
             spec = WorkerSpec(model, model_config.dtype, device, self.matmul_config, cache_config, max_model_len, seed,
-                              graph_seqs if tp == 1 else 0, threads, tp)
+                              graph_seqs if world == 1 else 0, threads, tensor_parallel_size, pipeline_parallel_size)
             executor = MultiprocExecutor(spec) if distributed_executor_backend == "mp" else PicklingExecutor(spec)
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
         self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)

@@ -1,8 +1,8 @@
 """The checks of ``LLM(...)``'s arguments: types and ranges, before anything is loaded or started.
 
 ``check_llm_args`` raises ``TypeError`` (a wrong type), ``ValueError`` (a value outside its range,
-named with the range), ``FileNotFoundError`` (a tokenizer folder that does not exist) or
-``NotImplementedError`` (``pipeline_parallel_size`` > 1, not built); what needs the checkpoint (dtype,
+named with the range) or ``FileNotFoundError`` (a tokenizer folder that does not exist); what
+needs the checkpoint (dtype, the parallel sizes against the heads and layers,
 ``max_model_len`` against the model's positions, the KV cache's size) is checked by ``LLM`` as it
 assembles the engine (llm.py).
 """
@@ -52,19 +52,19 @@ def check_llm_args(
         ("pipeline_parallel_size", pipeline_parallel_size, False),
     ):
         inputs.check_positive_int(name, value, opt)
-    if pipeline_parallel_size != 1:
-        raise NotImplementedError(
-            f"LLM pipeline_parallel_size={pipeline_parallel_size}: only 1 is built (tensor_parallel_size splits the "
-            "model across worker processes)"
-        )
     if distributed_executor_backend not in BACKENDS:
         raise ValueError(f"LLM distributed_executor_backend must be one of {BACKENDS}, got {distributed_executor_backend!r}")
-    if tensor_parallel_size > 1:
+    world = tensor_parallel_size * pipeline_parallel_size
+    if world > 1:
+        sizes = (
+            f"tensor_parallel_size={tensor_parallel_size}" if pipeline_parallel_size == 1
+            else f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} = {world} ranks"
+        )
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if tensor_parallel_size > cores and os.environ.get("PAGEDGEN_TP_OVERSUBSCRIBE", "") in ("", "0"):  # tests on small machines set it
-            raise ValueError(f"LLM tensor_parallel_size={tensor_parallel_size} must be <= the CPU cores this process may use ({cores})")
+        if world > cores and os.environ.get("PAGEDGEN_TP_OVERSUBSCRIBE", "") in ("", "0"):  # tests on small machines set it
+            raise ValueError(f"LLM {sizes} must be <= the CPU cores this process may use ({cores})")
         if distributed_executor_backend == "pickle":
-            raise ValueError(f"LLM tensor_parallel_size={tensor_parallel_size} needs distributed_executor_backend='mp' (or None), got 'pickle'")
+            raise ValueError(f"LLM {sizes} needs distributed_executor_backend='mp' (or None), got 'pickle'")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
     if not -(2**63) <= seed < 2**64:

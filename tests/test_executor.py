@@ -192,8 +192,8 @@ def test_shutdown_with_and_garbage_collection_end_the_worker(stories_path, promp
 def test_sizes_and_backends_not_built_are_refused_before_any_process(stories_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs distributed_executor_backend='mp'"):
         LLM(stories_path, tensor_parallel_size=2, distributed_executor_backend="pickle")
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
-        LLM(stories_path, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 = 2 ranks needs distributed_executor_backend='mp'"):
+        LLM(stories_path, pipeline_parallel_size=2, distributed_executor_backend="pickle")
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         LLM(stories_path, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="tensor_parallel_size"):

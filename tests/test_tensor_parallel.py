@@ -10,7 +10,7 @@
 - beam search, swap preemption, the request-level API, batch invariance and the resumable CLI
   (killed with SIGKILL, resumed) at TP = 2;
 - a size that does not divide the KV heads is a ValueError before any process starts;
-- faults: a rank killed mid-step, an exception in one rank.
+- faults: a rank killed mid-step, an exception in one rank, Ctrl-C in the driver mid-step.
 TP = 4 runs on a 2-core machine with ``PAGEDGEN_TP_OVERSUBSCRIBE=1`` (the size is otherwise
 limited to the cores).
 """
@@ -115,8 +115,6 @@ def test_bad_size_is_refused_before_any_process(stories_path, monkeypatch):
     monkeypatch.delenv("PAGEDGEN_TP_OVERSUBSCRIBE")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=64 must be <= the CPU cores"):
         LLM(stories_path, tensor_parallel_size=64)
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
-        LLM(stories_path, pipeline_parallel_size=2)
     assert set(multiprocessing.active_children()) == before
 
 
@@ -130,6 +128,10 @@ def _slow_steps(worker, seconds: float) -> int:
 
     model.forward = slow.__get__(model)
     return os.getpid()
+
+
+def _normal_steps(worker) -> None:
+    worker.runner.model.__dict__.pop("forward", None)
 
 
 def _fail_on_rank_1(worker) -> None:
@@ -162,6 +164,27 @@ def test_exception_in_one_rank_then_fresh_group(tp1, tp2, prompts):
         tp2.generate(prompts[:8], GREEDY, use_tqdm=False)
     assert time.monotonic() - started < 10.0 and _gone(old)
     assert _tokens(tp2.generate(prompts[:8], GREEDY, use_tqdm=False)) == expected  # fresh workers
+
+
+def test_ctrl_c_in_the_driver_at_tp2_then_the_next_call_equals_a_fresh_llm(tp1, tp2, prompts):
+    """SIGINT reaches the driver while both ranks run a step (they ignore it); the next call's
+    outputs equal a fresh LLM's (the late replies are dropped, or the workers replaced if the
+    interrupt cut a pipe read)."""
+    expected = _tokens(tp1.generate(prompts, GREEDY, use_tqdm=False))
+    executor = tp2.llm_engine.executor
+    executor.collective_rpc(_slow_steps, (0.2,))
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tp2.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 5.0
+    executor.collective_rpc(_normal_steps)
+    assert tp2.llm_engine.block_manager.num_used_blocks == 0
+    assert _tokens(tp2.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
 def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prompts):

@@ -19,6 +19,12 @@ One step's inputs, for the scheduled sequences s_0..s_{n-1} computing tokens [c_
                                 (a forked parallel sample repeats its parent's row), of the B beams,
                                 then the R prompt positions whose logits give prompt logprobs
 
+Pipeline parallelism (``pp``, a ``PPGroup``): the runner of a stage holds the KV cache of the
+stage's layers only and runs each step as micro-batches (engine/microbatch.py): every stage
+prepares the same inputs (the block tables are every stage's), the first embeds the tokens, the
+others receive the previous stage's activations, every stage but the last sends its own on, and
+the last samples each micro-batch; the other stages return an empty output.
+
 Prompt logprobs: a sequence that asks for them gets logits at every prompt position p it computes
 in this step with p + 1 < prompt length, since position p predicts prompt token p + 1 (the first
 prompt token has no logprob). Prefill chunks fill them in order; positions already recorded (a
@@ -37,6 +43,7 @@ from pagedgen import ops
 from pagedgen.config import CacheConfig
 from pagedgen.engine.block_tables import BlockTables, int_tensor
 from pagedgen.engine.cuda_graphs import CUDAGraphRunner
+from pagedgen.engine import microbatch
 from pagedgen.engine.logprobs import logprob_dicts
 from pagedgen.engine.prefault import Prefaulter
 from pagedgen.engine.sampler import Sampler
@@ -110,6 +117,8 @@ class ModelRunner:
         cuda_graph_max_seqs: on a GPU, capture decode steps of up to this many sequences in CUDA
             graphs (0: run every step eagerly).
         max_model_len: tokens per sequence at most (sets the captured block-table width).
+        pp: this rank's pipeline stage (None: the whole model); its layers' KV cache only, the
+            step in micro-batches (see the module docstring).
     """
 
     def __init__(
@@ -119,8 +128,10 @@ class ModelRunner:
         sampler: Sampler,
         cuda_graph_max_seqs: int = 0,
         max_model_len: int = 0,
+        pp=None,
     ) -> None:
         self.model = model
+        self.pp = pp if pp is not None and pp.size > 1 else None
         self.cache_config = cache_config
         self.sampler = sampler
         cfg = model.config
@@ -265,11 +276,32 @@ class ModelRunner:
         if self.prefaulter is not None:
             self.prefaulter.before_step(batch.plan.block_table_updates, (batch.blocks_to_copy, batch.blocks_to_swap_in))
         self.move_blocks(batch)
+        if self.pp is not None:
+            return self._execute_stage(batch)
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step
         else:
             logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices)  # [S + B + R, vocab], model dtype
+        return self._outputs(batch, logits, sampling, beams, prompt_plan)
+
+    def _execute_stage(self, batch: ScheduledBatch) -> StepOutput:
+        """This pipeline stage's part of the step, micro-batch after micro-batch (the module
+        docstring); the merged output on the last stage, an empty one on the others."""
+        pp, parts = self.pp, []
+        for mb in microbatch.split(batch, pp.size):
+            (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(mb)
+            intermediate = None if pp.is_first else pp.prev.recv()  # ([T, hidden], ...) from the previous stage
+            out = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices, intermediate)
+            if not pp.is_last:
+                pp.next.send(out)  # on to the next stage; this one goes on with the next micro-batch
+                continue
+            parts.append(self._outputs(mb, out, sampling, beams, prompt_plan))
+        return microbatch.merge(batch, parts) if pp.is_last else StepOutput([], [])
+
+    def _outputs(self, batch: ScheduledBatch, logits: torch.Tensor, sampling, beams, prompt_plan) -> StepOutput:
+        """Sample ``logits`` [S + B + R, vocab] (model dtype): the sampled tokens and logprobs,
+        the beams' log-softmax rows, the prompt logprobs."""
         # the logits stay on the device: the sampler sends back only ids and requested logprobs
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])

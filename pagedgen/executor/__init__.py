@@ -13,7 +13,9 @@ The driver (``LLMEngine``: scheduler, block manager, Sequences, detokenizers, be
   pickled and unpickled: the test of the boundary without process start-up.
 
 ``tensor_parallel_size`` = N > 1 runs N ``"mp"`` workers, each with its shard of the weights and
-the KV cache (pagedgen/distributed, docs/architecture.md). Pipeline parallelism is not built yet.
+the KV cache (pagedgen/distributed, docs/architecture.md); ``pipeline_parallel_size`` = P runs P
+stages of N workers each, a run of the decoder layers per stage, each step in micro-batches
+(engine/microbatch.py).
 """
 from __future__ import annotations
 

@@ -104,7 +104,8 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class StepReply:
-    """What one step produced, for the driver.
+    """What one step produced, for the driver (a pipeline stage other than the last answers an
+    empty one: only the last samples).
 
     ``seq_ids[i]`` sampled ``token_ids[i]``; ``logprobs``: None when no sequence asked, else per
     sampled sequence {token id: Logprob} or None; ``prompt_logprobs``: (seq id, first position,
@@ -146,6 +147,7 @@ class WorkerReady:
     rank: int
     pid: int
     communicator: str = ""  # the tensor-parallel all-reduce ("shm", "gloo"; "" with one rank)
+    transfer: str = ""  # the pipeline stages' activations channel ("shm", "gloo"; "" with one stage)
 
 
 @dataclass(frozen=True)

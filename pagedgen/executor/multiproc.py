@@ -56,7 +56,7 @@ def worker_main(spec: WorkerSpec, rank: int, conn, store_path: Optional[str] = N
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises
         _send(conn, WorkerError(rank, -1, type(exc).__name__, str(exc), traceback.format_exc()))
         return
-    if not _send(conn, WorkerReady(rank, os.getpid(), worker.tp.comm.name if worker.tp is not None else "")):
+    if not _send(conn, WorkerReady(rank, os.getpid(), worker.tp.comm.name if worker.tp is not None else "", worker.transfer)):
         return
     while True:
         try:
@@ -136,11 +136,13 @@ def _describe_exit(code: Optional[int]) -> str:
 
 
 class MultiprocExecutor:
-    """``spec.tensor_parallel_size`` worker processes (ranks 0 .. N - 1), spawned with
-    torch.multiprocessing; each holds its shard of the weights and of the KV cache. Every record
-    goes to every rank (pickled once); every rank answers (so that an error anywhere is seen), and
-    the reply of rank 0 is the step's: all ranks hold the same gathered logits and draw the same
-    tokens (``PAGEDGEN_TP_CHECK=1`` asserts that the replies are equal).
+    """``spec.world_size`` worker processes (ranks 0 .. N - 1, ``rank = pp_rank *
+    tensor_parallel_size + tp_rank``), spawned with torch.multiprocessing; each holds its shard of
+    the weights and of the KV cache (its heads, its pipeline stage's layers). Every record goes to
+    every rank (pickled once); every rank answers (so that an error anywhere is seen), and the
+    reply of the output rank, TP rank 0 of the last pipeline stage, is the step's: the last
+    stage's ranks hold the same gathered logits and draw the same tokens
+    (``PAGEDGEN_TP_CHECK=1`` asserts that their replies are equal).
 
     Args:
         spec: what the workers build (model, device, cache, seed, tensor-parallel size).
@@ -148,7 +150,8 @@ class MultiprocExecutor:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.world_size = spec.tensor_parallel_size
+        self.world_size = spec.world_size
+        self.output_rank = (spec.pipeline_parallel_size - 1) * spec.tensor_parallel_size  # TP rank 0 of the last stage
         self._check_replies = os.environ.get("PAGEDGEN_TP_CHECK", "") not in ("", "0")
         self.model_runner = None  # the model lives in the worker
         self._records = RecordBuilder()
@@ -169,7 +172,7 @@ class MultiprocExecutor:
     def execute(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> StepOutput:
         self._ready()
         step_id = next(self._ids)
-        reply = self._call(self._records.build(step_id, batch), step_id, f"step {step_id}")[0]
+        reply = self._call(self._records.build(step_id, batch), step_id, f"step {step_id}")[self.output_rank]
         return output_of(reply, seqs)
 
     def collective_rpc(self, fn: Callable, args: tuple = ()) -> list:
@@ -208,7 +211,9 @@ class MultiprocExecutor:
                 self._fail(rank, "starting", f"raised {msg.exc_type}: {msg.message}\n--- worker traceback ---\n{msg.traceback}")
             if not isinstance(msg, WorkerReady):
                 self._fail(rank, "starting", f"sent {type(msg).__name__} instead of WorkerReady")
-            self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
+            if rank == 0:
+                self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
+                self.transfer = msg.transfer  # how the pipeline stages hand on activations ("shm", "gloo")
 
     def _ready(self) -> None:
         if self._dead is not None:
@@ -222,14 +227,17 @@ class MultiprocExecutor:
     def _call(self, msg, call_id: int, what: str) -> list:
         with self._lock:
             data = pickle.dumps(msg) if self.world_size > 1 else None  # one pickle for every rank
-            for rank, conn in enumerate(self._conns):
-                try:
+            try:
+                for rank, conn in enumerate(self._conns):
                     sent = _send(conn, msg) if data is None else _send_bytes(conn, data)
-                except BaseException:
-                    self._desynced = True  # half a message may be in the pipe
-                    raise
-                if not sent:
-                    self._fail(rank, what, _describe_exit(self._exitcode(rank)))
+                    if not sent:
+                        self._fail(rank, what, _describe_exit(self._exitcode(rank)))
+            except BaseException:
+                # half a message may be in a pipe, or some ranks got the record and others not (an
+                # interrupt between two sends): ranks that wait for each other in a collective or for
+                # a stage's activations would pair different steps. Start over with fresh workers.
+                self._desynced = True
+                raise
             if self.world_size == 1:
                 replies = [self._wait(0, self._conns[0], lambda r: _reply_id(r) >= call_id, what)]
             else:
@@ -242,10 +250,12 @@ class MultiprocExecutor:
                         f"pagedgen worker rank {rank} raised {reply.exc_type} in {what}: {reply.message}\n"
                         f"--- worker traceback ---\n{reply.traceback}"
                     )
-            if self._check_replies and isinstance(replies[0], StepReply):
-                for rank, reply in enumerate(replies[1:], 1):
-                    if (reply.seq_ids, reply.token_ids) != (replies[0].seq_ids, replies[0].token_ids):
-                        raise AssertionError(f"tensor-parallel rank {rank} sampled {reply.token_ids}, rank 0 {replies[0].token_ids} in {what}")
+            out = self.output_rank
+            if self._check_replies and isinstance(replies[out], StepReply):
+                for rank in range(out + 1, self.world_size):  # the last stage's other TP ranks
+                    reply = replies[rank]
+                    if (reply.seq_ids, reply.token_ids) != (replies[out].seq_ids, replies[out].token_ids):
+                        raise AssertionError(f"tensor-parallel rank {rank} sampled {reply.token_ids}, rank {out} {replies[out].token_ids} in {what}")
             return replies
 
     def _wait_all(self, call_id: int, what: str) -> list:

@@ -14,6 +14,12 @@ the freed sequences (their blocks were freed: finished, aborted, preempted), add
 write the step's token ids at their positions (a mirror starts with all of the driver's tokens,
 and a decode step appends the token sampled in the step before, so its tokens are the driver's), run the step, advance prompt-logprobs progress, forget this step's forked
 children. A mirror never needs a token back from the driver that is not in a record.
+
+With pipeline stages every rank gets the same record; a stage's runner runs its layers on each
+micro-batch and hands the activations on (engine/model_runner.py); the last stage samples, the
+others reply with an empty ``StepReply`` (every rank answers, so that an error anywhere is seen).
+A non-last stage's mirrors do not advance their prompt-logprobs progress (it has no logits):
+only the last stage reads it.
 """
 from __future__ import annotations
 
@@ -21,10 +27,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from pagedgen.config import CacheConfig
-from pagedgen.distributed.communicator import init_process_group, make_communicator
-from pagedgen.distributed.group import TPGroup
+from pagedgen.distributed.communicator import init_process_group, make_channel, make_communicator
+from pagedgen.distributed.group import PPGroup, TPGroup, stage_layers
 from pagedgen.engine.model_runner import ModelRunner, StepOutput
 from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.scheduler_output import ScheduledBatch
@@ -41,7 +48,9 @@ class WorkerSpec:
     ``dtype``: the resolved model dtype; ``num_threads``: torch intra-op threads per worker (0:
     torch's own default); ``cuda_graph_max_seqs``: as ``ModelRunner``'s (0 when
     ``tensor_parallel_size`` > 1: the collectives are not captured); ``tensor_parallel_size``: the
-    ranks that each hold a shard of the weights and of the KV cache (KV heads split across them).
+    ranks that each hold a shard of the weights and of the KV cache (KV heads split across them);
+    ``pipeline_parallel_size``: the stages that each hold a run of the decoder layers (and their KV
+    cache); ``tensor_parallel_size * pipeline_parallel_size`` ranks in all.
     """
 
     model: str
@@ -54,6 +63,11 @@ class WorkerSpec:
     cuda_graph_max_seqs: int = 0
     num_threads: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class Worker:
@@ -61,10 +75,9 @@ class Worker:
 
     Args:
         spec: the model, device, cache and seed.
-        rank: this worker's rank (``rank = pp_rank * tensor_parallel_size + tp_rank`` once
-            pipeline stages exist; today the tensor-parallel rank).
-        store_path: with ``tensor_parallel_size`` > 1, the file the ranks meet at
-            (torch.distributed's file store, in the driver's temporary folder).
+        rank: this worker's global rank, ``pp_rank * tensor_parallel_size + tp_rank``.
+        store_path: with more than one rank, the file the ranks meet at (torch.distributed's
+            file store, in the driver's temporary folder, beside the shared-memory files).
     """
 
     def __init__(self, spec: WorkerSpec, rank: int = 0, store_path: Optional[str] = None) -> None:
@@ -72,16 +85,37 @@ class Worker:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.rank = rank
+        tp_size, pp_size = spec.tensor_parallel_size, spec.pipeline_parallel_size
+        self.pp_rank, self.tp_rank = divmod(rank, tp_size)
         self.tp: Optional[TPGroup] = None
-        if spec.tensor_parallel_size > 1:
-            self.backend = init_process_group(store_path, rank, spec.tensor_parallel_size, spec.device)
-            self.tp = TPGroup(rank, spec.tensor_parallel_size, make_communicator(self.backend, rank, spec.tensor_parallel_size, store_path, spec.device))
+        self.pp: Optional[PPGroup] = None
         hf_config = loader.load_hf_config(spec.model)
         model_config = loader.model_config_from_hf(hf_config, spec.dtype)
-        model = loader.load_model(spec.model, hf_config, model_config, spec.device, self.tp)
+        if spec.world_size > 1:
+            self.backend = init_process_group(store_path, rank, spec.world_size, spec.device)
+        if tp_size > 1:
+            group = None  # the default group: every rank is this stage's
+            if pp_size > 1:  # every rank creates every stage's group, in the same order
+                group = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)][self.pp_rank]
+            comm = make_communicator(self.backend, self.tp_rank, tp_size, store_path, spec.device, group, self.pp_rank)
+            self.tp = TPGroup(self.tp_rank, tp_size, comm)
+        if pp_size > 1:
+            start, end = stage_layers(model_config.num_layers, pp_size, self.pp_rank)
+            prev_rank, next_rank = rank - tp_size, rank + tp_size  # the same TP rank of the stages before and after
+            prev = make_channel(store_path, prev_rank, rank, spec.device, self.backend, prev_rank) if self.pp_rank > 0 else None
+            nxt = make_channel(store_path, rank, next_rank, spec.device, self.backend, next_rank) if self.pp_rank < pp_size - 1 else None
+            self.pp = PPGroup(self.pp_rank, pp_size, start, end, prev, nxt)
+        model = loader.load_model(spec.model, hf_config, model_config, spec.device, self.tp, self.pp)
         prepare_matmuls(model, spec.matmul_config)
-        self.runner = ModelRunner(model, spec.cache_config, Sampler(spec.seed), spec.cuda_graph_max_seqs, spec.max_model_len)
+        self.runner = ModelRunner(model, spec.cache_config, Sampler(spec.seed), spec.cuda_graph_max_seqs, spec.max_model_len, self.pp)
         self.seqs: dict[int, Sequence] = {}  # the sequence mirrors, by seq id
+
+    @property
+    def transfer(self) -> str:
+        """The channel of this rank's activations ("shm", "gloo"; "" without pipeline stages)."""
+        if self.pp is None:
+            return ""
+        return (self.pp.next or self.pp.prev).name
 
     def execute(self, record: StepRecord) -> StepReply:
         plan, seqs, max_len = record.plan, self.seqs, self.spec.max_model_len

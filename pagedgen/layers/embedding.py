@@ -108,7 +108,10 @@ class ParallelLMHead(Module):
         num_embeddings: vocabulary size; embedding_dim: features in.
         bias: whether the head has a bias [vocab].
         tie_to: a VocabParallelEmbedding whose weight the head shares (``tie_word_embeddings``);
-            then the checkpoint need not (and usually does not) hold ``lm_head.weight``.
+            then the checkpoint need not (and usually does not) hold ``lm_head.weight``. A module
+            without a weight (the embedding is on another pipeline stage: a placeholder) makes the
+            head hold its own copy (``tied_elsewhere``), which the loader fills from the
+            embedding's checkpoint tensor.
     """
 
     matmul: Optional[MatmulConfig] = None  # set by pagedgen.layers.matmul.prepare_matmuls
@@ -120,8 +123,9 @@ class ParallelLMHead(Module):
         self.tp = tp if tp_size(tp) > 1 else None
         rows = num_embeddings if self.tp is None else -(-num_embeddings // self.tp.size)  # per rank
         self.rows_per_rank = rows
-        self.tied = tie_to is not None
-        self.weight = tie_to.weight if tie_to is not None else nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
+        self.tied = getattr(tie_to, "weight", None) is not None
+        self.tied_elsewhere = tie_to is not None and not self.tied
+        self.weight = tie_to.weight if self.tied else nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
         if self.tp is not None:
             for p in (self.weight, self.bias):

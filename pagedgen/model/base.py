@@ -22,11 +22,13 @@ from typing import ClassVar, Optional
 import torch
 
 from pagedgen.config import ModelConfig
-from pagedgen.distributed.group import TPGroup, tp_size
+from pagedgen.distributed.group import PPGroup, TPGroup, tp_size
 from pagedgen.layers.module import Module
 from pagedgen.ops import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+#: what a pipeline stage hands the next: (hidden [T, hidden],) or (hidden, residual) (model/stages.py)
+IntermediateTensors = tuple[torch.Tensor, ...]
 
 
 def layer_sliding_windows(hf_config, num_layers: int) -> list[int]:
@@ -50,11 +52,16 @@ class CausalLM(Module):
         config: the engine's view of it (shape of the KV cache, dtype).
         tp: this rank's tensor-parallel group (None: one rank holds the whole model); the layers
             get it in their constructors, and ``self.config`` then holds the rank's heads.
+        pp: this rank's pipeline stage (None: one stage); the family builds only the stage's
+            modules (model/stages.py), and ``self.config.num_layers`` is then the stage's count
+            (the KV cache it allocates).
 
     Subclasses set the decoder stack as the attribute named ``base_model_prefix`` (``self.model``,
     GPT-2's ``self.transformer``...; ``forward(input_ids, positions, attn, kv_caches,
     logits_indices) -> [S, hidden]``, the final hidden rows of the sampled tokens) and the head as
-    the one named ``lm_head_name`` (a ``ParallelLMHead``). Built on the
+    the one named ``lm_head_name`` (a ``ParallelLMHead``); ``embed_tokens_name``: the token
+    embedding's module name, whose checkpoint tensor a tied head loads on a last pipeline stage
+    that does not hold the embedding. Built on the
     meta device by the loader, which then allocates and fills the parameters
     (``pagedgen.model.weights.load_model``).
     """
@@ -62,18 +69,21 @@ class CausalLM(Module):
     packed_modules_mapping: ClassVar[dict] = {}
     base_model_prefix: ClassVar[str] = "model"
     lm_head_name: ClassVar[str] = "lm_head"
+    embed_tokens_name: ClassVar[str] = "model.embed_tokens"
     ignored_weights: ClassVar[tuple[str, ...]] = ()
     #: config.json fields the family needs beyond ``loader.REQUIRED_CONFIG_FIELDS``
     required_config_fields: ClassVar[tuple[str, ...]] = ()
     #: config.json fields that describe the weight shapes (named in shape-mismatch errors)
     shape_fields: ClassVar[tuple[str, ...]] = ("hidden_size", "num_attention_heads", "vocab_size")
 
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
         super().__init__()
-        # a tensor-parallel rank's config holds its own heads (the KV cache it allocates)
+        # a tensor-parallel rank's config holds its own heads, a pipeline stage's its own layers (the KV cache it allocates)
         n = tp_size(tp)
-        self.config = config if n == 1 else replace(config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n)
+        local = config if n == 1 else replace(config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n)
+        self.config = local if pp is None else replace(local, num_layers=pp.num_layers)
         self.tp = tp
+        self.pp = pp
 
     @classmethod
     def check_config(cls, hf_config) -> None:
@@ -82,7 +92,9 @@ class CausalLM(Module):
 
     @property
     def device(self) -> torch.device:
-        return getattr(self, self.lm_head_name).weight.device
+        for p in self.parameters():  # every stage holds some (the head is on the last one only)
+            return p.device
+        return torch.device("cpu")
 
     @torch.inference_mode()
     def forward(
@@ -90,10 +102,16 @@ class CausalLM(Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
-        kv_caches: list[KVCache],  # one per layer
+        kv_caches: list[KVCache],  # one per layer of this stage
         logits_indices: torch.Tensor,  # [S] int64, rows of the tokens whose next token is wanted
-    ) -> torch.Tensor:
-        """Logits [S, vocab] (model dtype; see ``ParallelLMHead``) for the tokens at ``logits_indices``."""
-        hidden = getattr(self, self.base_model_prefix)(input_ids, positions, attn, kv_caches, logits_indices)  # [S, hidden]
+        intermediate: Optional[IntermediateTensors] = None,  # from the previous pipeline stage
+    ):
+        """Logits [S, vocab] (model dtype; see ``ParallelLMHead``) for the tokens at
+        ``logits_indices``; on a pipeline stage other than the last, the activations for the next
+        stage instead (``IntermediateTensors``, each [T, hidden]). ``intermediate``: what the
+        previous stage sent (None on the first stage, which embeds ``input_ids``)."""
+        hidden = getattr(self, self.base_model_prefix)(input_ids, positions, attn, kv_caches, logits_indices, intermediate)  # [S, hidden]
+        if self.pp is not None and not self.pp.is_last:
+            return hidden  # IntermediateTensors for the next stage
         return getattr(self, self.lm_head_name)(hidden)  # [S, vocab] model dtype
 

@@ -18,17 +18,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from pagedgen.config import ModelConfig
-from pagedgen.distributed.group import TPGroup
+from pagedgen.distributed.group import PPGroup, TPGroup
 from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
-from pagedgen.model.base import CausalLM, KVCache
+from pagedgen.model.base import CausalLM, IntermediateTensors, KVCache
+from pagedgen.model.stages import is_last, make_layers, on_first, on_last, stage_layers
 from pagedgen.ops import AttentionMetadata
 
 
@@ -78,17 +78,24 @@ class GPT2Block(Module):
 
 
 class GPT2Model(Module):
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
-        super().__init__()
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.wpe = PositionEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList([GPT2Block(hf_config, config, i, tp) for i in range(config.num_layers)])
-        self.ln_f = LayerNorm(config.hidden_size, hf_config.layer_norm_epsilon)
+    """Pipeline stages (``pp``): wte/wpe on the first, ln_f on the last; the stages hand on x [T, hidden]."""
 
-    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
-        for block, kv_cache in zip(self.h, kv_caches):
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
+        super().__init__()
+        self.wte = on_first(pp, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp))
+        self.wpe = on_first(pp, lambda: PositionEmbedding(config.max_position_embeddings, config.hidden_size))
+        self.h = make_layers(config.num_layers, lambda i: GPT2Block(hf_config, config, i, tp), pp)
+        self.stage_layers = stage_layers(self.h, pp)
+        self.ln_f = on_last(pp, lambda: LayerNorm(config.hidden_size, hf_config.layer_norm_epsilon))
+        self.is_last = is_last(pp)
+
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices,
+                intermediate: Optional[IntermediateTensors] = None):
+        x = self.wte(input_ids) + self.wpe(positions) if intermediate is None else intermediate[0]  # [T, hidden]
+        for block, kv_cache in zip(self.stage_layers, kv_caches):
             x = block(x, kv_cache, attn)
+        if not self.is_last:
+            return (x,)
         return self.ln_f(x[logits_indices])  # [S, hidden]
 
 
@@ -96,6 +103,7 @@ class GPT2LMHeadModel(CausalLM):
     """``GPT2LMHeadModel``."""
 
     base_model_prefix = "transformer"
+    embed_tokens_name = "transformer.wte"
     ignored_weights = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
     shape_fields = ("n_embd", "n_inner", "n_head", "n_positions", "vocab_size")
 
@@ -104,7 +112,8 @@ class GPT2LMHeadModel(CausalLM):
         if getattr(hf_config, "add_cross_attention", False):
             raise ValueError("config.json add_cross_attention=True (an encoder-decoder GPT-2) is not supported")
 
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
-        super().__init__(hf_config, config, tp)
-        self.transformer = GPT2Model(hf_config, config, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.transformer.wte if config.tie_word_embeddings else None, tp=tp)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp, pp)
+        self.transformer = GPT2Model(hf_config, config, tp, pp)
+        self.lm_head = on_last(pp, lambda: ParallelLMHead(
+            config.vocab_size, config.hidden_size, tie_to=self.transformer.wte if config.tie_word_embeddings else None, tp=tp))

@@ -20,10 +20,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from pagedgen.config import ModelConfig
-from pagedgen.distributed.group import TPGroup
+from pagedgen.distributed.group import PPGroup, TPGroup
 from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -31,7 +30,8 @@ from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope
-from pagedgen.model.base import CausalLM, KVCache
+from pagedgen.model.base import CausalLM, IntermediateTensors, KVCache
+from pagedgen.model.stages import is_last, make_layers, on_first, on_last, stage_layers
 from pagedgen.ops import AttentionMetadata
 
 
@@ -79,17 +79,25 @@ class GPTNeoXLayer(Module):
 
 
 class GPTNeoXModel(Module):
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+    """Pipeline stages (``pp``): embed_in on the first, final_layer_norm on the last; the stages
+    hand on x [T, hidden]."""
+
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
         super().__init__()
         rotary_emb = get_rope(hf_config, config.head_dim)
-        self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList([GPTNeoXLayer(hf_config, config, rotary_emb, tp) for _ in range(config.num_layers)])
-        self.final_layer_norm = LayerNorm(config.hidden_size, hf_config.layer_norm_eps)
+        self.embed_in = on_first(pp, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp))
+        self.layers = make_layers(config.num_layers, lambda i: GPTNeoXLayer(hf_config, config, rotary_emb, tp), pp)
+        self.stage_layers = stage_layers(self.layers, pp)
+        self.final_layer_norm = on_last(pp, lambda: LayerNorm(config.hidden_size, hf_config.layer_norm_eps))
+        self.is_last = is_last(pp)
 
-    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
-        x = self.embed_in(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches):
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices,
+                intermediate: Optional[IntermediateTensors] = None):
+        x = self.embed_in(input_ids) if intermediate is None else intermediate[0]  # [T, hidden]
+        for layer, kv_cache in zip(self.stage_layers, kv_caches):
             x = layer(positions, x, kv_cache, attn)
+        if not self.is_last:
+            return (x,)
         return self.final_layer_norm(x[logits_indices])  # [S, hidden]
 
 
@@ -98,11 +106,13 @@ class GPTNeoXForCausalLM(CausalLM):
 
     base_model_prefix = "gpt_neox"
     lm_head_name = "embed_out"
+    embed_tokens_name = "gpt_neox.embed_in"
     ignored_weights = (r"\.attention\.bias$", r"\.attention\.masked_bias$", r"\.rotary_emb\.inv_freq$")
     required_config_fields = ("intermediate_size",)
     shape_fields = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
-        super().__init__(hf_config, config, tp)
-        self.gpt_neox = GPTNeoXModel(hf_config, config, tp)
-        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.gpt_neox.embed_in if config.tie_word_embeddings else None, tp=tp)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp, pp)
+        self.gpt_neox = GPTNeoXModel(hf_config, config, tp, pp)
+        self.embed_out = on_last(pp, lambda: ParallelLMHead(
+            config.vocab_size, config.hidden_size, tie_to=self.gpt_neox.embed_in if config.tie_word_embeddings else None, tp=tp))

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pagedgen.config import ModelConfig
-from pagedgen.distributed.group import TPGroup
+from pagedgen.distributed.group import PPGroup, TPGroup
 from pagedgen.layers.activation import ActAndMul
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -37,7 +37,8 @@ from pagedgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import RMSNorm
 from pagedgen.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_cos_sin  # noqa: F401 (rope_cos_sin: re-exported)
-from pagedgen.model.base import CausalLM, KVCache, layer_sliding_windows
+from pagedgen.model.base import CausalLM, IntermediateTensors, KVCache, layer_sliding_windows
+from pagedgen.model.stages import is_last, make_layers, on_first, on_last, stage_layers
 from pagedgen.ops import AttentionMetadata
 
 
@@ -117,23 +118,36 @@ class LlamaDecoderLayer(Module):
 
 class LlamaModel(Module):
     """Embedding, decoder layers, final norm; returns the normalised rows at ``logits_indices``.
+    On a pipeline stage (``pp``): the embedding on the first stage only, the final norm on the last
+    only; a stage other than the last returns (h, residual) [T, hidden] each for the next one, and
+    one other than the first starts from them (``intermediate``).
 
     Args:
-        layers: the decoder layers (built by the family, so that Gemma can reuse this stack).
+        layers: the decoder layers (built by the family with ``make_layers``, so that Gemma can
+            reuse this stack; placeholders outside the stage).
         embed_scale: multiplier of the embeddings (Gemma: sqrt(hidden_size)).
         gemma_norm: Gemma's RMSNorm form for the final norm.
     """
 
-    def __init__(self, hf_config, layers: list[nn.Module], embed_scale: float = 1.0, gemma_norm: bool = False, tp: Optional[TPGroup] = None) -> None:
+    def __init__(self, hf_config, layers: nn.ModuleList, embed_scale: float = 1.0, gemma_norm: bool = False, tp: Optional[TPGroup] = None,
+                 pp: Optional[PPGroup] = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, scale=embed_scale, tp=tp)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, gemma=gemma_norm)
+        self.embed_tokens = on_first(pp, lambda: VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, scale=embed_scale, tp=tp))
+        self.layers = layers
+        self.stage_layers = stage_layers(layers, pp)
+        self.norm = on_last(pp, lambda: RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, gemma=gemma_norm))
+        self.is_last = is_last(pp)
 
-    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches):
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices,
+                intermediate: Optional[IntermediateTensors] = None):
+        if intermediate is None:
+            h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            h, residual = intermediate  # [T, hidden] each, from the previous stage
+        for layer, kv_cache in zip(self.stage_layers, kv_caches):
             h, residual = layer(positions, h, residual, kv_cache, attn)
+        if not self.is_last:
+            return h, residual
         h, residual = h[logits_indices], residual[logits_indices]  # [S, hidden]: only the rows sampled
         h, _ = self.norm(h, residual)
         return h
@@ -154,21 +168,19 @@ class LlamaForCausalLM(CausalLM):
     required_config_fields = ("intermediate_size",)
     shape_fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
-        super().__init__(hf_config, config, tp)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp, pp)
         arch = config.architecture
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = True if arch == "Qwen2ForCausalLM" else attention_bias  # Qwen2: q/k/v biases, no o_proj bias
         qk_norm = arch == "Qwen3ForCausalLM"
         rotary_emb = get_rope(hf_config, config.head_dim)
         windows = layer_sliding_windows(hf_config, config.num_layers)
-        layers = [
-            LlamaDecoderLayer(
-                hf_config,
-                LlamaAttention(hf_config, config, rotary_emb, qkv_bias, attention_bias, qk_norm, windows[i], tp),
-                LlamaMLP(config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bool(getattr(hf_config, "mlp_bias", False)), tp),
-            )
-            for i in range(config.num_layers)
-        ]
-        self.model = LlamaModel(hf_config, layers, tp=tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if config.tie_word_embeddings else None, tp=tp)
+        layers = make_layers(config.num_layers, lambda i: LlamaDecoderLayer(
+            hf_config,
+            LlamaAttention(hf_config, config, rotary_emb, qkv_bias, attention_bias, qk_norm, windows[i], tp),
+            LlamaMLP(config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bool(getattr(hf_config, "mlp_bias", False)), tp),
+        ), pp)
+        self.model = LlamaModel(hf_config, layers, tp=tp, pp=pp)
+        self.lm_head = on_last(pp, lambda: ParallelLMHead(
+            config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if config.tie_word_embeddings else None, tp=tp))

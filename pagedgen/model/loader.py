@@ -117,25 +117,32 @@ def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
     )
 
 
-def load_model(path: str, hf_config, config: ModelConfig, device: Union[str, torch.device] = "cpu", tp=None):
+def load_model(path: str, hf_config, config: ModelConfig, device: Union[str, torch.device] = "cpu", tp=None, pp=None):
     """The model of the checkpoint folder ``path``, its weights streamed in (``weights.load_model``;
-    ``tp``: a tensor-parallel rank's group, which loads only its shards)."""
+    ``tp``: a tensor-parallel rank's group, which loads only its shards; ``pp``: a pipeline stage,
+    which loads only its layers)."""
     _, cls = registry.resolve_architecture([config.architecture])
-    return weights.load_model(cls, path, hf_config, config, torch.device(device), tp)
+    return weights.load_model(cls, path, hf_config, config, torch.device(device), tp, pp)
 
 
-def check_tensor_parallel(hf_config, config: ModelConfig, size: int) -> None:
-    """Build the model of one rank of ``size`` on the meta device (no memory, no process): a
-    ValueError naming the size that does not divide (heads, KV heads, MLP width)."""
-    from pagedgen.distributed.group import TPGroup
+def check_parallel(hf_config, config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+    """Build rank 0 of each pipeline stage on the meta device (no memory, no process): a ValueError
+    naming the limit a size breaks (``tensor_parallel_size`` must divide the heads, KV heads and MLP
+    width; ``pipeline_parallel_size`` must be at most the decoder layers: stages split them as
+    vLLM does, uneven counts allowed, ``distributed.group.stage_layers``)."""
+    from pagedgen.distributed.group import PPGroup, TPGroup, stage_layers
 
+    size, stages = tensor_parallel_size, pipeline_parallel_size
     _, cls = registry.resolve_architecture([config.architecture])
     for name, total in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)):
         if total % size:
             raise ValueError(f"LLM tensor_parallel_size={size} must divide {name} ({total}) of the model")
+    ranges = [stage_layers(config.num_layers, stages, s) for s in range(stages)]  # ValueError: more stages than layers
+    groups = {} if size == 1 else {"tp": TPGroup(0, size)}
     try:
         with torch.device("meta"):
-            cls(hf_config, config, TPGroup(0, size))
+            for s in sorted({0, stages - 1}):
+                cls(hf_config, config, **groups, **({} if stages == 1 else {"pp": PPGroup(s, stages, *ranges[s])}))
     except ValueError as exc:
         raise ValueError(f"LLM tensor_parallel_size={size}: {exc}") from exc
 

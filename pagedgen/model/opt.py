@@ -18,17 +18,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from pagedgen.config import ModelConfig
-from pagedgen.distributed.group import TPGroup
+from pagedgen.distributed.group import PPGroup, TPGroup
 from pagedgen.layers.activation import get_act_fn
 from pagedgen.layers.attention import Attention
 from pagedgen.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
-from pagedgen.model.base import CausalLM, KVCache
+from pagedgen.model.base import CausalLM, IntermediateTensors, KVCache
+from pagedgen.model.stages import is_last, make_layers, on_first, on_last, stage_layers
 from pagedgen.ops import AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned positions reserve rows 0 and 1
@@ -70,24 +70,35 @@ class OPTDecoderLayer(Module):
 
 
 class OPTDecoder(Module):
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+    """Pipeline stages (``pp``): the embeddings and project_in on the first, final_layer_norm and
+    project_out on the last; the stages hand on x [T, hidden]."""
+
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
         super().__init__()
         hidden, word_dim = config.hidden_size, hf_config.word_embed_proj_dim
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, word_dim, tp=tp)
-        self.embed_positions = PositionEmbedding(config.max_position_embeddings, hidden, offset=POSITION_OFFSET)
-        self.project_in = ReplicatedLinear(word_dim, hidden) if word_dim != hidden else None
-        self.project_out = ReplicatedLinear(hidden, word_dim) if word_dim != hidden else None
-        self.layers = nn.ModuleList([OPTDecoderLayer(hf_config, config, tp) for _ in range(config.num_layers)])
+        self.embed_tokens = on_first(pp, lambda: VocabParallelEmbedding(config.vocab_size, word_dim, tp=tp))
+        self.embed_positions = on_first(pp, lambda: PositionEmbedding(config.max_position_embeddings, hidden, offset=POSITION_OFFSET))
+        self.project_in = on_first(pp, lambda: ReplicatedLinear(word_dim, hidden)) if word_dim != hidden else None
+        self.project_out = on_last(pp, lambda: ReplicatedLinear(hidden, word_dim)) if word_dim != hidden else None
+        self.layers = make_layers(config.num_layers, lambda i: OPTDecoderLayer(hf_config, config, tp), pp)
+        self.stage_layers = stage_layers(self.layers, pp)
         keep_final_norm = hf_config.do_layer_norm_before and not getattr(hf_config, "_remove_final_layer_norm", False)
-        self.final_layer_norm = LayerNorm(hidden, elementwise_affine=hf_config.layer_norm_elementwise_affine) if keep_final_norm else None
+        self.final_layer_norm = on_last(pp, lambda: LayerNorm(hidden, elementwise_affine=hf_config.layer_norm_elementwise_affine)) if keep_final_norm else None
+        self.is_last = is_last(pp)
 
-    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, word_embed_proj_dim]
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(positions)  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches):
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], logits_indices,
+                intermediate: Optional[IntermediateTensors] = None):
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)  # [T, word_embed_proj_dim]
+            if self.project_in is not None:
+                x = self.project_in(x)
+            x = x + self.embed_positions(positions)  # [T, hidden]
+        else:
+            x = intermediate[0]  # [T, hidden], from the previous stage
+        for layer, kv_cache in zip(self.stage_layers, kv_caches):
             x = layer(x, kv_cache, attn)
+        if not self.is_last:
+            return (x,)
         x = x[logits_indices]  # [S, hidden]
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
@@ -97,9 +108,9 @@ class OPTDecoder(Module):
 
 
 class OPTModel(Module):
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(hf_config, config, tp)
+        self.decoder = OPTDecoder(hf_config, config, tp, pp)
 
     def forward(self, *args) -> torch.Tensor:
         return self.decoder(*args)
@@ -111,9 +122,11 @@ class OPTForCausalLM(CausalLM):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     required_config_fields = ("ffn_dim",)
     shape_fields = ("hidden_size", "ffn_dim", "word_embed_proj_dim", "num_attention_heads", "max_position_embeddings", "vocab_size")
+    embed_tokens_name = "model.decoder.embed_tokens"
 
-    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None) -> None:
-        super().__init__(hf_config, config, tp)
-        self.model = OPTModel(hf_config, config, tp)
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp, pp)
+        self.model = OPTModel(hf_config, config, tp, pp)
         embed = self.model.decoder.embed_tokens
-        self.lm_head = ParallelLMHead(config.vocab_size, hf_config.word_embed_proj_dim, tie_to=embed if config.tie_word_embeddings else None, tp=tp)
+        self.lm_head = on_last(pp, lambda: ParallelLMHead(
+            config.vocab_size, hf_config.word_embed_proj_dim, tie_to=embed if config.tie_word_embeddings else None, tp=tp))

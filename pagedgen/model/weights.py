@@ -17,6 +17,11 @@ the whole file on top of the parameters.
 
 Sharded checkpoints are listed by ``model.safetensors.index.json`` (its ``weight_map``); tied
 embeddings share one parameter, and a checkpoint's copy of the tied head is skipped.
+
+A pipeline stage (model/stages.py) skips the tensors of the modules other stages hold (its
+placeholders' names), so it reads only its layers (and the embedding on the first stage, the
+final norm and head on the last). A tied head on a last stage without the embedding loads the
+embedding's tensor into its own copy.
 """
 from __future__ import annotations
 
@@ -29,10 +34,11 @@ import torch
 from torch import nn
 
 from pagedgen.config import ModelConfig
-from pagedgen.distributed.group import TPGroup, tp_size
+from pagedgen.distributed.group import PPGroup, TPGroup, tp_size
 from pagedgen.layers.loading import CheckpointSlice, WeightShapeError, weight_loader
 from pagedgen.model.base import CausalLM
 from pagedgen.model.files import CheckpointError, read_json
+from pagedgen.model.stages import PPMissingLayer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -94,8 +100,17 @@ def read_headers(files: list[str]) -> list[tuple[str, str, tuple[int, ...], str]
     return out
 
 
+def _elsewhere(model: CausalLM, name: str, missing: tuple[str, ...]) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a module another pipeline stage holds
+    (``missing``: the placeholders' names, each ending in a dot)."""
+    return bool(missing) and any(c.startswith(missing) for c in (name, f"{model.base_model_prefix}.{name}"))
+
+
 def _target(model: CausalLM, name: str, params: dict) -> Optional[tuple[str, object]]:
     """(parameter name, shard id) that checkpoint tensor ``name`` fills, None if none does."""
+    head = getattr(model, model.lm_head_name, None)
+    if getattr(head, "tied_elsewhere", False) and name in (f"{model.embed_tokens_name}.weight", model.embed_tokens_name.split(".", 1)[1] + ".weight"):
+        return f"{model.lm_head_name}.weight", None  # a tied head on a last stage without the embedding
     for candidate in (name, f"{model.base_model_prefix}.{name}"):
         parts = candidate.split(".")
         shard_id = None
@@ -131,9 +146,11 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
     params = dict(model.named_parameters())
     order = {name: i for i, name in enumerate(params)}
     head = getattr(model, model.lm_head_name)
-    tied_head = f"{model.lm_head_name}.weight" if getattr(head, "tied", False) else None
+    tied = getattr(head, "tied", False) or getattr(head, "tied_elsewhere", False)
+    tied_head = f"{model.lm_head_name}.weight" if tied else None
     ignored = [re.compile(p) for p in model.ignored_weights]
-    num_layers = model.config.num_layers
+    num_layers = hf_config.num_hidden_layers  # all stages' (model.config holds a pipeline stage's)
+    missing = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, PPMissingLayer))
 
     headers = read_headers(checkpoint_files(path))
     layer_indices = [int(m.group(1)) for _, name, _, _ in headers if (m := _LAYER_INDEX.search(name))]
@@ -149,6 +166,8 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
     for file, name, shape, dtype in headers:
         if name == tied_head or any(p.search(name) for p in ignored):
             continue
+        if _elsewhere(model, name, missing) and not (tied and _target(model, name, params)):
+            continue  # another pipeline stage's
         target = _target(model, name, params)
         if target is None:
             raise ValueError(
@@ -212,16 +231,19 @@ def read_weights(model: CausalLM, plan: list[TensorPlan], sharded: bool = False)
             del tensor
 
 
-def load_model(cls: type, path: str, hf_config, config: ModelConfig, device: torch.device, tp: Optional[TPGroup] = None) -> CausalLM:
+def load_model(cls: type, path: str, hf_config, config: ModelConfig, device: torch.device, tp: Optional[TPGroup] = None,
+               pp: Optional[PPGroup] = None) -> CausalLM:
     """Build ``cls`` for ``hf_config`` and load the checkpoint folder ``path`` into it (``tp``: this
-    rank's tensor-parallel group; the rank then allocates and reads only its shards).
+    rank's tensor-parallel group; the rank then allocates and reads only its shards; ``pp``: its
+    pipeline stage, which allocates and reads only its modules).
 
     Raises:
         ValueError: the config has a field the family cannot honour, or the weights do not match
             it (see ``plan_checkpoint``); FileNotFoundError / CheckpointError for unusable files.
     """
+    groups = {k: v for k, v in (("tp", tp if tp_size(tp) > 1 else None), ("pp", pp)) if v is not None}
     with torch.device("meta"):
-        model = cls(hf_config, config) if tp_size(tp) == 1 else cls(hf_config, config, tp)
+        model = cls(hf_config, config, **groups)
     plan = plan_checkpoint(model, path, hf_config)
     materialize(model, config.dtype, device)
     read_weights(model, plan, sharded=tp_size(tp) > 1)
