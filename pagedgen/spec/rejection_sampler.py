@@ -14,12 +14,18 @@ equals the target's argmax and then emit that argmax: the output equals non-spec
 
 Draws are counter-based, like the sampler's (engine/sampler.py): the accept draw of the token at
 position p uses stream ``stream ^ ACCEPT_STREAM``, the recovered and bonus draws ``stream ^
-RESIDUAL_STREAM``, so neither collides with the ordinary draw (stream, p) and a seeded request's
-tokens do not depend on its batch company.
+RESIDUAL_STREAM`` and the draft model's own draw of its proposal ``stream ^ DRAFT_STREAM``, so
+none collides with the ordinary draw (stream, p) and a seeded request's tokens do not depend on its
+batch company (only on where its steps begin: see docs/speculative.md).
+
+``DraftGroup`` / ``resample_groups``: the draft-model method's verification inside the target's
+sampler (``Sampler.__call__(resample=...)``): each verified sequence's k + 1 rows are re-decided by
+``rejection_sample`` from the target's processed probabilities and the draft's q.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -27,6 +33,7 @@ from pagedgen.engine.sampler import as_int64, counter_uniforms, inverse_cdf_samp
 
 ACCEPT_STREAM = 0x5A5A_0000_0000_0001
 RESIDUAL_STREAM = 0x5A5A_0000_0000_0002
+DRAFT_STREAM = 0x5A5A_0000_0000_0003  # the draft model's proposals (spec/draft_model.py)
 
 
 def spec_uniforms(key: int, stream: int, first_position: int, count: int, tag: int) -> torch.Tensor:
@@ -63,6 +70,8 @@ def rejection_sample(
             residual[d] = 0.0
         else:
             residual = (p_row - draft_probs[i].double()).clamp_(min=0.0)  # [vocab]
+            if not float(residual.sum()) > 0.0:  # p == q up to rounding, and u * q(d) >= p(d) by a hair
+                residual = p_row
         out.append(int(inverse_cdf_sample(residual.unsqueeze(0), residual_u[i : i + 1])[0]))
         return out
     out.append(int(inverse_cdf_sample(target_probs[k : k + 1].double(), residual_u[k : k + 1])[0]))
@@ -79,3 +88,42 @@ def greedy_verify(target_argmax: list[int], draft_ids: list[int]) -> list[int]:
             return out
     out.append(target_argmax[len(draft_ids)])
     return out
+
+
+@dataclass
+class DraftGroup:
+    """One sampled (temperature > 0) sequence verified against a draft model's proposals.
+
+    ``first_row``: the index, among the rows handed to the sampler, of its first row (its last
+    committed token; rows first_row .. first_row + k are its k + 1 rows); ``seq``: the sequence
+    (row first_row's, whose ``len(token_ids)`` is the position of the first token drawn);
+    ``draft_ids``: the k draft tokens; ``draft_probs``: [k, vocab] float32, the draft's q.
+    """
+
+    first_row: int
+    seq: object
+    draft_ids: list[int]
+    draft_probs: torch.Tensor
+
+
+def resample_groups(groups: list[DraftGroup], draw_key: Callable, tokens: torch.Tensor, probs: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The sampler's hook (``Sampler.__call__(resample=...)``): the tokens of each group's k + 1
+    rows replaced by ``rejection_sample``'s: the emitted ones in its first 1..k + 1 rows; a row
+    after the first rejection keeps any token (the verification keeps tokens only up to the first
+    row that differs from its draft, and a recovered token never equals the rejected draft: the
+    residual is 0 there). ``tokens`` [R] int64 and ``probs`` [R, vocab] float32 are the sampled
+    rows ``rows``' (indices into the sampler's rows); ``draw_key(seq) -> (key, stream)``."""
+    where = {row: j for j, row in enumerate(rows)}
+    tokens = tokens.clone()
+    for g in groups:
+        k = len(g.draft_ids)
+        index = [where[g.first_row + i] for i in range(k + 1)]
+        key, stream = draw_key(g.seq)
+        position = len(g.seq.token_ids)  # of the token drawn at the group's first row
+        out = rejection_sample(
+            probs[index].cpu(), g.draft_ids, g.draft_probs.cpu(),
+            spec_uniforms(key, stream, position, k, ACCEPT_STREAM),
+            spec_uniforms(key, stream, position, k + 1, RESIDUAL_STREAM),
+        )
+        tokens[index[: len(out)]] = torch.tensor(out, dtype=torch.int64).to(tokens.device)
+    return tokens
