@@ -8,7 +8,7 @@ and the acceptance rate by draft position.
 Cases: random-135m bf16 greedy (its outputs repeat themselves, so lookup proposes right tokens) at
 batch 1, 4 and 8; stories260K on prompts that end by restarting a passage they contain (lookup
 mostly misses: the cost of a miss); batch 256 with disable_by_batch_size=64 (speculation off at full
-batch). Draft model: stories260K with an early-exit draft of its own first two layers
+batch). Draft model: stories260K with early-exit drafts of its own first two and four layers
 (``pagedgen.spec.early_exit``, written to a temporary folder) and stories260K as its own draft
 (every draft accepted: the upper bound of the mechanism) on TinyStories openings, greedy, at batch
 1, 4 and 8. Each line: batch, tok/s off, tok/s on, ratio, accepted / proposed, acceptance by
@@ -57,11 +57,11 @@ def openings(n: int, words: int) -> list[str]:
 
 
 def draft_cases(batches, num_prompts: int, max_tokens: int, k: int) -> None:
-    """stories260K with its early-exit draft (first two layers) and with itself as draft."""
+    """stories260K with its early-exit drafts (first two, first four layers) and with itself as draft."""
     prompts = openings(num_prompts, 40)
     with tempfile.TemporaryDirectory() as tmp:
-        early = write_early_exit_draft(STORIES, os.path.join(tmp, "early_exit_2"), 2)
-        for name, draft in (("early-exit draft (2 of 5 layers)", early), ("itself as draft", STORIES)):
+        drafts = [(f"early-exit draft ({n} of 5 layers)", write_early_exit_draft(STORIES, os.path.join(tmp, f"early_exit_{n}"), n)) for n in (2, 4)]
+        for name, draft in drafts + [("itself as draft", STORIES)]:
             spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
             case(f"stories260K, {name}", STORIES, prompts, batches, max_tokens, spec, "float32")
 

@@ -42,7 +42,10 @@ class SpecStats:
         self.num_accepted_tokens += num_accepted
 
     def acceptance_rate_per_position(self) -> list[float]:
-        return [a / p for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+        """Accepted / proposed at each draft position proposed at least once (0.0 where none was
+        accepted)."""
+        accepted = self.accepted_per_position + [0] * (len(self.proposed_per_position) - len(self.accepted_per_position))
+        return [a / p for a, p in zip(accepted, self.proposed_per_position)]
 
 
 class Speculator:
