@@ -295,3 +295,15 @@ def test_sampler_propose_processes_and_draws_as_the_sampler():
     assert differ >= 20
     greedy_only, q = sampler.propose(torch.randn(2, 64, generator=g), [seqs[1], seqs[3]], DRAFT_STREAM)
     assert q is None and greedy_only.shape == (2,)
+
+
+def test_structured_outputs_are_not_speculated(drafts, prompts64):
+    """A step with a structured-output request proposes nothing (its bitmask is not applied to
+    drafts): outputs as speculation off, no drafts."""
+    from pagedgen import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"( [a-z]+){3}\."))
+    base = dict(num_kv_blocks=256, block_size=4)
+    ref, _ = _run(prompts64[:2], params, **base)
+    got, stats = _run(prompts64[:2], params, speculative_config=_spec(drafts["early_exit"], 3), **base)
+    assert got == ref and stats.num_draft_tokens == 0

@@ -312,6 +312,8 @@ class Sampler:
         they never reuse the target's. Returns (tokens [R] int64, q): q is None when every row is
         greedy, else [R, vocab] float32, the distribution each token was drawn from (one-hot at the
         argmax for greedy rows); on the logits' device."""
+        if all(map(_PLAIN_GREEDY, seqs)):  # the fast path: one argmax
+            return greedy_ids(logits), None
         device = logits.device
         params = [s.sampling_params for s in seqs]
         x = logits.float()  # [R, vocab]

@@ -85,7 +85,7 @@ class DraftModelProposer:
         active = list(range(len(seqs)))
         for j in range(max(ks)):
             logits = self._forward([seqs[i].seq_id for i in active], [starts[i] for i in active], [inputs[i] for i in active], tables)  # [A, vocab]
-            views = [view(seqs[i], drafts[i]) for i in active]
+            views = [seqs[i] if seqs[i].plain_greedy else view(seqs[i], drafts[i]) for i in active]  # plain greedy: only the argmax
             tokens, q = self.sampler.propose(logits, views, DRAFT_STREAM)  # [A] int64, [A, vocab] float32
             for a, (i, tok) in enumerate(zip(active, tokens.tolist())):
                 drafts[i].append(tok)
