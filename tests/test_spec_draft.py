@@ -307,3 +307,21 @@ def test_structured_outputs_are_not_speculated(drafts, prompts64):
     ref, _ = _run(prompts64[:2], params, **base)
     got, stats = _run(prompts64[:2], params, speculative_config=_spec(drafts["early_exit"], 3), **base)
     assert got == ref and stats.num_draft_tokens == 0
+
+
+def test_cli_summary_reports_acceptance(drafts, tmp_path, capsys):
+    """``--speculative-config`` with a draft model on the command line: completions as speculation
+    off (greedy), and the closing summary's acceptance line."""
+    from cli_util import read_jsonl, run_cli
+
+    src = tmp_path / "prompts.txt"
+    src.write_text("Once upon a time\nThe little dog\n")
+    argv = ["--model", STORIES, "--input", src, "--temperature", "0", "--max-tokens", "16", "--num-kv-blocks", "128"]
+    rc, err = run_cli(capsys, *argv, "--output", tmp_path / "off.jsonl")
+    assert rc == 0, err
+    spec = json.dumps(_spec(drafts["early_exit"], 3))
+    rc, err = run_cli(capsys, *argv, "--output", tmp_path / "on.jsonl", "--speculative-config", spec)
+    assert rc == 0, err
+    off, on = read_jsonl(tmp_path / "off.jsonl"), read_jsonl(tmp_path / "on.jsonl")
+    assert [r["completions"] for r in on] == [r["completions"] for r in off]
+    assert "pagedgen: speculative decoding:" in err and "draft tokens accepted" in err
