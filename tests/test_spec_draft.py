@@ -325,3 +325,30 @@ def test_cli_summary_reports_acceptance(drafts, tmp_path, capsys):
     off, on = read_jsonl(tmp_path / "off.jsonl"), read_jsonl(tmp_path / "on.jsonl")
     assert [r["completions"] for r in on] == [r["completions"] for r in off]
     assert "pagedgen: speculative decoding:" in err and "draft tokens accepted" in err
+
+
+def test_a_step_that_fails_in_the_draft_leaves_the_llm_as_fresh(drafts, prompts64, monkeypatch):
+    """An exception inside a draft pass aborts the call; the next call's outputs (greedy and
+    seeded) equal a fresh LLM's, the draft's per-sequence counts forgotten with the tables."""
+    from pagedgen.spec.draft_model import DraftModelProposer
+
+    params = [SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=0.9, seed=4, max_tokens=20)] * 3
+    spec = dict(num_kv_blocks=256, block_size=4, speculative_config=_spec(drafts["early_exit"], 3))
+    fresh = LLM(STORIES, **spec).generate(prompts64[:6], params, use_tqdm=False)
+    llm = LLM(STORIES, **spec)
+    real, calls = DraftModelProposer._forward, [0]
+
+    def failing(self, *args):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("draft pass failed")
+        return real(self, *args)
+
+    monkeypatch.setattr(DraftModelProposer, "_forward", failing)
+    with pytest.raises(RuntimeError, match="draft pass failed"):
+        llm.generate(prompts64[:6], params, use_tqdm=False)
+    assert not llm.llm_engine.block_manager.check()
+    again = llm.generate(prompts64[:6], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in fresh]
+    runner = llm.llm_engine.model_runner  # the draft forgets a sequence with its table (the next step's freed ids)
+    assert runner.drafter.num_computed and all(seq_id in runner.block_tables for seq_id in runner.drafter.num_computed)
