@@ -352,3 +352,31 @@ def test_a_step_that_fails_in_the_draft_leaves_the_llm_as_fresh(drafts, prompts6
     assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in fresh]
     runner = llm.llm_engine.model_runner  # the draft forgets a sequence with its table (the next step's freed ids)
     assert runner.drafter.num_computed and all(seq_id in runner.block_tables for seq_id in runner.drafter.num_computed)
+
+
+def test_batched_rejection_sampler_equals_the_loop():
+    """``rejection_sample_batch`` (tensor ops, all sequences at once) emits the tokens of
+    ``rejection_sample`` (the plain loop), over random targets, drafts, k and draws, including
+    greedy (one-hot) rows and drafts equal to the target."""
+    from pagedgen.spec.rejection_sampler import rejection_sample, rejection_sample_batch
+
+    g = torch.Generator().manual_seed(5)
+    vocab, K = 7, 5
+    for trial in range(40):
+        G = 1 + trial % 6
+        ks = torch.randint(1, K + 1, (G,), generator=g)
+        p = torch.softmax(torch.randn(G, K + 1, vocab, generator=g) * (1 + trial % 3), dim=-1)
+        q = torch.softmax(torch.randn(G, K, vocab, generator=g) * 2, dim=-1)
+        if trial % 4 == 0:  # greedy rows: one-hot target and draft
+            p = torch.nn.functional.one_hot(p.argmax(-1), vocab).float()
+            q = torch.nn.functional.one_hot(q.argmax(-1), vocab).float()
+        if trial % 5 == 0:
+            q = p[:, :K].clone()  # a perfect draft
+        d = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(G, K)
+        au = torch.rand(G, K, generator=g, dtype=torch.float64)
+        ru = torch.rand(G, K + 1, generator=g, dtype=torch.float64)
+        tokens, emitted = rejection_sample_batch(p, d, ks, q, au, ru)
+        for i in range(G):
+            k = int(ks[i])
+            want = rejection_sample(p[i, : k + 1], d[i, :k].tolist(), q[i, :k], au[i, :k], ru[i, : k + 1])
+            assert tokens[i, : int(emitted[i])].tolist() == want, (trial, i)
