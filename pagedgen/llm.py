@@ -32,7 +32,8 @@ from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
 from pagedgen.executor.worker import WorkerSpec
 from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
 from pagedgen.llm_args import check_llm_args, check_use_tqdm
-from pagedgen.spec.config import SpeculativeConfig, check_draft_vocab
+from pagedgen.spec.config import SpeculativeConfig
+from pagedgen.spec.draft_model import check_draft, check_draft_tokenizer, draft_model_config
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
@@ -58,16 +59,16 @@ def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
 ChatMessage = dict  # {"role": str, "content": str}
 
 
-def check_speculative_model(spec: SpeculativeConfig, model_config) -> None:
-    """The checks of a speculative config that need the target's config (a draft's vocabulary);
-    a draft model then raises NotImplementedError (only n-gram speculation is built)."""
-    if spec.method == "draft_model":
-        draft = loader.model_config_from_hf(loader.load_hf_config(spec.model), model_config.dtype)
-        check_draft_vocab(draft.vocab_size, model_config.vocab_size, spec.model)
-        raise NotImplementedError(
-            "LLM speculative_config: method 'draft_model' is not built yet (its config is checked); "
-            "method 'ngram' is (docs/speculative.md)"
-        )
+def check_speculative_model(spec: SpeculativeConfig, model_config, max_model_len: int):
+    """The checks of a speculative config that need the target's config, before any weights are
+    loaded: for method "draft_model" the draft's config.json (the same vocab_size, positions up to
+    ``max_model_len``, no sliding window; ValueError naming the field). Returns the draft's
+    (hf_config, ModelConfig) in the target's dtype, or None for "ngram"."""
+    if spec.method != "draft_model":
+        return None
+    draft_hf, draft_config = draft_model_config(spec.model, model_config.dtype)
+    check_draft(draft_config, model_config, spec.model, max_model_len)
+    return draft_hf, draft_config
 
 
 class LLM:
@@ -145,9 +146,15 @@ class LLM:
         speculative_config: speculative decoding, vLLM's names (docs/speculative.md): a dict
             {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft path,
             "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}, checked before
-            anything is loaded (ValueError naming the field and its range; a draft with another
-            vocabulary is refused). "ngram" is built (in process; outputs equal speculation off,
-            token for token); "draft_model" raises NotImplementedError after its checks.
+            anything is loaded (ValueError naming the field and its range). In process only
+            (distributed_executor_backend=None, tensor_parallel_size=1). "ngram": outputs equal
+            speculation off, token for token. "draft_model": a second, small model in the same
+            engine proposes the drafts; its KV cache has the same blocks as the model's, so each
+            block of the pool (``num_kv_blocks``, ``kv_cache_memory_bytes``) costs both models'
+            bytes. The draft must share the model's vocabulary and tokenizer (ValueError), reach
+            ``max_model_len`` positions and have no sliding window; it runs in the model's dtype.
+            Greedy outputs equal speculation off token for token; sampled ones follow the model's
+            distribution (Leviathan et al.'s rejection sampling), a function of the request's seed.
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing.
@@ -219,8 +226,6 @@ class LLM:
         if world > 1:
             loader.check_parallel(hf_config, model_config, tensor_parallel_size, pipeline_parallel_size)  # ValueError before any process
             distributed_executor_backend = "mp"
-        if spec_config is not None:
-            check_speculative_model(spec_config, model_config)
         if batch_invariant is None:
             batch_invariant = device.type == "cpu"
         self.matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading
@@ -233,10 +238,13 @@ class LLM:
                 f"({model_config.max_position_embeddings}), got {max_model_len}"
             )
         max_num_batched_tokens = max_num_batched_tokens or max(4096, max_num_seqs)
+        draft = None if spec_config is None else check_speculative_model(spec_config, model_config, max_model_len)
 
         tok_path = os.fspath(tokenizer) if tokenizer is not None else model
         self.tokenizer = loader.load_tokenizer(tok_path)
         eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
+        if draft is not None:
+            check_draft_tokenizer(spec_config.model, self.tokenizer)  # ValueError before any weights load
 
         in_process = distributed_executor_backend is None
         if in_process:
@@ -244,18 +252,26 @@ class LLM:
             prepare_matmuls(self.model, self.matmul_config)
         else:
             self.model = None  # the worker loads it; the driver holds no model and no device tensors
+        self.draft_model = None  # speculative decoding's draft model (method "draft_model"), beside the model
+        if draft is not None:
+            self.draft_model = loader.load_model(spec_config.model, draft[0], draft[1], device)
+            prepare_matmuls(self.draft_model, self.matmul_config)
 
-        block_bytes = model_config.kv_bytes_per_token() * block_size
+        # a block of the pool holds its tokens' keys and values in the model's cache and, with a draft
+        # model, in the draft's (the same block ids, spec/draft_model.py): one budget for both
+        swap_block_bytes = model_config.kv_bytes_per_token() * block_size
+        block_bytes = swap_block_bytes + (0 if draft is None else draft[1].kv_bytes_per_token() * block_size)
         sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
         if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
             kv_cache_memory_bytes = kv_sizing.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
         num_blocks = kv_sizing.num_kv_blocks(block_bytes, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs * cdiv(max_model_len, block_size))
         num_cpu_blocks = 0
         if preemption_mode == "swap":
-            swap_bytes = swap_space_bytes if swap_space_bytes is not None else min(4 << 30, num_blocks * block_bytes)
-            num_cpu_blocks = swap_bytes // block_bytes
+            # swap space holds the model's blocks only (a draft recomputes its cache after a swap-in)
+            swap_bytes = swap_space_bytes if swap_space_bytes is not None else min(4 << 30, num_blocks * swap_block_bytes)
+            num_cpu_blocks = swap_bytes // swap_block_bytes
             if num_cpu_blocks < 1:
-                raise ValueError(f"LLM swap_space_bytes must hold at least one block ({block_bytes} bytes), got {swap_bytes}")
+                raise ValueError(f"LLM swap_space_bytes must hold at least one block ({swap_block_bytes} bytes), got {swap_bytes}")
         cache_config = CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -278,7 +294,8 @@ class LLM:
         use_graphs = device.type == "cuda" and not enforce_eager
         graph_seqs = max_num_seqs if use_graphs else 0
         if in_process:
-            executor = InProcessExecutor(ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=graph_seqs, max_model_len=max_model_len))
+            executor = InProcessExecutor(ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=graph_seqs,
+                                                     max_model_len=max_model_len, draft_model=self.draft_model))
         else:
             threads = torch.get_num_threads() if world == 1 else max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // world)
             spec = WorkerSpec(model, model_config.dtype, device, self.matmul_config, cache_config, max_model_len, seed,

@@ -71,11 +71,6 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path):
         LLM(MODEL, num_kv_blocks=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft)})
 
 
-def test_draft_model_is_not_built_yet():
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        LLM(MODEL, num_kv_blocks=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": MODEL})
-
-
 def test_cli_flag_parses_json():
     import argparse
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())

@@ -10,6 +10,10 @@ However it is sized, the cache must hold one sequence of ``max_model_len`` token
 sequence alone always fits and preemption cannot loop): ``check_max_model_len`` raises a ValueError
 otherwise, naming both numbers and what to change, as vLLM does at start-up
 (``check_enough_kv_cache_memory``); ``max_model_len`` is never lowered behind the user's back.
+
+With a draft model (speculative decoding, spec/draft_model.py) the draft's KV cache has the same
+block ids as the model's, so ``block_bytes`` here is the bytes of one block in both caches: one
+budget, one pool.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def split(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
             num_new_tokens=plan.num_new_tokens[a:b],
             num_computed_tokens=plan.num_computed_tokens[a:b],
             token_ids=plan.token_ids[a:b],
-            block_table_updates=plan.block_table_updates if first else {},
+            block_table_updates=plan.block_table_updates if first else {},  # (the runner applies the whole step's before the split)
             freed_seq_ids=plan.freed_seq_ids if first else [],
             forked=[(c, p) for c, p in plan.forked if p in ids],
         )

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import accumulate, chain
 from typing import Optional
 
@@ -51,6 +52,8 @@ from pagedgen.engine.scheduler_output import ScheduledBatch
 from pagedgen.engine.step_buffers import StepBuffers
 from pagedgen.engine.sequence import Sequence
 from pagedgen.spec import verify
+from pagedgen.spec.draft_model import DraftModelProposer
+from pagedgen.spec.rejection_sampler import DraftGroup, resample_groups
 from pagedgen.model.llama import LlamaForCausalLM
 from pagedgen.ops import AttentionMetadata
 from pagedgen.outputs import Logprob
@@ -119,6 +122,8 @@ class ModelRunner:
         max_model_len: tokens per sequence at most (sets the captured block-table width).
         pp: this rank's pipeline stage (None: the whole model); its layers' KV cache only, the
             step in micro-batches (see the module docstring).
+        draft_model: speculative decoding's draft model (method "draft_model"), run beside the
+            model with a KV cache of the same blocks (spec/draft_model.py); None without one.
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class ModelRunner:
         cuda_graph_max_seqs: int = 0,
         max_model_len: int = 0,
         pp=None,
+        draft_model=None,
     ) -> None:
         self.model = model
         self.pp = pp if pp is not None and pp.size > 1 else None
@@ -149,9 +155,15 @@ class ModelRunner:
             for _ in range(cfg.num_layers if cache_config.num_cpu_blocks else 0)
         ]
         self.on_cpu = model.device.type == "cpu"
+        # speculative decoding with a draft model: its KV cache has the same block ids (spec/draft_model.py)
+        self.drafter = None if draft_model is None else DraftModelProposer(draft_model, cache_config, sampler)
         # CPU: the pages of never-used blocks are faulted in bulk before a step writes them (prefault.py)
         block_bytes = cfg.kv_bytes_per_token() * cache_config.block_size
-        self.prefaulter = Prefaulter(self.kv_caches, block_bytes) if self.on_cpu else None
+        touched = self.kv_caches
+        if self.drafter is not None:
+            block_bytes += draft_model.config.kv_bytes_per_token() * cache_config.block_size
+            touched = touched + self.drafter.kv_caches
+        self.prefaulter = Prefaulter(touched, block_bytes) if self.on_cpu else None
         # persistent block tables, updated from each step's deltas: [rows, ceil(max_model_len / block_size)] int32
         self.buffers = StepBuffers(model.device)  # the step's inputs: one staging buffer, one copy per step
         self.block_tables = BlockTables(-(-max_model_len // cache_config.block_size) if max_model_len else 16)
@@ -166,8 +178,8 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         """The step's tensors (see the module docstring), built from the plan's plain data: its token
-        ids, first positions and block-table deltas (applied to the persistent ``BlockTables``);
-        positions and the slot mapping are computed by tensor ops, not per token in Python. Also
+        ids, first positions and the persistent ``BlockTables`` (the step's deltas applied first, by
+        ``execute``); positions and the slot mapping are computed by tensor ops, not per token in Python. Also
         returns the sequences that sample a token this step, in ``logits_indices`` order, the beam
         sequences, and the prompt positions whose logits are wanted for prompt logprobs (after
         those in ``logits_indices``)."""
@@ -185,7 +197,6 @@ class ModelRunner:
             query_start_loc = list(accumulate(counts, initial=0))  # n + 1 entries
         max_seq_len = max(ends)
 
-        self.block_tables.apply(plan.freed_seq_ids, plan.block_table_updates)
         tables = self.block_tables.gather(plan.seq_ids, -(-max_seq_len // bs))  # [n, width]
         starts_t = int_tensor(starts, torch.int64)  # [n]
         if num_tokens == n:
@@ -247,6 +258,22 @@ class ModelRunner:
             sampling.append(child)
         return logits_indices, sampling, beams, beam_rows, prompt_plan
 
+    def _propose_drafts(self, batch: ScheduledBatch) -> list[DraftGroup]:
+        """Run the draft model for the step's speculating sequences: their drafts replace the
+        placeholders in ``batch.drafts`` and in the plan's token ids; returns the rejection
+        sampler's groups of the sampled (not greedy) ones (their ``first_row`` set later)."""
+        plan, drafts = batch.plan, batch.drafts
+        index = [i for i, seq in enumerate(batch.seqs) if drafts.get(seq.seq_id)]
+        seqs = [batch.seqs[i] for i in index]
+        proposed, qs = self.drafter.propose(seqs, [len(drafts[seq.seq_id]) for seq in seqs], self.block_tables)
+        groups = []
+        for i, seq, draft, q in zip(index, seqs, proposed, qs):
+            drafts[seq.seq_id] = draft
+            plan.token_ids[i] = plan.token_ids[i][:1] + draft  # the last committed token, then the drafts
+            if not seq.sampling_params.greedy:
+                groups.append(DraftGroup(-1, seq, draft, q))
+        return groups
+
     def move_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write copies, in every layer (before the step's forward:
         a block freed by a swap-out may be written by this very step)."""
@@ -263,7 +290,7 @@ class ModelRunner:
                     ops.swap_blocks(cv, v, mapping)
         if batch.blocks_to_copy:
             mapping = torch.tensor(batch.blocks_to_copy, dtype=torch.int64).to(self.model.device)  # [N, 2]
-            for k, v in self.kv_caches:
+            for k, v in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
                 ops.copy_blocks(k, v, mapping)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -276,14 +303,21 @@ class ModelRunner:
         if self.prefaulter is not None:
             self.prefaulter.before_step(batch.plan.block_table_updates, (batch.blocks_to_copy, batch.blocks_to_swap_in))
         self.move_blocks(batch)
-        if self.pp is not None:
+        plan = batch.plan
+        self.block_tables.apply(plan.freed_seq_ids, plan.block_table_updates)
+        if self.pp is not None:  # (no speculation with pipeline stages: refused by the LLM)
             return self._execute_stage(batch)
+        groups = None
+        if self.drafter is not None:
+            self.drafter.forget(plan.freed_seq_ids)
+            if batch.drafts:  # the drafts are placeholders until the draft model proposes them
+                groups = self._propose_drafts(batch)
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step
         else:
             logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices)  # [S + B + R, vocab], model dtype
-        return self._outputs(batch, logits, sampling, beams, prompt_plan)
+        return self._outputs(batch, logits, sampling, beams, prompt_plan, groups)
 
     def _execute_stage(self, batch: ScheduledBatch) -> StepOutput:
         """This pipeline stage's part of the step, micro-batch after micro-batch (the module
@@ -299,14 +333,21 @@ class ModelRunner:
             parts.append(self._outputs(mb, out, sampling, beams, prompt_plan))
         return microbatch.merge(batch, parts) if pp.is_last else StepOutput([], [])
 
-    def _outputs(self, batch: ScheduledBatch, logits: torch.Tensor, sampling, beams, prompt_plan) -> StepOutput:
+    def _outputs(self, batch: ScheduledBatch, logits: torch.Tensor, sampling, beams, prompt_plan, groups=None) -> StepOutput:
         """Sample ``logits`` [S + B + R, vocab] (model dtype): the sampled tokens and logprobs,
-        the beams' log-softmax rows, the prompt logprobs."""
+        the beams' log-softmax rows, the prompt logprobs. ``groups``: the draft model's proposals
+        of this step (``_propose_drafts``), verified by rejection sampling."""
         # the logits stay on the device: the sampler sends back only ids and requested logprobs
         num_sampling, num_beams = len(sampling), len(beams)
         out = StepOutput(sampling, [])
         if sampling:
-            sampled = self.sampler(logits[:num_sampling], sampling, batch.grammar_bitmask)
+            resample = None
+            if groups:  # sampled rows verified against a draft model: rejection sampling (spec/rejection_sampler.py)
+                where = {id(seq): i for i, seq in enumerate(sampling)}
+                for g in groups:
+                    g.first_row = where[id(g.seq)]
+                resample = partial(resample_groups, groups, self.sampler.draw_key)
+            sampled = self.sampler(logits[:num_sampling], sampling, batch.grammar_bitmask, resample)
             out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
             if batch.drafts:
                 verify.collapse(out, batch.drafts)

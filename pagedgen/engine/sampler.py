@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 import numpy as np
 import torch
@@ -169,7 +169,13 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.unseeded_key = unseeded_key(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask] = None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: Seq[Sequence],
+        grammar_bitmask: Optional[GrammarBitmask] = None,
+        resample: Optional[Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]] = None,
+    ) -> SamplerOutput:
         """logits: [num_seqs, vocab] on any device (float32 or the model's bf16/fp16), row i for
         seqs[i]. All the work runs on the logits' device; the sampled ids and the requested
         logprobs come back to the host in one copy (``_to_host``). The fast path takes the argmax
@@ -177,8 +183,13 @@ class Sampler:
         structured-output rows of this step (engine/grammar.py), applied first, in place (vLLM's
         order: logprobs are then those of the masked logits); a constrained row whose grammar allows
         at most ``token_bitmask.MAX_CANDIDATES`` tokens and that asks for no logprobs and no logits
-        processing is sampled among those tokens alone (``_sample_candidates``)."""
-        sampled, logprobs = self._on_device(logits, seqs, grammar_bitmask)
+        processing is sampled among those tokens alone (``_sample_candidates``).
+        ``resample(tokens, probs, rows)``: speculative decoding with a draft model
+        (spec/rejection_sampler.py): given the drawn tokens [R] int64 of the sampled rows ``rows``
+        (indices into ``seqs``) and the distributions they were drawn from, probs [R, vocab]
+        float32, returns the tokens to keep instead (the rejection sampler's); logprobs are those
+        of the returned tokens. (Steps with a grammar bitmask are not speculated.)"""
+        sampled, logprobs = self._on_device(logits, seqs, grammar_bitmask, resample=resample)
         if logprobs is None:
             return SamplerOutput(_to_host(sampled).tolist())
         packed, lp_rows, num_logprobs = logprobs
@@ -191,7 +202,8 @@ class Sampler:
             out[i] = d
         return SamplerOutput(token_ids, out)
 
-    def _on_device(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask], candidates: bool = True):
+    def _on_device(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask], candidates: bool = True,
+                   resample=None):
         """(sampled [num_seqs] int64 on the logits' device, None or (packed logprobs [L, 3 + 2k]
         float64, their rows, each row's number of logprobs))."""
         if grammar_bitmask is not None:
@@ -219,7 +231,7 @@ class Sampler:
             raw_logprobs = (logits if lp_index is None else logits[lp_index]).log_softmax(dim=-1)  # [L, vocab]
         if processed:
             logits = self._process(logits, seqs, params)
-        sampled = self._sample(logits, seqs, params, all_greedy)  # [num_seqs] int64, on the device
+        sampled = self._sample(logits, seqs, params, all_greedy, resample)  # [num_seqs] int64, on the device
         if not want_logprobs:
             return sampled, None
         num_logprobs = [params[i].logprobs for i in lp_rows]
@@ -298,10 +310,10 @@ class Sampler:
             logits = logits.index_copy(0, rows, penalised)
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence], params, all_greedy: bool) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence], params, all_greedy: bool, resample=None) -> torch.Tensor:
         """Steps 4-5: [num_seqs] int64 token ids on the logits' device. Greedy rows take the argmax
         and pay nothing for the sampled ones: temperature, filters, softmax and the draw run on the
-        sampled rows only."""
+        sampled rows only. ``resample``: see ``__call__``."""
         if all_greedy:
             return greedy_ids(logits)
         device = logits.device
@@ -309,7 +321,24 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         rows_t = _index(rows, device) if greedy_rows else None
         x = logits[rows_t] if greedy_rows else logits  # [R, vocab], the sampled rows
-        sp = [params[i] for i in rows]
+        probs = self._probs(x, [params[i] for i in rows])  # [R, vocab]
+        tokens = inverse_cdf_sample(probs, self._uniforms([seqs[i] for i in rows], device))  # [R]
+        if resample is not None:
+            tokens = resample(tokens, probs, rows)
+        if not greedy_rows:
+            return tokens
+        greedy_t = _index(greedy_rows, device)
+        sampled = torch.empty(len(params), dtype=torch.int64, device=device)
+        sampled[rows_t] = tokens
+        sampled[greedy_t] = greedy_ids(logits[greedy_t])
+        return sampled
+
+    @staticmethod
+    def _probs(x: torch.Tensor, sp: list) -> torch.Tensor:
+        """The distributions sampled rows draw from: x [R, vocab] float32 processed logits, ``sp``
+        their SamplingParams (none greedy) -> [R, vocab] float32 after temperature, min-p, top-k
+        and top-p, softmaxed (step 5 before the draw)."""
+        device = x.device
         knobs = torch.tensor([[p.temperature, p.min_p, p.top_p] for p in sp], dtype=torch.float32).to(device)  # [R, 3]
         x = x / knobs[:, 0:1]
         if any(p.min_p > 0.0 for p in sp):
@@ -322,17 +351,41 @@ class Sampler:
             else:
                 index = _index(filtered, device)
                 x = x.index_copy(0, index, lp.apply_top_k_top_p(x[index], top_k, knobs[index, 2]))
-        probs = x.softmax(dim=-1)  # [R, vocab]
-        tokens = inverse_cdf_sample(probs, self._uniforms([seqs[i] for i in rows], device))  # [R]
-        if not greedy_rows:
-            return tokens
-        greedy_t = _index(greedy_rows, device)
-        sampled = torch.empty(len(params), dtype=torch.int64, device=device)
-        sampled[rows_t] = tokens
-        sampled[greedy_t] = greedy_ids(logits[greedy_t])
-        return sampled
+        return x.softmax(dim=-1)  # [R, vocab]
 
-    def _uniforms(self, seqs: Seq[Sequence], device: torch.device = _CPU) -> torch.Tensor:
+    def propose(self, logits: torch.Tensor, seqs: Seq[Sequence], stream_tag: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft model's proposals (speculative decoding, spec/draft_model.py): one token per row
+        of ``logits`` [R, vocab] (the draft's, any float dtype), drawn as ``__call__`` would draw
+        the target's (the same logit processing, penalties and min_tokens on ``seqs``, the same
+        temperature, min-p, top-k and top-p) from draws on the stream ``stream ^ stream_tag``, so
+        they never reuse the target's. Returns (tokens [R] int64, q): q is None when every row is
+        greedy, else [R, vocab] float32, the distribution each token was drawn from (one-hot at the
+        argmax for greedy rows); on the logits' device."""
+        if all(map(_PLAIN_GREEDY, seqs)):  # the fast path: one argmax
+            return greedy_ids(logits), None
+        device = logits.device
+        params = [s.sampling_params for s in seqs]
+        x = logits.float()  # [R, vocab]
+        if any(p.changes_logits for p in params):
+            x = self._process(x, seqs, params)
+        tokens = greedy_ids(x)  # [R] int64: the greedy rows' tokens
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return tokens, None
+        q = torch.zeros_like(x)  # [R, vocab]
+        q[torch.arange(len(params), device=device), tokens] = 1.0
+        rows_t = _index(rows, device)
+        probs = self._probs(x[rows_t], [params[i] for i in rows])  # [S, vocab]
+        tokens[rows_t] = inverse_cdf_sample(probs, self._uniforms([seqs[i] for i in rows], device, stream_tag))
+        q[rows_t] = probs
+        return tokens, q
+
+    def draw_key(self, seq: Sequence) -> tuple[int, int]:
+        """(key, stream) of a sequence's draws: its request's seed and its completion index, or the
+        engine's key and its sequence id for a request without a seed."""
+        return (self.unseeded_key, seq.seq_id) if seq.seed is None else (seq.seed, seq.index)
+
+    def _uniforms(self, seqs: Seq[Sequence], device: torch.device = _CPU, stream_tag: int = 0) -> torch.Tensor:
         """One U[0, 1) float64 draw per row (see the module docstring), on ``device``: keyed by the
         request's seed and the completion index, or by the engine's key and the sequence id for a
         request without a seed; the position is that of the token being drawn. On the CPU through
@@ -341,6 +394,8 @@ class Sampler:
         unseeded = self.unseeded_key
         keys = [unseeded if s.seed is None else s.seed for s in seqs]
         streams = [s.seq_id if s.seed is None else s.index for s in seqs]
+        if stream_tag:  # a draft model's draws (``propose``)
+            streams = [as_int64(s ^ stream_tag) for s in streams]
         positions = [len(s.token_ids) for s in seqs]
         if device.type == "cpu":
             return counter_uniforms(keys, streams, positions)

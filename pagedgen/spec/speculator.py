@@ -2,6 +2,11 @@
 reserve their lookahead slots, and after the step commit the kept tokens one by one through the
 engine's normal per-token path (stop checks after each) and give back the rejected slots.
 
+N-gram drafts are proposed here. A draft model lives with the target in the worker (spec/
+draft_model.py): here a speculating sequence gets k ``PLACEHOLDER`` drafts, whose lookahead slots
+are reserved like any drafts', and the worker replaces them with the draft model's proposals (in
+``batch.drafts`` and the plan's token ids) before the target's pass.
+
 Which sequences speculate: decode sequences (one token to compute, the prompt done), not beams,
 not a step with a structured-output bitmask, not a sliding-window model, not a sequence with completions still to fork; none in
 a step with ``disable_by_batch_size`` or more running sequences. k is capped so that the k + 1
@@ -13,6 +18,9 @@ from dataclasses import dataclass, field
 
 from pagedgen.spec.config import SpeculativeConfig
 from pagedgen.spec.ngram import propose
+
+#: a draft token the worker's draft model has still to propose (never fed to a model)
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -34,11 +42,14 @@ class SpecStats:
         self.num_accepted_tokens += num_accepted
 
     def acceptance_rate_per_position(self) -> list[float]:
-        return [a / p for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+        """Accepted / proposed at each draft position proposed at least once (0.0 where none was
+        accepted)."""
+        accepted = self.accepted_per_position + [0] * (len(self.proposed_per_position) - len(self.accepted_per_position))
+        return [a / p for a, p in zip(accepted, self.proposed_per_position)]
 
 
 class Speculator:
-    """N-gram speculation for one engine (``config.method == "ngram"``)."""
+    """Speculation for one engine: n-gram drafts, or placeholders for a draft model's."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -60,7 +71,10 @@ class Speculator:
             k = min(cfg.num_speculative_tokens, seq._max_len - len(seq.token_ids) - 1)
             if k < 1:
                 continue
-            draft = propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if cfg.method == "draft_model":
+                draft = [PLACEHOLDER] * k
+            else:
+                draft = propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if draft:
                 wanted[i] = draft
         if not wanted:

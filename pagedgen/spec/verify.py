@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 
-def _view(seq, prefix: list[int]):
+def view(seq, prefix: list[int]):
     """``seq`` as if ``prefix`` (accepted drafts) were committed: what the sampler reads of it."""
     return dataclasses.replace(seq, token_ids=seq.token_ids + prefix)
 
@@ -30,7 +30,7 @@ def draft_rows(seq, draft: list[int], row_end: int):
     """The k + 1 logits rows of a verified sequence whose query rows end at ``row_end`` (its last
     committed token, then its k drafts) and what samples each: the sequence, then k views of it."""
     k = len(draft)
-    return range(row_end - 1 - k, row_end), [seq] + [_view(seq, draft[:i]) for i in range(1, k + 1)]
+    return range(row_end - 1 - k, row_end), [seq] + [view(seq, draft[:i]) for i in range(1, k + 1)]
 
 
 def collapse(out, drafts: dict) -> None:
