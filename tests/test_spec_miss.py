@@ -76,8 +76,14 @@ def test_back_off_pauses_grow_after_full_misses_and_reset_on_an_accepted_draft()
         pauses.append(spec._backoff[7][1])
     assert pauses[: MISS_LIMIT - 1] == [0] * (MISS_LIMIT - 1)
     assert pauses[MISS_LIMIT - 1 :] == [min(MAX_PAUSE, 1 << i) for i in range(7)]
-    spec._back_off(7, 1)  # one draft kept: proposals at once, misses counted from zero
-    assert 7 not in spec._backoff
+    misses = spec._backoff[7][0]
+    spec._back_off(7, 1)  # a draft kept: the misses halve, no new pause
+    assert spec._backoff[7][0] == misses // 2
+    while 7 in spec._backoff:
+        spec._back_off(7, 2)
+    assert spec._backoff.get(7) is None  # a sequence that keeps hitting counts no misses
+    spec._back_off(7, 0)
+    assert spec._backoff[7] == [1, 0 if MISS_LIMIT > 1 else 1]
     off = Speculator(spec.config, miss_limit=None)
     for _ in range(10):
         off._back_off(7, 0)

@@ -7,9 +7,11 @@ not a step with a structured-output bitmask, not a sliding-window model, not a s
 a step with ``disable_by_batch_size`` or more running sequences. k is capped so that the k + 1
 tokens a step can keep do not pass the sequence's length limit (max_tokens, max_model_len).
 
-Back-off: a sequence whose drafts were all rejected ``miss_limit`` steps in a row (a full miss: not
-even the first draft kept) stops proposing for 1 step, then 2, 4, ... up to ``max_pause`` steps after
-each further full miss, and starts again at once after a step that keeps a draft. A miss costs the
+Back-off: a sequence counts its full misses (steps whose drafts were all rejected, not even the
+first kept); from ``miss_limit`` on, each full miss pauses its proposals for 1 step, then 2, 4, ...
+up to ``max_pause`` steps, and a step that keeps a draft halves the count (so one lucky hit in a long
+run of misses does not bring back speculation at every step; a sequence that keeps hitting soon
+counts zero and never pauses). A miss costs the
 k draft rows, their lookahead slots and the proposal itself for no token; where lookup keeps
 missing, a paused sequence decodes as without speculation, and the periodic retry finds the places
 where it starts to copy again. Which steps speculate never changes a token (every kept token is the
@@ -135,10 +137,17 @@ class Speculator:
 
     def _back_off(self, seq_id: int, num_accepted: int) -> None:
         """Update a verified sequence's back-off (module docstring) with its accepted drafts."""
-        if num_accepted or self.miss_limit is None:
-            self._backoff.pop(seq_id, None)
+        if self.miss_limit is None:
             return
-        state = self._backoff.setdefault(seq_id, [0, 0])
+        state = self._backoff.get(seq_id)
+        if num_accepted:
+            if state is not None:
+                state[0] //= 2  # a kept draft halves the misses: a rare hit does not undo a long streak
+                if not state[0]:
+                    del self._backoff[seq_id]
+            return
+        if state is None:
+            state = self._backoff[seq_id] = [0, 0]
         state[0] += 1
         if state[0] >= self.miss_limit:
             state[1] = min(self.max_pause, 1 << min(state[0] - self.miss_limit, 30))
