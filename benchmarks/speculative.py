@@ -4,6 +4,8 @@ and the acceptance rate by draft position.
     python benchmarks/speculative.py                 # the issue's cases (minutes on a CPU)
     python benchmarks/speculative.py --draft-model   # the draft-model cases only
     python benchmarks/speculative.py --tiny          # a smoke run (seconds)
+    python benchmarks/speculative.py --case stories --batches 4 8 --num-prompts 16 --max-tokens 64
+    python benchmarks/speculative.py --case stories --batches 8 --profile   # where a step's time goes, off vs on
 
 Cases: random-135m bf16 greedy (its outputs repeat themselves, so lookup proposes right tokens) at
 batch 1, 4 and 8; stories260K on prompts that end by restarting a passage they contain (lookup
@@ -80,8 +82,61 @@ def run(model: str, prompts: list, batch: int, max_tokens: int, spec: dict | Non
                 accepted=s.num_accepted_tokens, by_position=s.acceptance_rate_per_position)
 
 
-def case(name: str, model: str, prompts: list, batches, max_tokens: int, spec: dict, dtype: str) -> None:
+SPEC_FUNCTIONS = [  # (label, path suffix, function): the speculative path's own host work, cumulative
+    ("propose + lookahead slots (Speculator.plan)", "pagedgen/spec/speculator.py", "plan"),
+    ("  n-gram lookup", "pagedgen/spec/ngram.py", "propose"),
+    ("  lookahead slots (Scheduler.add_lookahead)", "pagedgen/engine/scheduler.py", "add_lookahead"),
+    ("verify rows (verify.draft_rows)", "pagedgen/spec/verify.py", "draft_rows"),
+    ("accept (verify.collapse)", "pagedgen/spec/verify.py", "collapse"),
+    ("commit + rollback (Speculator.commit)", "pagedgen/spec/speculator.py", "commit"),
+    ("  rollback (Scheduler.rollback)", "pagedgen/engine/scheduler.py", "rollback"),
+]
+
+
+def profile(model: str, prompts: list, batch: int, max_tokens: int, spec: dict | None, dtype: str) -> None:
+    """Where the time of one generate call goes (benchmarks/_profile.py: cProfile on the thread's CPU
+    time, torch on one thread), off or on: its components, the speculative path's functions and the
+    top functions by own time."""
+    import cProfile
+    import pstats
+
+    import torch
+    from _profile import _function_times, _lm_head_line, breakdown
+
+    llm = LLM(model, dtype=dtype, max_num_seqs=batch, num_kv_blocks=max(64, batch * 64), max_model_len=512,
+              speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prof = cProfile.Profile(time.thread_time)
+        start = time.thread_time()
+        prof.runcall(llm.generate, prompts, params, use_tqdm=False)
+        total = time.thread_time() - start
+    finally:
+        torch.set_num_threads(threads)
+    stats = pstats.Stats(prof)
+    steps = llm.get_stats().num_steps
+    print(f"  spec {'on' if spec else 'off'}: {total:.3f} CPU s, {steps} steps ({steps and total / steps * 1e6:,.0f} us a step)")
+    for r in breakdown(stats, total, _lm_head_line()):
+        print(f"    {r['component']:<56}{r['seconds']:>8.3f}{r['share']:>8.1%}")
+    times = _function_times(stats)
+    for label, suffix, name in SPEC_FUNCTIONS if spec else []:
+        sec = sum(ct for (path, func, _), (ct, _, _, _) in times.items() if path.endswith(suffix) and func == name)
+        print(f"    {label:<56}{sec:>8.3f}{sec / total:>8.1%}")
+    print("    top functions by own time:")
+    for (path, func, line), (ct, tt, nc, _) in sorted(times.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"      {tt:8.3f} {tt / total:6.1%} {nc:>9,}  {os.path.basename(path)}:{line}({func})")
+
+
+def case(name: str, model: str, prompts: list, batches, max_tokens: int, spec: dict, dtype: str, profiled: bool = False) -> None:
     for batch in batches:
+        if profiled:
+            print(f"{name} batch {batch}, profiled:", flush=True)
+            profile(model, prompts, batch, max_tokens, None, dtype)
+            profile(model, prompts, batch, max_tokens, spec, dtype)
+            continue
         off = run(model, prompts, batch, max_tokens, None, dtype)
         on = run(model, prompts, batch, max_tokens, spec, dtype)
         same = "equal" if on["ids"] == off["ids"] else "DIFFERENT"
@@ -95,26 +150,38 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a smoke run: stories260K only, small")
     ap.add_argument("--draft-model", action="store_true", help="only the draft-model cases")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--case", choices=("all", "random", "stories", "full"), default="all",
+                    help="random-135m (lookup right), stories260K restart (lookup misses), batch 256; default all")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 4 8; 256 for full)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default 16 random, 64 stories, 256 full)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 128; 64 full)")
+    ap.add_argument("--profile", action="store_true", help="profile each run (off and on) instead of timing it")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if args.tiny:
-        case("stories260K restart", STORIES, restart_prompts(8, 40), (1, 4), 32, spec, "float32")
+        case("stories260K restart", STORIES, restart_prompts(8, 40), (1, 4), 32, spec, "float32", args.profile)
         draft_cases((1, 4), 8, 32, args.k)
         return
     if args.draft_model:
-        draft_cases((1, 4, 8), 64, 128, args.k)
+        draft_cases(tuple(args.batches) if args.batches else (1, 4, 8), args.num_prompts or 64, args.max_tokens or 128, args.k)
         return
-    model, _ = ensure_random_model("random-135m", "bfloat16")
-    prompts = restart_prompts(64, 60)
-    from transformers import AutoTokenizer
+    batches = tuple(args.batches) if args.batches else (1, 4, 8)
+    max_tokens = args.max_tokens or 128
+    if args.case in ("all", "random"):
+        model, _ = ensure_random_model("random-135m", "bfloat16")
+        from transformers import AutoTokenizer
 
-    # its GPT-2 tokenizer holds ids past the model's 49,152: those are folded in (_workload.fold_ids)
-    ids, _ = fold_ids(AutoTokenizer.from_pretrained(gpt2_tokenizer_dir())(prompts[:16])["input_ids"], RANDOM_MODELS["random-135m"]["vocab_size"])
-    case("random-135m bf16", model, ids, (1, 4, 8), 128, spec, "bfloat16")
-    case("stories260K restart", STORIES, prompts, (1, 4, 8), 128, spec, "float32")
-    case("stories260K batch 256, disable_by_batch_size 64", STORIES, restart_prompts(256, 60), (256,), 64,
-         dict(spec, disable_by_batch_size=64), "float32")
-    draft_cases((1, 4, 8), 64, 128, args.k)
+        # its GPT-2 tokenizer holds ids past the model's 49,152: those are folded in (_workload.fold_ids)
+        texts = restart_prompts(args.num_prompts or 16, 60)
+        ids, _ = fold_ids(AutoTokenizer.from_pretrained(gpt2_tokenizer_dir())(texts)["input_ids"], RANDOM_MODELS["random-135m"]["vocab_size"])
+        case("random-135m bf16", model, ids, batches, max_tokens, spec, "bfloat16", args.profile)
+    if args.case in ("all", "stories"):
+        case("stories260K restart", STORIES, restart_prompts(args.num_prompts or 64, 60), batches, max_tokens, spec, "float32", args.profile)
+    if args.case in ("all", "full"):
+        case("stories260K batch 256, disable_by_batch_size 64", STORIES, restart_prompts(args.num_prompts or 256, 60),
+             tuple(args.batches) if args.batches else (256,), args.max_tokens or 64, dict(spec, disable_by_batch_size=64), "float32", args.profile)
+    if args.case == "all":
+        draft_cases(batches, 64, max_tokens, args.k)
 
 
 if __name__ == "__main__":

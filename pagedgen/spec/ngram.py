@@ -56,6 +56,52 @@ def propose_reference(token_ids: Sequence[int], k: int, min_n: int, max_n: int) 
     return []
 
 
+INDEX_MAX_N = 8  # the longest n-gram an NgramIndex keeps (its keys are tuples of n tokens)
+
+
+class NgramIndex:
+    """``propose`` for one sequence whose token ids only grow, at a cost per new token instead of
+    per token of the sequence: for each n in ``[min_n, max_n]`` a dict from every n-gram that ends
+    before the sequence's last token to where the text went on after its most recent occurrence.
+
+        tokens  a b c d a b c e a b c        n = 3, after 10 end positions (0..9) are indexed:
+        {(a,b,c): 8, (b,c,d): 4, (c,d,a): 5, (d,a,b): 6, (b,c,e): 8, (c,e,a): 9, (e,a,b): 10}
+                                             suffix (a,b,c) -> 8: propose tokens[8..] with period 3
+
+    Each call indexes the n-grams ending at the positions added since the last one (a token at
+    position j ends one n-gram of each n), then looks up the suffix: bit for bit ``propose``
+    (tests/test_speculative.py). Keys are tuples of n tokens, so ``max_n`` is kept small
+    (``INDEX_MAX_N``; the engine calls ``propose`` for longer lookups).
+    """
+
+    __slots__ = ("min_n", "max_n", "maps", "done")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n <= INDEX_MAX_N:
+            raise ValueError(f"NgramIndex needs 1 <= min_n <= max_n <= {INDEX_MAX_N}, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.maps: list[dict] = [{} for _ in range(max_n + 1)]  # maps[n]: n-gram tuple -> start of what followed it
+        self.done = 0  # end positions 0 .. done - 1 are indexed
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens for ``tokens`` (this sequence's token ids, a longer list than at
+        the previous call or the same one)."""
+        length = len(tokens)
+        if length - 1 < self.done:  # not the sequence this index was built for: start again
+            self.maps, self.done = [{} for _ in range(self.max_n + 1)], 0
+        maps, lo, hi = self.maps, self.min_n, self.max_n
+        for j in range(self.done, length - 1):  # end positions before the last token
+            for n in range(lo, min(hi, j + 1) + 1):
+                maps[n][tuple(tokens[j - n + 1 : j + 1])] = j + 1
+        self.done = max(self.done, length - 1)
+        for n in range(min(hi, length - 1), lo - 1, -1):
+            start = maps[n].get(tuple(tokens[length - n :]))
+            if start is not None:
+                period = length - start
+                return [tokens[start + m % period] for m in range(k)]
+        return []
+
+
 class NgramProposer:
     """Draft tokens for a batch of sequences, by ``config`` (method "ngram")."""
 

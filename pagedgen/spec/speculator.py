@@ -11,13 +11,25 @@ Which sequences speculate: decode sequences (one token to compute, the prompt do
 not a step with a structured-output bitmask, not a sliding-window model, not a sequence with completions still to fork; none in
 a step with ``disable_by_batch_size`` or more running sequences. k is capped so that the k + 1
 tokens a step can keep do not pass the sequence's length limit (max_tokens, max_model_len).
+
+Back-off (n-gram drafts): a sequence counts its full misses (steps whose drafts were all rejected, not even the
+first kept); from ``miss_limit`` on, each full miss pauses its proposals for 1 step, then 2, 4, ...
+up to ``max_pause`` steps, and a step that keeps a draft halves the count (so one lucky hit in a long
+run of misses does not bring back speculation at every step; a sequence that keeps hitting soon
+counts zero and never pauses). A miss costs the
+k draft rows, their lookahead slots and the proposal itself for no token; where lookup keeps
+missing, a paused sequence decodes as without speculation, and the periodic retry finds the places
+where it starts to copy again. Which steps speculate never changes a token (every kept token is the
+one speculation off would produce), so outputs stay equal; only steps that verified drafts count in
+the statistics.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from pagedgen.spec.config import SpeculativeConfig
-from pagedgen.spec.ngram import propose
+from pagedgen.spec.ngram import INDEX_MAX_N, NgramIndex, propose
 
 #: a draft token the worker's draft model has still to propose (never fed to a model)
 PLACEHOLDER = -1
@@ -48,12 +60,23 @@ class SpecStats:
         return [a / p for a, p in zip(accepted, self.proposed_per_position)]
 
 
-class Speculator:
-    """Speculation for one engine: n-gram drafts, or placeholders for a draft model's."""
+MISS_LIMIT = 2  # full misses in a row before a sequence pauses its proposals
+MAX_PAUSE = 16  # steps: the longest pause, so a sequence retries at least this often
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+
+class Speculator:
+    """Speculation for one engine: n-gram drafts, or placeholders for a draft model's.
+
+    ``miss_limit``, ``max_pause``: the n-gram back-off (module docstring); ``miss_limit=None``
+    turns it off. A draft model's sequences do not back off.
+    """
+
+    def __init__(self, config: SpeculativeConfig, miss_limit: Optional[int] = MISS_LIMIT, max_pause: int = MAX_PAUSE) -> None:
         self.config = config
         self.stats = SpecStats()
+        self.miss_limit, self.max_pause = miss_limit, max_pause
+        self._backoff: dict[int, list[int]] = {}  # seq_id -> [full misses in a row, steps left paused]
+        self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its n-gram index (lookups up to INDEX_MAX_N)
 
     def plan(self, batch, scheduler) -> dict[int, list[int]]:
         """Drafts for the decode sequences of ``batch`` (just scheduled), their lookahead slots
@@ -63,24 +86,40 @@ class Speculator:
             return {}  # structured outputs, sliding-window models: not speculated (untested there)
         if cfg.disable_by_batch_size is not None and len(scheduler.running) >= cfg.disable_by_batch_size:
             return {}
+        backoff, live = self._backoff, scheduler.seqs
+        if len(backoff) + len(self._indexes) > 2 * len(live) + 64:  # forget finished sequences now and then
+            self._backoff = backoff = {s: v for s, v in backoff.items() if s in live}
+            self._indexes = {s: v for s, v in self._indexes.items() if s in live}
         wanted: dict[int, list[int]] = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.plan.num_new_tokens)):
             c = seq.num_computed_tokens
             if n != 1 or c + 1 != len(seq.token_ids) or c < seq.num_prompt_tokens or seq.beam_group is not None or seq.pending_forks:
                 continue
+            state = backoff.get(seq.seq_id)
+            if state is not None and state[1]:  # paused after full misses
+                state[1] -= 1
+                continue
             k = min(cfg.num_speculative_tokens, seq._max_len - len(seq.token_ids) - 1)
             if k < 1:
                 continue
-            if cfg.method == "draft_model":
-                draft = [PLACEHOLDER] * k
-            else:
-                draft = propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            draft = [PLACEHOLDER] * k if cfg.method == "draft_model" else self._propose(seq, k)
             if draft:
                 wanted[i] = draft
         if not wanted:
             return {}
         kept = scheduler.add_lookahead(batch.plan, wanted)
         return {batch.seqs[i].seq_id: draft for i, draft in kept.items()}
+
+    def _propose(self, seq, k: int) -> list[int]:
+        """Up to ``k`` n-gram drafts for ``seq``: from its NgramIndex (a sequence's token ids only
+        grow), or by ``propose`` over all its tokens for lookups longer than ``INDEX_MAX_N``."""
+        cfg = self.config
+        if cfg.prompt_lookup_max > INDEX_MAX_N:
+            return propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        index = self._indexes.get(seq.seq_id)
+        if index is None:
+            index = self._indexes[seq.seq_id] = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return index.propose(seq.token_ids, k)
 
     def commit(self, spec, finished: list, scheduler) -> int:
         """Append each verified sequence's kept tokens after its first (already appended), stopping
@@ -90,6 +129,7 @@ class Speculator:
         appended = 0
         for seq, more, entries, draft in spec:
             self.stats.record(len(draft), len(more))
+            self._back_off(seq.seq_id, len(more))
             if seq in done:
                 continue
             ended = False
@@ -106,3 +146,20 @@ class Speculator:
                 scheduler.rollback(seq, keep)
                 seq.num_computed_tokens = keep
         return appended
+
+    def _back_off(self, seq_id: int, num_accepted: int) -> None:
+        """Update a verified sequence's back-off (module docstring) with its accepted drafts."""
+        if self.miss_limit is None or self.config.method != "ngram":
+            return
+        state = self._backoff.get(seq_id)
+        if num_accepted:
+            if state is not None:
+                state[0] //= 2  # a kept draft halves the misses: a rare hit does not undo a long streak
+                if not state[0]:
+                    del self._backoff[seq_id]
+            return
+        if state is None:
+            state = self._backoff[seq_id] = [0, 0]
+        state[0] += 1
+        if state[0] >= self.miss_limit:
+            state[1] = min(self.max_pause, 1 << min(state[0] - self.miss_limit, 30))

@@ -4,7 +4,8 @@ A verified sequence computes its last committed token and its k draft tokens, k 
 the varlen step, and gets logits at all of them. Row i is sampled by the ordinary sampler with the
 sequence as it would be had drafts d_0..d_{i-1} been committed (a view with those token ids), so
 penalties, min_tokens, logits processors, logprobs and the counter-based draw of position L + i are
-exactly those of non-speculative decoding. The sampled tokens are kept up to and including the
+exactly those of non-speculative decoding (a greedy request whose sampling reads no tokens, the
+common case, is its own view: ``reads_tokens``). The sampled tokens are kept up to and including the
 first row whose token differs from its draft (all k + 1 when every draft matches: the last is the
 bonus token):
 
@@ -26,11 +27,24 @@ def view(seq, prefix: list[int]):
     return dataclasses.replace(seq, token_ids=seq.token_ids + prefix)
 
 
+def reads_tokens(params) -> bool:
+    """Whether sampling a row of a sequence with these ``SamplingParams`` reads the sequence's
+    tokens: the position of a random draw (temperature > 0), the output count of ``min_tokens``,
+    the tokens seen by penalties. A greedy row without them (logit bias, allowed ids and logprobs
+    read only the logits) samples the same from the sequence as from any view of it."""
+    return not params.greedy or bool(params.min_tokens) or params.has_penalties
+
+
 def draft_rows(seq, draft: list[int], row_end: int):
     """The k + 1 logits rows of a verified sequence whose query rows end at ``row_end`` (its last
-    committed token, then its k drafts) and what samples each: the sequence, then k views of it."""
+    committed token, then its k drafts) and what samples each: the sequence, then k views of it,
+    or the sequence itself k + 1 times when its sampling reads no tokens (``reads_tokens``: a
+    greedy request, the common case, builds no view)."""
     k = len(draft)
-    return range(row_end - 1 - k, row_end), [seq] + [view(seq, draft[:i]) for i in range(1, k + 1)]
+    rows = range(row_end - 1 - k, row_end)
+    if seq.plain_greedy or not reads_tokens(seq.sampling_params):
+        return rows, [seq] * (k + 1)
+    return rows, [seq] + [view(seq, draft[:i]) for i in range(1, k + 1)]
 
 
 def collapse(out, drafts: dict) -> None:
