@@ -175,6 +175,12 @@ def test_shutdown_with_and_garbage_collection_end_the_worker(stories_path, promp
     assert _wait_gone(pids)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="shut down"):  # refused, not queued for workers that are gone
+        llm.llm_engine.add_request("late", prompts[0], GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
+    for call in (lambda: llm.generate(prompts, GREEDY, use_tqdm=False), lambda: list(llm.generate_stream(prompts, GREEDY))):
+        with pytest.raises(RuntimeError, match="shut down"):  # not "finish the requests added with add_request"
+            call()
     llm.shutdown()  # idempotent
 
     with LLM(stories_path, distributed_executor_backend="mp", **KW) as llm:

@@ -179,6 +179,12 @@ class MultiprocExecutor:
         call_id = next(self._ids)
         return [r.value for r in self._call(RunOnWorker(call_id, fn, tuple(args)), call_id, f"collective_rpc({getattr(fn, '__name__', fn)})")]
 
+    def check_usable(self) -> None:
+        """RuntimeError (why) once the executor refuses calls: shut down, or a worker died; the
+        engine checks it before it queues a request, so none is queued for workers that are gone."""
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
+
     def shutdown(self) -> None:
         """End the workers (idempotent); later calls raise RuntimeError."""
         if self._dead is None:
@@ -211,8 +217,7 @@ class MultiprocExecutor:
             self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
 
     def _ready(self) -> None:
-        if self._dead is not None:
-            raise RuntimeError(self._dead)
+        self.check_usable()
         if self._desynced:  # an interrupted pipe read or write: start over with fresh workers
             self._finalizer()
             self._records.reset()
