@@ -318,6 +318,9 @@ class MultiprocExecutor:
     def _fail(self, rank: int, what: str, how: str) -> None:
         pid = self._procs[rank].pid
         self._dead = f"pagedgen worker rank {rank} (pid {pid}) {how} during {what}; the workers were stopped: make a new LLM"
+        if what == "starting" and how == _describe_exit(1):  # died before worker_main could report anything
+            self._dead += (" (its traceback is above; the usual cause: a script that makes the LLM at its top level, which each "
+                           'spawned worker runs again as it starts: put that code under `if __name__ == "__main__":`)')
         for other in self._procs:  # the others may wait in a collective for the dead one
             if other.is_alive() and self.world_size > 1:
                 other.terminate()
