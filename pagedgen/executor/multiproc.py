@@ -208,21 +208,41 @@ class MultiprocExecutor:
             child_end.close()
             procs.append(proc)
             conns.append(parent_end)
-        for rank, conn in enumerate(conns):
-            msg = self._wait(rank, conn, lambda m: True, "starting", START_TIMEOUT_S)
-            if isinstance(msg, WorkerError):
-                self._fail(rank, "starting", f"raised {msg.exc_type}: {msg.message}\n--- worker traceback ---\n{msg.traceback}")
-            if not isinstance(msg, WorkerReady):
-                self._fail(rank, "starting", f"sent {type(msg).__name__} instead of WorkerReady")
-            self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
+        self._wait_started()
+
+    def _wait_started(self) -> None:
+        """Every rank's ``WorkerReady``, read as they come, watching every rank that has not
+        answered yet: a rank that dies or raises while starting fails the start at once (waiting
+        on rank 0 alone left the driver blocked for ``START_TIMEOUT_S`` while rank 0 waited for
+        the dead rank in the group's rendezvous)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        while pending:
+            for conn in mp_connection.wait(list(pending), POLL_S):
+                rank = pending.pop(conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(rank, "starting", _describe_exit(self._exitcode(rank)))
+                if isinstance(msg, WorkerError):
+                    self._fail(rank, "starting", f"raised {msg.exc_type}: {msg.message}\n--- worker traceback ---\n{msg.traceback}")
+                if not isinstance(msg, WorkerReady):
+                    self._fail(rank, "starting", f"sent {type(msg).__name__} instead of WorkerReady")
+                if rank == 0:
+                    self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
+            for rank in sorted(pending.values()):
+                if not self._procs[rank].is_alive():
+                    self._fail(rank, "starting", _describe_exit(self._exitcode(rank)))
+            if pending and time.monotonic() > deadline:
+                self._fail(min(pending.values()), "starting", f"did not answer within {START_TIMEOUT_S:.0f} s")
 
     def _ready(self) -> None:
         self.check_usable()
         if self._desynced:  # an interrupted pipe read or write: start over with fresh workers
             self._finalizer()
             self._records.reset()
-            self._desynced = False
             self._start()
+            self._desynced = False  # only once they all started (an interrupt in between: start over again)
 
     def _call(self, msg, call_id: int, what: str) -> list:
         with self._lock:
