@@ -555,6 +555,7 @@ class LLM:
         return results
 
     def _check_engine_idle(self) -> None:
+        self.llm_engine.executor.check_usable()  # shut down, or a worker died: RuntimeError before any work
         n = self.llm_engine.get_num_unfinished_requests()
         if n:
             raise RuntimeError(

@@ -122,7 +122,8 @@ def test_constraint_flags(stories_path, tmp_path, capsys, one_torch_thread):
         (("--json-schema", '{"type": "foo"}'), "invalid json: Invalid type: foo"),
         (("--json-schema", str(tmp_path / "missing.json")), "no such file"),
         (("--regex", "[a-"), "invalid regex"),
-        (("--choice", "a", "--ignore-eos"), "ignore_eos cannot be combined with structured_outputs"),
+        (("--choice", "a", "--ignore-eos"), "--ignore-eos cannot be combined with --choice"),
+        (("--regex", "a+", "--min-tokens", 3), "--min-tokens cannot be combined with --regex"),
     ):
         rc, err = run_cli(capsys, *base, "--output", tmp_path / "c.jsonl", *flags)
         assert rc != 0 and len(error_lines(err)) == 1 and message in err, (flags, err)

@@ -175,6 +175,12 @@ def test_shutdown_with_and_garbage_collection_end_the_worker(stories_path, promp
     assert _wait_gone(pids)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="shut down"):  # refused, not queued for workers that are gone
+        llm.llm_engine.add_request("late", prompts[0], GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
+    for call in (lambda: llm.generate(prompts, GREEDY, use_tqdm=False), lambda: list(llm.generate_stream(prompts, GREEDY))):
+        with pytest.raises(RuntimeError, match="shut down"):  # not "finish the requests added with add_request"
+            call()
     llm.shutdown()  # idempotent
 
     with LLM(stories_path, distributed_executor_backend="mp", **KW) as llm:
@@ -187,6 +193,21 @@ def test_shutdown_with_and_garbage_collection_end_the_worker(stories_path, promp
     del llm
     gc.collect()
     assert _wait_gone(pids)
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_worker_died(stories_path, tmp_path):
+    """A script that makes an "mp" LLM at its top level: each spawned worker runs it again as it
+    starts and dies before it can report; the driver's error says what to do."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"from pagedgen import LLM\nLLM({stories_path!r}, distributed_executor_backend='mp')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: pagedgen worker rank 0") and 'if __name__ == "__main__":' in last, done.stderr[-2000:]
 
 
 def test_sizes_and_backends_not_built_are_refused_before_any_process(stories_path):

@@ -191,3 +191,67 @@ def test_candidates_are_a_row_wise_choice():
             assert alone is not None and alone.pair_tokens.tolist() == whole.pair_tokens[start:start + whole.counts[k]].tolist()
         else:
             assert alone is None
+
+
+def _allow(rows: list[list[int]], vocab: int) -> torch.Tensor:
+    """The bitmask [len(rows), ceil(vocab / 32)] int32 allowing each row's tokens."""
+    words = torch.zeros(len(rows), -(-vocab // 32), dtype=torch.int64)
+    for r, tokens in enumerate(rows):
+        for t in tokens:
+            words[r, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+TRIALS, PROBES = 80, 128
+
+
+def test_a_candidate_row_draws_the_same_token_whatever_shares_the_step():
+    """A seeded constrained row sampled among its few allowed tokens draws the same token alone and
+    beside a row allowing many more (which widens the step's candidate tensor), probed where it
+    matters: its logit moved ulp by ulp across the boundary between two tokens of its draw. The
+    softmax's sum depends on a row's length, so padding a row to the step's widest one moved that
+    boundary by a rounding error (a few probes in a hundred trials drew another token)."""
+    vocab, sampler, rng = 256, Sampler(0), random.Random(5)
+    wide = list(range(150, 250))  # 100 allowed tokens
+    kinds = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, min_p=0.02), dict(temperature=1.0, top_k=8)]
+    probed = 0
+    for trial in range(TRIALS):
+        count = rng.randint(3, 30)
+        allowed = sorted(rng.sample(range(140), count))
+        params = SamplingParams(seed=rng.randrange(1 << 40), **kinds[trial % len(kinds)])
+        base = torch.full((vocab,), -3.0)
+        base[allowed] = torch.randn(count, generator=torch.Generator().manual_seed(trial)) * 2
+
+        row_mask, wide_mask = _allow([allowed], vocab), _allow([wide], vocab)
+        wide_logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1000 + trial))
+        wide_seq = Sequence(seq_id=10**6, request_id="wide", token_ids=[5, 6, 7], num_prompt_tokens=3,
+                            sampling_params=SamplingParams(temperature=1.0, seed=9), eos_token_ids=frozenset({2}), max_model_len=64)
+
+        copies = [Sequence(seq_id=k, request_id=str(k), token_ids=[5, 6, 7], num_prompt_tokens=3, sampling_params=params,
+                           eos_token_ids=frozenset({2}), max_model_len=64, seed=params.seed, index=0) for k in range(2 * PROBES + 1)]
+
+        def draw(values: list[float], token: int, company: bool) -> list[int]:
+            """The tokens of copies of the row (one seed, index and position: one draw) with ``token``'s logit set to each value."""
+            logits = base.repeat(len(values), 1)  # [len(values), vocab]
+            logits[:, token] = torch.tensor(values, dtype=torch.float32)
+            seqs = copies[: len(values)]
+            mask = row_mask.expand(len(values), -1)
+            if company:
+                logits, seqs, mask = torch.cat([logits, wide_logits]), seqs + [wide_seq], torch.cat([mask, wide_mask])
+            return sampler(logits, seqs, GrammarBitmask([s.seq_id for s in seqs], mask.contiguous())).token_ids[: len(values)]
+
+        token = draw([float(base[allowed[0]])], allowed[0], False)[0]
+        if token == allowed[0]:
+            continue
+        low, high = -30.0, 30.0  # the draw takes ``token`` once its logit is high enough: find where
+        for _ in range(6):  # a grid of 64 logits a call, narrowed to the first that draws ``token``
+            grid = torch.linspace(low, high, 64, dtype=torch.float64).tolist()
+            first = next(k for k, t in enumerate(draw(grid, token, False)) if t == token)
+            low, high = grid[max(first - 1, 0)], grid[first]
+        bits = torch.tensor([low], dtype=torch.float32).view(torch.int32) + torch.arange(-PROBES, PROBES + 1, dtype=torch.int32)
+        probes = bits.view(torch.float32).tolist()  # neighbouring float32 logits around the boundary
+        alone = draw(probes, token, False)
+        assert len(set(alone)) > 1  # the probes straddle the boundary
+        assert draw(probes, token, True) == alone, f"trial {trial}"
+        probed += 1
+    assert probed > TRIALS // 2

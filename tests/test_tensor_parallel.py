@@ -201,6 +201,35 @@ def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prom
     assert llm.llm_engine.block_manager.num_used_blocks == 0
 
 
+def test_rank_killed_while_starting_fails_the_start_at_once(stories_path, monkeypatch):
+    """Rank 1 killed while the group starts: the LLM raises naming it within seconds, and no
+    worker is left (the driver used to watch rank 0 alone, which waited for rank 1 in the group's
+    rendezvous, until START_TIMEOUT_S: 600 s; 30 s here so that a regression fails, not hangs)."""
+    from pagedgen.executor import multiproc
+
+    monkeypatch.setattr(multiproc, "START_TIMEOUT_S", 30.0)
+    killed, before = [], {p.pid for p in multiprocessing.active_children()}  # other LLMs' workers (module fixtures)
+
+    def kill_rank_1() -> None:
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            for proc in multiprocessing.active_children():
+                if proc.name == "pagedgen-worker-1" and proc.pid and proc.pid not in before:
+                    time.sleep(0.3)  # inside its start-up (imports, model, rendezvous take seconds)
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(proc.pid)
+                    return
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_rank_1, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL during starting"):
+        LLM(stories_path, tensor_parallel_size=2, **KW)
+    assert time.monotonic() - started < 20.0
+    assert killed and _gone(killed)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedgen-worker") and p.pid not in before]
+
+
 def test_shm_all_reduce_sums_in_rank_order_on_every_rank(tmp_path, monkeypatch):
     """Three ranks (threads here) reduce tensors larger than a slot: every rank gets bitwise
     s0 + s1 + s2 summed in that order, whatever the timing; all_gather is in rank order."""

@@ -15,9 +15,12 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from typing import Optional
 
+from pagedgen import arg_utils
 from pagedgen.cli.errors import BadRow, CLIError
+from pagedgen.sampling_args import sampling_fields
 from pagedgen.sampling_params import SamplingParams
 from pagedgen.structured_outputs import StructuredOutputsParams
 
@@ -57,6 +60,10 @@ def with_constraint(params: SamplingParams, args: argparse.Namespace) -> Samplin
             spec = StructuredOutputsParams(**{flag[2:]: value})
         return dataclasses.replace(params, structured_outputs=spec)
     except (TypeError, ValueError) as exc:
+        flags = {f.name: arg_utils.flag_name(f) for f in sampling_fields()}
+        message = re.sub(r"SamplingParams\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)), str(exc))
+        if message != str(exc):  # another flag that cannot go with a constraint (--min-tokens 3): name both flags
+            raise CLIError(message.replace("structured_outputs", flag)) from None
         raise CLIError(f"{flag}: {exc}") from None
 
 

@@ -151,6 +151,7 @@ class LLMEngine:
         Raises:
             TypeError / ValueError: a bad id, prompt or parameter, naming the request id and the
                 field; the engine is left exactly as it was.
+            RuntimeError: the executor's workers are gone (``LLM.shutdown()``, a worker that died).
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -159,7 +160,9 @@ class LLMEngine:
         self.enqueue(self.processor.process(request_id, prompt, sampling_params))
 
     def enqueue(self, request: Request) -> None:
-        """Queue a request already checked by ``processor`` (``add_request`` does both)."""
+        """Queue a request already checked by ``processor`` (``add_request`` does both).
+        RuntimeError, with nothing queued, once the executor refuses calls (shut down, a worker dead)."""
+        self.executor.check_usable()
         self._recover_if_needed()
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already queued and unfinished: request ids must be unique")

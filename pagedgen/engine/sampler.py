@@ -241,27 +241,34 @@ class Sampler:
     def _sample_candidates(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: GrammarBitmask, found):
         """The rows of ``found`` (a ``token_bitmask.Candidates``) sampled among their allowed tokens
         alone: greedy, temperature, min-p, top-k, top-p and the draw (its ``u`` the same as the
-        full row's) over [rows, C] candidate logits in vocabulary order instead of [rows, vocab]
-        masked ones. The same token as the masked full row: the argmax is the first maximum in
-        vocabulary order either way, and the draw sees the same probabilities (tokens outside the
-        grammar have probability 0 in the full row), summed over fewer terms, so a draw within a
-        rounding error of a boundary between two tokens may take the other. The other rows (a
-        dense mask, logprobs or logits processing wanted, unconstrained) take the full path, and
-        the two halves are merged on the device before the step's one copy."""
-        values, ids = found.gather(logits)  # [n, C] float32, [n, C] int64
-        picked_seqs = [seqs[i] for i in found.rows]
-        params = [s.sampling_params for s in picked_seqs]
-        columns = self._sample(values, picked_seqs, params, all(p.greedy for p in params))  # [n] int64 in [0, C)
-        tokens = ids.gather(1, columns.unsqueeze(1)).squeeze(1)  # [n] int64 token ids
-        if len(found.rows) == len(seqs):
-            return tokens, None
+        full row's) over [rows, width] candidate logits in vocabulary order instead of [rows, vocab]
+        masked ones, one group per width (``Candidates.by_width``: a row's width is a function of
+        its own count, so its bits do not depend on the rest of the step). The same token as the
+        masked full row: the argmax is the first maximum in vocabulary order either way, and the
+        draw sees the same probabilities (tokens outside the grammar have probability 0 in the full
+        row), summed over fewer terms, so a draw within a rounding error of a boundary between two
+        tokens may take the other. The other rows (a dense mask, logprobs or logits processing
+        wanted, unconstrained) take the full path, and the parts are merged on the device before
+        the step's one copy."""
         device = logits.device
+        parts = []  # (batch rows, their tokens [len(rows)] int64)
+        for width, part in found.by_width():
+            values, ids = part.gather(logits, width)  # [n, width] float32, [n, width] int64
+            picked_seqs = [seqs[i] for i in part.rows]
+            params = [s.sampling_params for s in picked_seqs]
+            columns = self._sample(values, picked_seqs, params, all(p.greedy for p in params))  # [n] int64 in [0, width)
+            parts.append((part.rows, ids.gather(1, columns.unsqueeze(1)).squeeze(1)))  # [n] int64 token ids
+        if len(parts) == 1 and len(found.rows) == len(seqs):
+            return parts[0][1], None
+        sampled = torch.empty(len(seqs), dtype=torch.int64, device=device)
+        for rows, tokens in parts:
+            sampled[_index(rows, device)] = tokens
+        if len(found.rows) == len(seqs):
+            return sampled, None
         taken = set(found.rows)
         rest = [i for i in range(len(seqs)) if i not in taken]
         rest_index = _index(rest, device)
         rest_sampled, logprobs = self._on_device(logits[rest_index], [seqs[i] for i in rest], grammar_bitmask, candidates=False)
-        sampled = torch.empty(len(seqs), dtype=torch.int64, device=device)
-        sampled[_index(found.rows, device)] = tokens
         sampled[rest_index] = rest_sampled
         if logprobs is not None:
             packed, lp_rows, num_logprobs = logprobs

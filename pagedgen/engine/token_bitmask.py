@@ -15,6 +15,11 @@ Elsewhere (GPUs) the bits are unpacked with shifts.
 
 ``GrammarBitmask.candidates``: the rows whose mask allows at most ``MAX_CANDIDATES`` tokens, with
 those tokens (``Candidates``), which the sampler samples among alone instead of masking the row.
+Each such row is padded with -inf to the first of ``CANDIDATE_WIDTHS`` that holds its tokens, a
+function of the row alone: torch's softmax sums a row in an order that depends on its length (one
+lane per vector slot, a sequential sum below a vector's width), so padding a row to the widest row
+of its step would make its probabilities, and a draw near a boundary between two tokens, depend on
+what else shares the step.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 SPARSE_WORDS = 1 / 16  #: the share of nonzero words up to which the CPU path gathers the allowed logits
 MAX_CANDIDATES = 1024  #: rows allowing at most this many tokens are sampled among them alone (``Candidates``)
+CANDIDATE_WIDTHS = (16, 128, MAX_CANDIDATES)  #: a candidate row's width: the first of these holding its tokens
 
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -89,11 +95,28 @@ class Candidates:
     pair_rows: np.ndarray
     pair_tokens: np.ndarray
 
-    def gather(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """From logits [N, V] (the step's rows, any device): (candidate logits [len(rows), C]
-        float32, -inf past a row's count; candidate token ids [len(rows), C] int64, 0 past it), with
-        C the largest count; column j of a row is its j-th allowed token in vocabulary order."""
-        device, n, width = logits.device, len(self.rows), int(self.counts.max())
+    def by_width(self) -> list[tuple[int, "Candidates"]]:
+        """The rows split by width, the first of ``CANDIDATE_WIDTHS`` holding each row's tokens:
+        (width, the ``Candidates`` of those rows), widths ascending. A row's width depends on its
+        own count alone, so the bits of its sampling do not depend on the other rows of the step."""
+        widths = np.asarray(CANDIDATE_WIDTHS)[np.searchsorted(CANDIDATE_WIDTHS, self.counts)]  # [len(rows)]
+        if (widths == widths[0]).all():
+            return [(int(widths[0]), self)]
+        parts = []
+        for width in np.unique(widths):
+            keep = widths == width
+            inside = keep[self.pair_rows]
+            pair_rows = (np.cumsum(keep) - 1)[self.pair_rows[inside]]  # renumbered within the part
+            rows = [row for row, k in zip(self.rows, keep) if k]
+            parts.append((int(width), Candidates(rows, self.counts[keep], pair_rows, self.pair_tokens[inside])))
+        return parts
+
+    def gather(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """From logits [N, V] (the step's rows, any device): (candidate logits [len(rows), width]
+        float32, -inf past a row's count; candidate token ids [len(rows), width] int64, 0 past it),
+        with ``width`` at least the largest count (``by_width``); column j of a row is its j-th
+        allowed token in vocabulary order."""
+        device, n = logits.device, len(self.rows)
         starts = np.cumsum(self.counts) - self.counts  # [n]
         cols = np.arange(self.pair_rows.size) - np.repeat(starts, self.counts)  # [m] column within its row
         batch_rows = np.asarray(self.rows, dtype=np.int64)[self.pair_rows]  # [m]
@@ -101,9 +124,9 @@ class Candidates:
         if device.type != "cpu":
             index = index.to(device, non_blocking=True)  # one host-to-device copy
         pr, col, br, tok = index
-        values = torch.full((n, width), float("-inf"), dtype=torch.float32, device=device)  # [n, C]
+        values = torch.full((n, width), float("-inf"), dtype=torch.float32, device=device)  # [n, width]
         values[pr, col] = logits[br, tok].float()
-        ids = torch.zeros((n, width), dtype=torch.int64, device=device)  # [n, C]
+        ids = torch.zeros((n, width), dtype=torch.int64, device=device)  # [n, width]
         ids[pr, col] = tok
         return values, ids
 

@@ -182,6 +182,12 @@ class MultiprocExecutor:
         call_id = next(self._ids)
         return [r.value for r in self._call(RunOnWorker(call_id, fn, tuple(args)), call_id, f"collective_rpc({getattr(fn, '__name__', fn)})")]
 
+    def check_usable(self) -> None:
+        """RuntimeError (why) once the executor refuses calls: shut down, or a worker died; the
+        engine checks it before it queues a request, so none is queued for workers that are gone."""
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
+
     def shutdown(self) -> None:
         """End the workers (idempotent); later calls raise RuntimeError."""
         if self._dead is None:
@@ -205,24 +211,42 @@ class MultiprocExecutor:
             child_end.close()
             procs.append(proc)
             conns.append(parent_end)
-        for rank, conn in enumerate(conns):
-            msg = self._wait(rank, conn, lambda m: True, "starting", START_TIMEOUT_S)
-            if isinstance(msg, WorkerError):
-                self._fail(rank, "starting", f"raised {msg.exc_type}: {msg.message}\n--- worker traceback ---\n{msg.traceback}")
-            if not isinstance(msg, WorkerReady):
-                self._fail(rank, "starting", f"sent {type(msg).__name__} instead of WorkerReady")
-            if rank == 0:
-                self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
-                self.transfer = msg.transfer  # how the pipeline stages hand on activations ("shm", "gloo")
+        self._wait_started()
+
+    def _wait_started(self) -> None:
+        """Every rank's ``WorkerReady``, read as they come, watching every rank that has not
+        answered yet: a rank that dies or raises while starting fails the start at once (waiting
+        on rank 0 alone left the driver blocked for ``START_TIMEOUT_S`` while rank 0 waited for
+        the dead rank in the group's rendezvous)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        while pending:
+            for conn in mp_connection.wait(list(pending), POLL_S):
+                rank = pending.pop(conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(rank, "starting", _describe_exit(self._exitcode(rank)))
+                if isinstance(msg, WorkerError):
+                    self._fail(rank, "starting", f"raised {msg.exc_type}: {msg.message}\n--- worker traceback ---\n{msg.traceback}")
+                if not isinstance(msg, WorkerReady):
+                    self._fail(rank, "starting", f"sent {type(msg).__name__} instead of WorkerReady")
+                if rank == 0:
+                    self.communicator = msg.communicator  # which all-reduce the ranks use ("shm", "gloo")
+                    self.transfer = msg.transfer  # how the pipeline stages hand on activations ("shm", "gloo")
+            for rank in sorted(pending.values()):
+                if not self._procs[rank].is_alive():
+                    self._fail(rank, "starting", _describe_exit(self._exitcode(rank)))
+            if pending and time.monotonic() > deadline:
+                self._fail(min(pending.values()), "starting", f"did not answer within {START_TIMEOUT_S:.0f} s")
 
     def _ready(self) -> None:
-        if self._dead is not None:
-            raise RuntimeError(self._dead)
+        self.check_usable()
         if self._desynced:  # an interrupted pipe read or write: start over with fresh workers
             self._finalizer()
             self._records.reset()
-            self._desynced = False
             self._start()
+            self._desynced = False  # only once they all started (an interrupt in between: start over again)
 
     def _call(self, msg, call_id: int, what: str) -> list:
         with self._lock:
@@ -323,6 +347,9 @@ class MultiprocExecutor:
     def _fail(self, rank: int, what: str, how: str) -> None:
         pid = self._procs[rank].pid
         self._dead = f"pagedgen worker rank {rank} (pid {pid}) {how} during {what}; the workers were stopped: make a new LLM"
+        if what == "starting" and how == _describe_exit(1):  # died before worker_main could report anything
+            self._dead += (" (its traceback is above; the usual cause: a script that makes the LLM at its top level, which each "
+                           'spawned worker runs again as it starts: put that code under `if __name__ == "__main__":`)')
         for other in self._procs:  # the others may wait in a collective for the dead one
             if other.is_alive() and self.world_size > 1:
                 other.terminate()

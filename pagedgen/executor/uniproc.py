@@ -48,6 +48,9 @@ class InProcessExecutor:
     def execute(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> StepOutput:
         return self.model_runner.execute(batch)
 
+    def check_usable(self) -> None:
+        """Always usable (nothing to end)."""
+
     def shutdown(self) -> None:
         pass
 
@@ -69,6 +72,9 @@ class PicklingExecutor:
     def collective_rpc(self, fn: Callable, args: tuple = ()) -> list:
         """``[fn(worker, *args)]``."""
         return [fn(self.worker, *args)]
+
+    def check_usable(self) -> None:
+        """Always usable (nothing to end)."""
 
     def shutdown(self) -> None:
         pass
