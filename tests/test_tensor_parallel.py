@@ -338,3 +338,50 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+DRIVER_DIES_MID_STEP = """
+import os, sys
+sys.path.insert(0, {root!r})
+from pagedgen import LLM
+from pagedgen.executor.messages import RunOnWorker
+from test_tensor_parallel import all_reduce_once
+
+if __name__ == "__main__":
+    llm = LLM({model!r}, tensor_parallel_size=2, num_kv_blocks=24, max_model_len=192)
+    ex = llm.llm_engine.executor
+    print(" ".join(map(str, ex.worker_pids)), flush=True)
+    ex._conns[0].send(RunOnWorker(10**6, all_reduce_once))  # rank 0 alone: it waits for rank 1 in the all-reduce
+    import time
+    time.sleep(1.0)
+    os._exit(0)  # the driver dies without a word (as under SIGKILL)
+"""
+
+
+def all_reduce_once(worker):
+    import torch
+
+    return worker.tp.comm.all_reduce(torch.ones(4)).tolist()
+
+
+def test_workers_end_with_their_driver_even_inside_a_collective(stories_path, tmp_path):
+    """A driver killed between sending a step to rank 0 and to rank 1 leaves rank 0 waiting in the
+    all-reduce for a rank that never got the step: it ends anyway (the driver watch), and the group's
+    folder in /dev/shm goes with it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    here = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(DRIVER_DIES_MID_STEP.format(root=here, model=stories_path))
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _alive(pid)], "a worker outlived its driver"
+    if os.path.isdir("/dev/shm"):
+        assert not [d for d in set(os.listdir("/dev/shm")) - before if d.startswith("pagedgen-tp-")]

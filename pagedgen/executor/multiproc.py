@@ -21,6 +21,7 @@ Life cycle and interrupts:
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -49,8 +50,9 @@ START_TIMEOUT_S = 600.0  # loading a model may take minutes; a worker that dies 
 
 def worker_main(spec: WorkerSpec, rank: int, conn, store_path: Optional[str] = None) -> None:
     """A worker process: build the worker, then answer messages until ``Shutdown`` or until the
-    driver's end of the pipe closes."""
+    driver's end of the pipe closes; it also ends as soon as its driver does (``exit_with_driver``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    exit_with_driver(os.path.dirname(store_path) if store_path else None)
     try:
         worker = Worker(spec, rank, store_path)
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises
@@ -81,6 +83,26 @@ def worker_main(spec: WorkerSpec, rank: int, conn, store_path: Optional[str] = N
         except Exception as exc:  # noqa: BLE001 - a reply that does not pickle (nothing was written yet)
             if not _send(conn, WorkerError(rank, call_id, type(exc).__name__, f"the reply could not be sent: {exc}", traceback.format_exc())):
                 return
+
+
+def exit_with_driver(group_dir: Optional[str] = None) -> None:
+    """End this worker process the moment its driver (the process that spawned it) ends, whatever
+    it is doing: a daemon thread waits on the parent's sentinel. Between steps a worker sees its
+    pipe close; mid-step it may wait in a collective for a rank that never got the step (the driver
+    killed between sending the record to one rank and the next), and would spin there forever.
+    ``group_dir``: the group's folder in /dev/shm (the all-reduce's and the stages' files), which a
+    driver killed with SIGKILL cannot remove: the workers do."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a spawned child (called in the driver): nothing to watch
+        return
+
+    def watch() -> None:
+        mp_connection.wait([parent.sentinel])
+        if group_dir:
+            shutil.rmtree(group_dir, ignore_errors=True)
+        os._exit(1)  # no one is left to report to
+
+    threading.Thread(target=watch, name="pagedgen-driver-watch", daemon=True).start()
 
 
 def _send(conn, msg) -> bool:
