@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from worker_rpc import normal_steps, slow_steps
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams, StructuredOutputsParams
 from pagedgen.beam_search import BeamSearchParams
@@ -59,23 +60,6 @@ def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
 
 
 # functions run in the worker through collective_rpc (module level: pickled by name)
-def _slow_steps(worker, seconds: float) -> int:
-    model = worker.runner.model
-    real = type(model).forward
-
-    def slow(self, *args, **kwargs):
-        time.sleep(seconds)
-        return real(self, *args, **kwargs)
-
-    model.forward = slow.__get__(model)
-    return os.getpid()
-
-
-def _normal_steps(worker) -> None:
-    model = worker.runner.model
-    model.__dict__.pop("forward", None)
-
-
 def _fail_next_step(worker) -> None:
     model = worker.runner.model
 
@@ -127,7 +111,7 @@ def test_exception_in_the_worker_names_the_rank_and_rolls_back(mp_llm, prompts, 
 
 def test_ctrl_c_in_the_driver_stops_the_step(mp_llm, prompts, expected):
     executor = mp_llm.llm_engine.executor
-    executor.collective_rpc(_slow_steps, (0.3,))
+    executor.collective_rpc(slow_steps, (0.3,))
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
@@ -137,7 +121,7 @@ def test_ctrl_c_in_the_driver_stops_the_step(mp_llm, prompts, expected):
     finally:
         timer.cancel()
     assert time.monotonic() - started < 5.0
-    executor.collective_rpc(_normal_steps)  # its reply comes after the interrupted step's, which is dropped
+    executor.collective_rpc(normal_steps)  # its reply comes after the interrupted step's, which is dropped
     assert all(_alive(p) for p in executor.worker_pids)  # SIGINT is the driver's: the worker ignores it
     assert _run(mp_llm, prompts) == expected
 
@@ -145,7 +129,7 @@ def test_ctrl_c_in_the_driver_stops_the_step(mp_llm, prompts, expected):
 def test_killed_worker_raises_within_10_s_and_leaves_no_process(stories_path, prompts):
     llm = LLM(stories_path, distributed_executor_backend="mp", **KW)
     executor = llm.llm_engine.executor
-    (pid,) = executor.collective_rpc(_slow_steps, (0.2,))
+    (pid,) = executor.collective_rpc(slow_steps, (0.2,))
     timer = threading.Timer(0.8, os.kill, (pid, signal.SIGKILL))
     timer.start()
     started = time.monotonic()

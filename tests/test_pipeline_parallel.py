@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from worker_rpc import normal_steps, slow_steps
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams
 from pagedgen.beam_search import BeamSearchParams
@@ -228,22 +229,6 @@ def test_bad_sizes_are_refused_before_any_process(stories_path, monkeypatch):
 
 
 # functions run in the workers through collective_rpc (module level: pickled by name)
-def _slow_steps(worker, seconds: float) -> int:
-    model = worker.runner.model
-    real = type(model).forward
-
-    def slow(self, *args, **kwargs):
-        time.sleep(seconds)
-        return real(self, *args, **kwargs)
-
-    model.forward = slow.__get__(model)
-    return os.getpid()
-
-
-def _normal_steps(worker) -> None:
-    worker.runner.model.__dict__.pop("forward", None)
-
-
 def _fail_on_first_stage(worker) -> None:
     if worker.pp.rank != 0:
         return
@@ -266,7 +251,7 @@ def _gone(pids, timeout_s=10.0):
 
 def test_ctrl_c_in_the_driver_then_the_next_call_equals_a_fresh_llm(pp2, prompts, expected):
     executor = pp2.llm_engine.executor
-    executor.collective_rpc(_slow_steps, (0.2,))
+    executor.collective_rpc(slow_steps, (0.2,))
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
@@ -276,7 +261,7 @@ def test_ctrl_c_in_the_driver_then_the_next_call_equals_a_fresh_llm(pp2, prompts
     finally:
         timer.cancel()
     assert time.monotonic() - started < 5.0
-    executor.collective_rpc(_normal_steps)
+    executor.collective_rpc(normal_steps)
     assert _tokens(pp2.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
@@ -295,7 +280,7 @@ def test_exception_in_one_stage_then_fresh_workers(pp2, prompts, expected):
 @pytest.mark.parametrize("victim", [0, 1])
 def test_killed_stage_raises_within_10_s_and_leaves_no_process(stories_path, prompts, victim):
     llm = LLM(stories_path, pipeline_parallel_size=2, **KW)
-    pids = llm.llm_engine.executor.collective_rpc(_slow_steps, (0.2,))
+    pids = llm.llm_engine.executor.collective_rpc(slow_steps, (0.2,))
     timer = threading.Timer(0.8, os.kill, (pids[victim], signal.SIGKILL))
     timer.start()
     started = time.monotonic()

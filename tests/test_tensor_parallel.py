@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from worker_rpc import normal_steps, slow_steps
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams
 
@@ -118,22 +119,6 @@ def test_bad_size_is_refused_before_any_process(stories_path, monkeypatch):
     assert set(multiprocessing.active_children()) == before
 
 
-def _slow_steps(worker, seconds: float) -> int:
-    model = worker.runner.model
-    real = type(model).forward
-
-    def slow(self, *args, **kwargs):
-        time.sleep(seconds)
-        return real(self, *args, **kwargs)
-
-    model.forward = slow.__get__(model)
-    return os.getpid()
-
-
-def _normal_steps(worker) -> None:
-    worker.runner.model.__dict__.pop("forward", None)
-
-
 def _fail_on_rank_1(worker) -> None:
     if worker.rank != 1:
         return
@@ -172,7 +157,7 @@ def test_ctrl_c_in_the_driver_at_tp2_then_the_next_call_equals_a_fresh_llm(tp1, 
     interrupt cut a pipe read)."""
     expected = _tokens(tp1.generate(prompts, GREEDY, use_tqdm=False))
     executor = tp2.llm_engine.executor
-    executor.collective_rpc(_slow_steps, (0.2,))
+    executor.collective_rpc(slow_steps, (0.2,))
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
@@ -182,14 +167,14 @@ def test_ctrl_c_in_the_driver_at_tp2_then_the_next_call_equals_a_fresh_llm(tp1, 
     finally:
         timer.cancel()
     assert time.monotonic() - started < 5.0
-    executor.collective_rpc(_normal_steps)
+    executor.collective_rpc(normal_steps)
     assert tp2.llm_engine.block_manager.num_used_blocks == 0
     assert _tokens(tp2.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
 def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prompts):
     llm = LLM(stories_path, tensor_parallel_size=2, **KW)
-    pids = llm.llm_engine.executor.collective_rpc(_slow_steps, (0.2,))
+    pids = llm.llm_engine.executor.collective_rpc(slow_steps, (0.2,))
     timer = threading.Timer(0.8, os.kill, (pids[1], signal.SIGKILL))
     timer.start()
     started = time.monotonic()
