@@ -16,7 +16,8 @@ Life cycle and interrupts:
   replaced (a fresh process, the model loaded again) before the next step.
 - ``shutdown()`` (``LLM.shutdown()``, leaving ``with LLM(...)``), garbage collection of the
   executor and interpreter exit all end the workers: a ``Shutdown`` message, then terminate, then
-  kill, each after a grace period. A worker whose driver dies sees its pipe close and exits.
+  kill, each after a grace period. A worker whose driver dies exits at once, mid-step too
+  (``exit_with_driver``).
 """
 from __future__ import annotations
 
