@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from worker_rpc import normal_steps, slow_steps
+from worker_rpc import alive as _alive, normal_steps, slow_steps, wait_gone as _wait_gone
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams, StructuredOutputsParams
 from pagedgen.beam_search import BeamSearchParams
@@ -41,22 +41,6 @@ def _run(llm: LLM, prompts: list[str]):
         [o.prompt_logprobs for o in outs],
         [[(s.tokens, s.cum_logprob) for s in b.sequences] for b in beams],
     )
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(_alive(p) for p in pids)
 
 
 # functions run in the worker through collective_rpc (module level: pickled by name)

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from worker_rpc import normal_steps, slow_steps
+from worker_rpc import fail_steps, normal_steps, slow_steps, wait_gone as _gone
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams
 from pagedgen.beam_search import BeamSearchParams
@@ -229,26 +229,6 @@ def test_bad_sizes_are_refused_before_any_process(stories_path, monkeypatch):
 
 
 # functions run in the workers through collective_rpc (module level: pickled by name)
-def _fail_on_first_stage(worker) -> None:
-    if worker.pp.rank != 0:
-        return
-    model = worker.runner.model
-
-    def failing(*args, **kwargs):
-        raise ValueError("injected in stage 0")
-
-    model.forward = failing
-
-
-def _gone(pids, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z" for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_ctrl_c_in_the_driver_then_the_next_call_equals_a_fresh_llm(pp2, prompts, expected):
     executor = pp2.llm_engine.executor
     executor.collective_rpc(slow_steps, (0.2,))
@@ -268,7 +248,7 @@ def test_ctrl_c_in_the_driver_then_the_next_call_equals_a_fresh_llm(pp2, prompts
 def test_exception_in_one_stage_then_fresh_workers(pp2, prompts, expected):
     executor = pp2.llm_engine.executor
     old = executor.worker_pids
-    executor.collective_rpc(_fail_on_first_stage)
+    executor.collective_rpc(fail_steps, (0, "injected in stage 0"))  # rank 0: stage 0 at TP = 1
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 0 raised ValueError in step \d+: injected in stage 0"):
         pp2.generate(prompts[:8], GREEDY, use_tqdm=False)

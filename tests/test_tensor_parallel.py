@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from worker_rpc import normal_steps, slow_steps
+from worker_rpc import fail_steps, normal_steps, slow_steps, wait_gone as _gone
 from conftest import story_openings
 from pagedgen import LLM, SamplingParams
 
@@ -119,31 +119,11 @@ def test_bad_size_is_refused_before_any_process(stories_path, monkeypatch):
     assert set(multiprocessing.active_children()) == before
 
 
-def _fail_on_rank_1(worker) -> None:
-    if worker.rank != 1:
-        return
-    model = worker.runner.model
-
-    def failing(*args, **kwargs):
-        raise ValueError("injected in rank 1")
-
-    model.forward = failing
-
-
-def _gone(pids, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z" for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_exception_in_one_rank_then_fresh_group(tp1, tp2, prompts):
     expected = _tokens(tp1.generate(prompts[:8], GREEDY, use_tqdm=False))
     executor = tp2.llm_engine.executor
     old = executor.worker_pids
-    executor.collective_rpc(_fail_on_rank_1)
+    executor.collective_rpc(fail_steps, (1, "injected in rank 1"))
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 raised ValueError in step \d+: injected in rank 1"):
         tp2.generate(prompts[:8], GREEDY, use_tqdm=False)
@@ -300,10 +280,7 @@ def test_tp2_cli_killed_and_resumed(stories_path, tmp_path, capsys):
     proc.wait(timeout=60)  # not communicate(): the workers hold the stderr pipe until they are gone
     proc.stderr.close()
     assert ref.read_bytes().startswith(out.read_bytes()[: out.read_bytes().rfind(b"\n") + 1])
-    deadline = time.monotonic() + 30  # a worker sees its driver's pipe close between steps (more on a loaded machine)
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in children if _alive(pid)], "workers outlived their killed driver"
+    assert _gone(children, 30.0), "workers outlived their killed driver"  # (30 s: a loaded machine)
     rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", out, "--tensor-parallel-size", 2, *args)
     assert rc == 0, err
     assert out.read_bytes() == ref.read_bytes()
@@ -317,12 +294,6 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 DRIVER_DIES_MID_STEP = """
@@ -364,9 +335,6 @@ def test_workers_end_with_their_driver_even_inside_a_collective(stories_path, tm
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     pids = [int(p) for p in proc.stdout.split()]
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in pids if _alive(pid)], "a worker outlived its driver"
+    assert _gone(pids, 30.0), "a worker outlived its driver"
     if os.path.isdir("/dev/shm"):
         assert not [d for d in set(os.listdir("/dev/shm")) - before if d.startswith("pagedgen-tp-")]
