@@ -89,15 +89,19 @@ class NgramIndex:
         length = len(tokens)
         if length - 1 < self.done:  # not the sequence this index was built for: start again
             self.maps, self.done = [{} for _ in range(self.max_n + 1)], 0
-        maps, lo, hi = self.maps, self.min_n, self.max_n
-        for j in range(self.done, length - 1):  # end positions before the last token
-            for n in range(lo, min(hi, j + 1) + 1):
-                maps[n][tuple(tokens[j - n + 1 : j + 1])] = j + 1
-        self.done = max(self.done, length - 1)
+        maps, lo, hi, done = self.maps, self.min_n, self.max_n, self.done
+        if done < length - 1:  # index the end positions before the last token, in order within each n
+            for n in range(lo, hi + 1):
+                grams = maps[n]
+                for j in range(max(done, n - 1), length - 1):
+                    grams[tuple(tokens[j - n + 1 : j + 1])] = j + 1
+            self.done = length - 1
         for n in range(min(hi, length - 1), lo - 1, -1):
             start = maps[n].get(tuple(tokens[length - n :]))
             if start is not None:
                 period = length - start
+                if period >= k:
+                    return tokens[start : start + k]
                 return [tokens[start + m % period] for m in range(k)]
         return []
 
