@@ -24,7 +24,8 @@
 // of 32-bit words transposed once per tile (a vertical hsum tree, no shuffles: the broadcast query
 // words and the extra K loads cost what the shuffles saved, 0-10% slower), and the softmax of 16
 // heads at a time (hmax/hsum of 16 heads in one register, one vector exp for the alphas: verify
-// unchanged, decode 20% slower).
+// unchanged, decode 20% slower), and bf16 score registers of 4 heads x 4 slots (or 3 x 5, 2 x 8)
+// sharing each K slice load (within noise for 4-row blocks, decode 5% slower with 3 x 5).
 #pragma once
 
 #include "attention_common.h"
