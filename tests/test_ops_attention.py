@@ -113,6 +113,25 @@ def test_many_decode_rows(window, head_size, block_size, dtype):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_size, window",
+    [(9, 3, 64, 0), (9, 3, 64, 40), (8, 4, 8, 0), (32, 4, 64, 24), (4, 2, 128, 0), (6, 2, 16, 40), (4, 1, 20, 0)],
+)
+def test_verify_blocks(num_heads, num_kv_heads, head_size, window, dtype):
+    """Speculative verify steps: each sequence's last k + 1 rows (k = 1 .. 8) at the end of its context,
+    the short multi-row blocks that stream K/V like decode rows (streamed_block, attention_general.h),
+    contexts around the 32-token tiles and the small-head path's 256-token ones, among decode rows;
+    on two threads and on one."""
+    lens = [2, 9, 31, 33, 64, 70, 97, 130, 200, 257, 263, 300]
+    specs = [(n, min(n, 2 + i % 8)) for i, n in enumerate(lens)] + [(150, 1), (40, 1)]
+    seed = head_size + window
+    two = check(specs, num_heads, num_kv_heads, head_size, 16, dtype, window=window, seed=seed)
+    with single_thread():
+        one = check(specs, num_heads, num_kv_heads, head_size, 16, dtype, window=window, seed=seed)
+    assert torch.equal(one, two)
+
+
 def test_sliding_window_matches_transformers_mask():
     """The window's boundary is transformers' own: sliding_window_overlay(w) keeps kv_idx > q_idx - w."""
     from transformers.masking_utils import sliding_window_overlay

@@ -206,6 +206,45 @@ def test_prefill_chunking_and_decode_give_the_same_bits(case):
     assert_same_bits(out, whole, "one row per token")
 
 
+def attend_as_decode_rows(batch, n, scale, window):
+    """Every row of the prompt as a decode row: its own one-token sequence of one call."""
+    rows = dict(batch, block_tables=batch["block_tables"].expand(n, -1),
+                seq_lens=torch.arange(1, n + 1, dtype=torch.int32), query_start_loc=torch.arange(n + 1, dtype=torch.int32))
+    out = torch.empty_like(batch["query"])
+    OPS.paged_attention(*attention_args(rows, out, scale, window))
+    return out
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}-bs{c[4]}-w{c[5]}")
+def test_verify_blocks_give_the_decode_rows_bits(case):
+    """Speculative verify: the last k + 1 rows (k = 1 .. 8) of several sequences, one short multi-row
+    block each (streamed like decode rows, attention_general.h), in one call, on one thread or two:
+    bitwise the rows computed one at a time as decode rows."""
+    dtype, H, Hkv, D, bs, window = case
+    n = 300
+    batch = prompt_cache(n, H, Hkv, D, bs, dtype)
+    scale = D**-0.5
+    decode = attend_as_decode_rows(batch, n, scale, window)
+    threads = torch.get_num_threads()
+    try:
+        for rows in range(2, 10):
+            # the same prompt cut at several contexts (around the 32- and 256-token tiles): sequences
+            # of `rows` new tokens each, sharing the prompt's block table
+            ends = [rows + 1, 33, 64 + rows, 100, 255, 256 + rows, n]
+            verify = dict(batch, block_tables=batch["block_tables"].expand(len(ends), -1),
+                          seq_lens=torch.tensor(ends, dtype=torch.int32),
+                          query_start_loc=torch.arange(len(ends) + 1, dtype=torch.int32) * rows,
+                          query=torch.cat([batch["query"][e - rows : e] for e in ends]))
+            expected = torch.cat([decode[e - rows : e] for e in ends])
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                out = torch.empty_like(verify["query"])
+                OPS.paged_attention(*attention_args(verify, out, scale, window))
+                assert_same_bits(out, expected, (rows, t))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def other_sequences(count, seed):
     """count companions: decode rows and some prefill chunks, longer ones in small batches."""
     g = gen(seed)

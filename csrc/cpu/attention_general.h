@@ -6,13 +6,26 @@
 // to R consecutive rows of a prompt chunk. The item walks the tiles of kTile tokens (aligned to
 // absolute positions) that any of its rows needs, reads each tile's K/V rows once through the block
 // table (converted to float once for bf16/fp16: the cost shared by all R x group (row, head) pairs;
-// with AVX512-BF16, bf16 K is never converted: score_rows_bf16 reads it as stored),
+// with AVX512-BF16, bf16 K is never converted: score_rows_bf16 reads it as stored; decode rows and
+// short blocks of fewer than kTransposedPairs pairs, e.g. the k + 1 rows of a speculative verify
+// step, read bf16/fp16 K and V in place and stream them as decode rows do, streamed_block),
 // and then runs, for each row, the per-row inner loops of attention_math.h over the slots that row
 // attends to in the tile (causal within the chunk, the cached prefix before it, the sliding window).
 // Rows whose slot ranges in a tile are equal (a whole tile of an earlier prefix or chunk) share one
 // call of the score loop, as extra heads. Every (row, head) value is computed by the same operations
-// whatever R is, so a row's output is bitwise the same in a prefill chunk of any size, as a decode
-// row, and whatever the other rows of the call are.
+// whatever R is, so a row's output is bitwise the same in a prefill chunk of any size, in a verify
+// block, as a decode row, and whatever the other rows of the call are (reading in place or from a
+// converted copy, and the prefetches, never change the arithmetic).
+//
+// Measured (issue 34; AMD EPYC Zen 4, AVX512-BF16, bf16 cache, head size 64, 9 heads / 3 KV heads,
+// 8 sequences of 100-300 tokens): short blocks are bound by the score, softmax and V-accumulation
+// arithmetic that invariance fixes, not by memory: streaming them gains about 7% at 2 rows (6 pairs)
+// and is within noise at 4 rows. Tried and not kept, the same bits both: bf16 scores from a K tile
+// of 32-bit words transposed once per tile (a vertical hsum tree, no shuffles: the broadcast query
+// words and the extra K loads cost what the shuffles saved, 0-10% slower), and the softmax of 16
+// heads at a time (hmax/hsum of 16 heads in one register, one vector exp for the alphas: verify
+// unchanged, decode 20% slower), and bf16 score registers of 4 heads x 4 slots (or 3 x 5, 2 x 8)
+// sharing each K slice load (within noise for 4-row blocks, decode 5% slower with 3 x 5).
 #pragma once
 
 #include "attention_common.h"
@@ -38,6 +51,12 @@ constexpr int kDecodeAhead = 2;
 // (row, query head) pairs of an item from which its tiles' scores come from a transposed tile
 // (score_transposed_rows: no horizontal sums, for the cost of one transpose per tile).
 constexpr int kTransposedPairs = 16;
+
+// A block of rows that reads each K/V row for few (row, query head) pairs, as a decode row does: one
+// row, or a short block (the k + 1 rows of a speculative verify step, a short prefill chunk) with
+// fewer than kTransposedPairs pairs per KV head. Such blocks stream K/V like decode rows (read in
+// place, block table read ahead, TilePrefetch) and are laid out in items as decode rows are.
+inline bool streamed_block(int64_t rows, int64_t group) { return rows == 1 || rows * group < kTransposedPairs; }
 
 // Attention of the rows of `b` for the query heads of KV heads [kv_begin, kv_end) (each with its
 // group of query heads). Returns false (having written zeros) if the block table names a block
@@ -87,15 +106,16 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   const int64_t lo = window_start(b.pos, p.sliding_window);  // the first row's window starts first
   const int64_t end = b.pos + R;                              // one past the last row's position
   BlockWalker walk = walker_of(p, b, lo);
-  // A decode row reads each K/V row once: its tiles' slots are read from the block table
-  // kDecodeAhead tiles ahead, and that tile's rows are prefetched a few lines at a time from the
-  // inner loops of the current one (TilePrefetch); a prefill block re-reads each tile for all its
-  // rows, and the walker's prefetch of the next block's rows is enough.
-  const bool decode = R == 1;
-  // bf16/fp16 decode rows with a compile-time head size read K/V in place, converted to float as the
-  // score and accumulate loops load them (exact, so the same bits as converting first): one pass over
-  // each row instead of a conversion pass, a store and a reload. The transposed-tile score path (many
-  // query heads per KV head) and small heads take float rows.
+  // A decode row, or a short block of rows (streamed_block), reads each K/V row for few pairs: its
+  // tiles' slots are read from the block table kDecodeAhead tiles ahead, and that tile's rows are
+  // prefetched a few lines at a time from the inner loops of the current one (TilePrefetch); a
+  // prefill block re-reads each tile for many (row, head) pairs, and the walker's prefetch of the next
+  // block's rows is enough.
+  const bool decode = streamed_block(R, G);
+  // bf16/fp16 decode rows and short blocks with a compile-time head size read K/V in place, converted
+  // to float as the score and accumulate loops load them (exact, so the same bits as converting
+  // first): one pass over each row instead of a conversion pass, a store and a reload. The
+  // transposed-tile score path (many query heads per KV head) and small heads take float rows.
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
   const bool raw = !kFloat && decode && kHeadSize > 16 && RG < kTransposedPairs;
   int64_t ring[kDecodeAhead + 1][kTile];  // decode: slots of the item's tile i in ring[i % (kDecodeAhead + 1)]
@@ -125,12 +145,13 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
       const int64_t target = t0 + kDecodeAhead * kTile;  // the tile to prefetch
       if (target < end) {
         ahead.start(ring_of(target), static_cast<int>(std::min(end, target + kTile) - target));
-      } else if (then != nullptr && then->rows == 1) {
-        // past the row's last tile: tile m of the decode row this thread runs next, which prefetches
-        // its own tiles from kDecodeAhead on (a block outside the cache is left for that item to report)
+      } else if (then != nullptr && streamed_block(then->rows, G)) {
+        // past the block's last tile: tile m of the decode row (or short block) this thread runs next,
+        // which prefetches its own tiles from kDecodeAhead on (a block outside the cache is left for
+        // that item to report)
         const int64_t m = (target - (end + kTile - 1) / kTile * kTile) / kTile;
         const int64_t lo2 = window_start(then->pos, p.sliding_window), t2 = lo2 / kTile * kTile + m * kTile;
-        const int64_t a = std::max(lo2, t2), z = std::min(then->pos + 1, t2 + kTile);
+        const int64_t a = std::max(lo2, t2), z = std::min(then->pos + then->rows, t2 + kTile);
         BlockWalker then_walk = walker_of(p, *then, a);
         int64_t* free_slots = ring_of(target);  // holds no tile of this row
         if (a < z && then_walk.next(static_cast<int>(z - a), free_slots, [](int64_t) {})) {
@@ -154,7 +175,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
           if (decode) hook();
         }
         if constexpr (kFloat) {
-          if (R == 1) {  // a decode row of fp32: read in place
+          if (decode) {  // a decode row or short block of fp32: read in place
             krows[j] = p.key_cache + row;
             vrows[j] = p.value_cache + row;
             continue;

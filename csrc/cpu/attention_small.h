@@ -1,7 +1,9 @@
 // The small-head path of the CPU paged attention kernel (csrc/cpu/attention.cpp): head sizes 8 and
 // 16 on AVX-512 and AVX2 + FMA builds (one algorithm; the register width W, 16 or 8 floats, is
 // small_heads::kTokens). A work item is a block of rows of one sequence (one row in decode, up to R
-// rows of a prompt chunk in prefill) with all query heads of KV heads [kv_begin, kv_end) at once.
+// rows of a prompt chunk in prefill, all the rows of a short sequence such as a speculative verify
+// step's k + 1: kSmallShortHeads in attention.cpp) with all query heads of KV heads [kv_begin,
+// kv_end) at once.
 //
 // Scores come from W x W register transposes of the K rows of those heads (each K element is loaded
 // and transposed once per item, however many rows and heads share it, attention_small_heads.h);
