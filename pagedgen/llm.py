@@ -33,7 +33,7 @@ from pagedgen.executor.worker import WorkerSpec
 from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
 from pagedgen.llm_args import check_llm_args, check_use_tqdm
 from pagedgen.spec.config import SpeculativeConfig
-from pagedgen.spec.draft_model import check_draft, check_draft_tokenizer, draft_model_config
+from pagedgen.spec.draft_model import check_draft, check_draft_tokenizer, draft_model_config, naming_the_draft
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
@@ -66,7 +66,8 @@ def check_speculative_model(spec: SpeculativeConfig, model_config, max_model_len
     (hf_config, ModelConfig) in the target's dtype, or None for "ngram"."""
     if spec.method != "draft_model":
         return None
-    draft_hf, draft_config = draft_model_config(spec.model, model_config.dtype)
+    with naming_the_draft(spec.model):
+        draft_hf, draft_config = draft_model_config(spec.model, model_config.dtype)
     check_draft(draft_config, model_config, spec.model, max_model_len)
     return draft_hf, draft_config
 
@@ -157,7 +158,8 @@ class LLM:
             distribution (Leviathan et al.'s rejection sampling), a function of the request's seed.
 
     Raises:
-        FileNotFoundError: the folder, config.json or the safetensors weights are missing.
+        FileNotFoundError: the folder, config.json or the safetensors weights are missing (of the
+            draft model too: its errors name ``speculative_config['model']``).
         ValueError: unsupported architecture, a bad argument value, or a KV cache smaller than one
             sequence of ``max_model_len`` tokens.
         TypeError: an argument of the wrong type.
@@ -244,7 +246,8 @@ class LLM:
         self.tokenizer = loader.load_tokenizer(tok_path)
         eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
         if draft is not None:
-            check_draft_tokenizer(spec_config.model, self.tokenizer)  # ValueError before any weights load
+            with naming_the_draft(spec_config.model):
+                check_draft_tokenizer(spec_config.model, self.tokenizer)  # ValueError before any weights load
 
         in_process = distributed_executor_backend is None
         if in_process:
@@ -254,7 +257,8 @@ class LLM:
             self.model = None  # the worker loads it; the driver holds no model and no device tensors
         self.draft_model = None  # speculative decoding's draft model (method "draft_model"), beside the model
         if draft is not None:
-            self.draft_model = loader.load_model(spec_config.model, draft[0], draft[1], device)
+            with naming_the_draft(spec_config.model):
+                self.draft_model = loader.load_model(spec_config.model, draft[0], draft[1], device)
             prepare_matmuls(self.draft_model, self.matmul_config)
 
         # a block of the pool holds its tokens' keys and values in the model's cache and, with a draft

@@ -327,6 +327,41 @@ def test_cli_summary_reports_acceptance(drafts, tmp_path, capsys):
     assert "pagedgen: speculative decoding:" in err and "draft tokens accepted" in err
 
 
+def test_cli_resume_binds_a_draft_model_but_not_ngram(drafts, tmp_path, capsys):
+    """On resume, a draft model's ``--speculative-config`` binds the output like the model (its
+    sampled tokens come from the draft's draws); n-gram speculation is a performance flag (on, off
+    or another k: the same tokens)."""
+    from cli_util import read_jsonl, run_cli
+
+    src = tmp_path / "prompts.txt"
+    src.write_text("Once upon a time\nThe little dog\n")
+    argv = ["--model", STORIES, "--input", src, "--temperature", "0.8", "--seed", "1", "--max-tokens", "8", "--num-kv-blocks", "128"]
+    draft3, draft2 = json.dumps(_spec(drafts["early_exit"], 3)), json.dumps(_spec(drafts["early_exit"], 2))
+    out = tmp_path / "draft.jsonl"
+    rc, err = run_cli(capsys, *argv, "--output", out, "--speculative-config", draft3)
+    assert rc == 0, err
+    with open(src, "a") as f:
+        f.write("A big red ball\n")
+    for other in (draft2, "null", json.dumps({"method": "ngram", "num_speculative_tokens": 3})):
+        rc, err = run_cli(capsys, *argv, "--output", out, "--speculative-config", other)
+        assert rc == 2 and "parameters differ" in err and "speculative_config" in err, err
+    assert len(read_jsonl(out)) == 2  # the refused runs wrote nothing
+    rc, err = run_cli(capsys, *argv, "--output", out, "--speculative-config", draft3)
+    assert rc == 0, err
+    assert [r["index"] for r in read_jsonl(out)] == [0, 1, 2]
+
+    out, src2 = tmp_path / "ngram.jsonl", tmp_path / "two.txt"
+    src2.write_text("Once upon a time\nThe little dog\n")
+    argv2 = [src2 if a == src else a for a in argv]
+    rc, err = run_cli(capsys, *argv2, "--output", out, "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
+    assert rc == 0, err
+    with open(src2, "a") as f:
+        f.write("A big red ball\n")
+    rc, err = run_cli(capsys, *argv2, "--output", out)  # speculation off now: resumes
+    assert rc == 0, err
+    assert [r["index"] for r in read_jsonl(out)] == [0, 1, 2]
+
+
 def test_a_step_that_fails_in_the_draft_leaves_the_llm_as_fresh(drafts, prompts64, monkeypatch):
     """An exception inside a draft pass aborts the call; the next call's outputs (greedy and
     seeded) equal a fresh LLM's, the draft's per-sequence counts forgotten with the tables."""

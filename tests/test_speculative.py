@@ -2,6 +2,7 @@
 reference, and the rejection sampler's exactness (greedy identity; a chi-square test that sampled
 tokens follow the target's distribution with a deliberately bad draft)."""
 import json
+import os
 import random
 
 import numpy as np
@@ -47,11 +48,51 @@ def test_config_defaults_follow_vllm():
     ({"method": "draft_model", "num_speculative_tokens": 2}, ValueError, "needs 'model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": MODEL, "prompt_lookup_max": 3}, ValueError, "'ngram' only"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/folder"}, FileNotFoundError, "/no/such/folder"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": f"{MODEL}/config.json"}, ValueError, "got a file"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, ValueError, "empty path"),
+    ({"method": 1, "num_speculative_tokens": 2}, TypeError, "'method'] must be a str"),
+    ({"method": ["ngram"], "num_speculative_tokens": 2}, TypeError, "'method'] must be a str"),
 ])
 def test_config_refuses_bad_fields(bad, exc, words):
     with pytest.raises(exc) as info:
         SpeculativeConfig.from_dict(bad)
     assert words in str(info.value)
+
+
+def test_config_takes_numpy_ints_and_mappings():
+    import types
+
+    c = SpeculativeConfig.from_dict(types.MappingProxyType({"method": "ngram", "num_speculative_tokens": np.int64(3),
+                                                            "prompt_lookup_max": np.int32(4)}))
+    assert (c.num_speculative_tokens, c.prompt_lookup_max) == (3, 4) and type(c.num_speculative_tokens) is int
+
+
+@pytest.mark.parametrize("damage, exc, words", [
+    ("no config", FileNotFoundError, "config.json"),
+    ("bad json", ValueError, "config.json"),
+    ("no weights", FileNotFoundError, "safetensors"),
+    ("truncated weights", ValueError, "safetensors"),
+])
+def test_a_broken_draft_checkpoint_is_named_as_the_draft(tmp_path, damage, exc, words):
+    """Errors reading the draft's files name speculative_config['model'], not just a path that could
+    be mistaken for the target's; the class is kept (FileNotFoundError / ValueError)."""
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(MODEL, draft)
+    if damage == "no config":
+        os.remove(draft / "config.json")
+    elif damage == "bad json":
+        (draft / "config.json").write_text("{not json")
+    elif damage == "no weights":
+        os.remove(draft / "model.safetensors")
+    else:
+        data = (draft / "model.safetensors").read_bytes()
+        (draft / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(exc) as info:
+        LLM(MODEL, num_kv_blocks=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft)})
+    message = str(info.value)
+    assert "speculative_config['model']" in message and words in message, message
 
 
 def test_llm_checks_the_config_before_loading(tmp_path):

@@ -94,7 +94,10 @@ def _run(args, held: contextlib.ExitStack) -> int:
         folders = [args.model] + ([args.tokenizer] if args.tokenizer else [])
         loader.check_model_folder(args.model)
         model_fp = sidecar.model_fingerprint(folders)
+        speculative = _speculative_fingerprint(engine_args.speculative_config)
     fingerprint = _params_fingerprint(args, fmt, params, spec)
+    if speculative is not None:
+        fingerprint["speculative_config"] = speculative
     sidecar.check_owner(args.output, args.overwrite)
     state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
 
@@ -249,6 +252,24 @@ def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
         served_model_name=args.served_model_name, schema_field=spec.schema_field, compact_json=spec.compact_json,
     )
     return json.loads(json.dumps(values))  # as it reads back from the sidecar (dict keys become str)
+
+
+def _speculative_fingerprint(config) -> Optional[dict]:
+    """What of ``--speculative-config`` shapes an output row, for the sidecar, or None. n-gram
+    speculation changes no token (greedy and seeded outputs equal speculation off: a performance
+    flag); a draft model's sampled tokens come from its draws (docs/speculative.md), so its method,
+    k, ``disable_by_batch_size`` and the draft's files bind the output like the model's. The config
+    is checked here first (TypeError / ValueError / FileNotFoundError naming the key)."""
+    from pagedgen.spec.config import SpeculativeConfig
+
+    if config is None:
+        return None
+    checked = SpeculativeConfig.from_dict(config)
+    if checked.method != "draft_model":
+        return None
+    return json.loads(json.dumps({"method": checked.method, "num_speculative_tokens": checked.num_speculative_tokens,
+                                  "disable_by_batch_size": checked.disable_by_batch_size,
+                                  "draft": sidecar.model_fingerprint([checked.model])}))
 
 
 def _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint):

@@ -13,7 +13,9 @@ field and its allowed range (unknown keys list the allowed ones).
 """
 from __future__ import annotations
 
+import numbers
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -36,11 +38,12 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, values) -> "SpeculativeConfig":
-        """The config of ``LLM(speculative_config=values)`` (a dict, or a SpeculativeConfig, returned
-        after the same checks). Raises TypeError / ValueError naming the field."""
+        """The config of ``LLM(speculative_config=values)`` (a dict or any mapping, or a
+        SpeculativeConfig, returned after the same checks). Raises TypeError / ValueError naming the
+        field; FileNotFoundError for a draft folder that does not exist."""
         if isinstance(values, SpeculativeConfig):
             values = {f.name: getattr(values, f.name) for f in fields(values)}
-        if not isinstance(values, dict):
+        if not isinstance(values, Mapping):
             raise TypeError(f"LLM speculative_config must be a dict, got {type(values).__name__}")
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(str(k) for k in values if k not in allowed)
@@ -50,6 +53,8 @@ class SpeculativeConfig:
             if values.get(name) is None:
                 raise ValueError(f"LLM speculative_config needs {name!r}")
         method = values["method"]
+        if not isinstance(method, str):
+            raise TypeError(f"LLM speculative_config['method'] must be a str, one of {METHODS}; got {type(method).__name__}")
         if method not in METHODS:
             raise ValueError(f"LLM speculative_config['method'] must be one of {METHODS}, got {method!r}")
         k = _int(values, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
@@ -77,6 +82,10 @@ class SpeculativeConfig:
             if not isinstance(model, (str, os.PathLike)):
                 raise TypeError(f"LLM speculative_config['model'] must be a folder path, got {type(model).__name__}")
             model = os.fspath(model)
+            if not model:
+                raise ValueError("LLM speculative_config['model'] must be the draft checkpoint folder, got an empty path")
+            if os.path.exists(model) and not os.path.isdir(model):
+                raise ValueError(f"LLM speculative_config['model'] must be the draft checkpoint folder, got a file: {model!r}")
             if not os.path.isdir(model):
                 raise FileNotFoundError(f"LLM speculative_config['model']: draft model folder not found: {model!r}")
         return cls(method, k, model, lo, hi, batch)
@@ -84,8 +93,9 @@ class SpeculativeConfig:
 
 def _int(values: dict, name: str, low: int, high: Optional[int]) -> int:
     value = values[name]
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are ints; True is not
         raise TypeError(f"LLM speculative_config[{name!r}] must be an int, got {type(value).__name__}")
+    value = int(value)
     if value < low or (high is not None and value > high):
         allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"LLM speculative_config[{name!r}] must be {allowed}, got {value}")

@@ -31,6 +31,7 @@ rejection sampler (spec/rejection_sampler.py).
 """
 from __future__ import annotations
 
+import contextlib
 from itertools import accumulate
 from typing import Optional
 
@@ -123,6 +124,25 @@ class DraftModelProposer:
         input_ids = int_tensor([t for x in inputs for t in x], torch.int64).to(dev)  # [T]
         logits_indices = int_tensor([e - 1 for e in qsl[1:]], torch.int64).to(dev)  # [n]
         return self.model.forward(input_ids, positions.to(dev), attn, self.kv_caches, logits_indices)  # [n, vocab]
+
+
+@contextlib.contextmanager
+def naming_the_draft(draft_path: str):
+    """Errors of reading the draft checkpoint (config.json, tokenizer files, weights: OSError and
+    ValueError, e.g. ``CheckpointError``) are raised again naming ``speculative_config['model']``,
+    so that a broken draft is not mistaken for a broken target. The same class where it takes one
+    message, else ValueError / OSError; the original is the ``__cause__``."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        if str(exc).startswith("LLM speculative_config"):
+            raise
+        message = f"LLM speculative_config['model'] {draft_path!r} (the draft model): {exc}"
+        try:
+            renamed = type(exc)(message)
+        except Exception:  # a class whose constructor takes other arguments (CheckpointError: path, why)
+            renamed = ValueError(message) if isinstance(exc, ValueError) else OSError(message)
+        raise renamed from exc
 
 
 def check_draft(draft_config, target_config, draft_path: str, max_model_len: int) -> None:
