@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -24,11 +25,12 @@ def _check(cond: bool, field_name: str, allowed: str, value) -> None:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An int, numpy's included (a value read from an array or a data frame); not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass
@@ -119,6 +121,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__}")
+            if value is not None:
+                setattr(self, name, int(value))
         for name in ("n", "top_k", "min_tokens"):
             if getattr(self, name) is None:
                 raise TypeError(f"SamplingParams.{name} must be an int, got None")
@@ -156,7 +160,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) for t in self.stop_token_ids):
             raise TypeError("SamplingParams.stop_token_ids must be a list of int")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids", self.stop_token_ids)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {type(self.logit_bias).__name__}")
@@ -165,13 +169,13 @@ class SamplingParams:
                     raise TypeError(f"SamplingParams.logit_bias must map int token ids to numbers, got {tok!r}: {bias!r}")
                 _check(tok >= 0, "logit_bias", "keyed by non-negative token ids", tok)
                 _check(-100.0 <= bias <= 100.0, "logit_bias", "valued in [-100, 100]", bias)
-            self.logit_bias = {tok: float(bias) for tok, bias in self.logit_bias.items()} or None
+            self.logit_bias = {int(tok): float(bias) for tok, bias in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(_is_int(t) for t in self.allowed_token_ids):
                 raise TypeError("SamplingParams.allowed_token_ids must be a list of int (or None)")
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "None or a non-empty list of token ids", self.allowed_token_ids)
             _check(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids", "non-negative token ids", self.allowed_token_ids)
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         if self.structured_outputs is not None:
             check_sampling_params(self)
 

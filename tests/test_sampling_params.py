@@ -51,6 +51,20 @@ def test_normalisation():
     assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
 
 
+def test_numpy_numbers_are_taken_as_python_ones():
+    """Values read from an array or a data frame (numpy ints and floats) are ints and numbers; they
+    are stored as Python's (a sidecar, a hash or a request record sees the same values)."""
+    import numpy as np
+
+    p = SamplingParams(max_tokens=np.int64(8), n=np.int32(2), seed=np.uint16(3), temperature=np.float32(0.5),
+                       stop_token_ids=[np.int64(7)], logit_bias={np.int64(3): np.float32(1.5)}, allowed_token_ids=list(np.arange(4)))
+    assert (p.max_tokens, p.n, p.seed, p.stop_token_ids, p.logit_bias) == (8, 2, 3, [7], {3: 1.5})
+    assert all(type(v) is int for v in (p.max_tokens, p.n, p.seed, *p.stop_token_ids, *p.logit_bias, *p.allowed_token_ids))
+    assert type(p.temperature) is float and p.temperature == 0.5
+    with pytest.raises(TypeError, match="max_tokens must be an int"):
+        SamplingParams(max_tokens=np.bool_(True))
+
+
 def test_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="unexpected keyword argument 'best_of_n'"):
         SamplingParams(best_of_n=2)
