@@ -26,9 +26,9 @@ import time
 # (label, parent label or None, [(path suffix, function name)]): a component's time is the
 # cumulative time of its functions (summed); a child is part of its parent.
 COMPONENTS = [
-    ("scheduling", None, [("pagedgen/engine/scheduler.py", "schedule")]),
+    ("scheduling", None, [("pagedgen/core/scheduler.py", "schedule")]),
     ("step assembly (step tensors, block moves)", None,
-     [("pagedgen/engine/model_runner.py", "prepare"), ("pagedgen/engine/model_runner.py", "move_blocks")]),
+     [("pagedgen/worker/model_runner.py", "prepare"), ("pagedgen/worker/model_runner.py", "move_blocks")]),
     ("forward", None, [("pagedgen/model/base.py", "forward")]),
     ("  layer matmuls (linear)", "forward", [("pagedgen/layers/matmul.py", "linear")]),
     ("  lm_head", "forward", [("pagedgen/layers/embedding.py", "forward@ParallelLMHead")]),
@@ -38,8 +38,8 @@ COMPONENTS = [
      [("pagedgen/ops/__init__.py", "rms_norm"), ("pagedgen/ops/__init__.py", "fused_add_rms_norm")]),
     ("  rotary_embedding", "forward", [("pagedgen/ops/__init__.py", "rotary_embedding")]),
     ("  silu_and_mul", "forward", [("pagedgen/ops/__init__.py", "silu_and_mul")]),
-    ("sampling (incl. logprobs)", None, [("pagedgen/engine/sampler.py", "__call__")]),
-    ("append tokens, stop checks, detokenize", None, [("pagedgen/engine/sequence.py", "append_token")]),
+    ("sampling (incl. logprobs)", None, [("pagedgen/sample/sampler.py", "__call__")]),
+    ("append tokens, stop checks, detokenize", None, [("pagedgen/core/sequence.py", "append_token")]),
     ("outputs (RequestOutput)", None, [("pagedgen/engine/processor.py", "make_output")]),
 ]
 FORWARD_REST = "  other (embedding, residual adds, reshapes, Python)"
@@ -147,9 +147,8 @@ def describe(profile: dict, say) -> None:
 def main(argv=None) -> None:
     import argparse
 
-    import torch
-
     import _workload
+    import torch
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help=f"checkpoint folder or {' / '.join(_workload.RANDOM_MODELS)}")

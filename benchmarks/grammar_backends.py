@@ -49,9 +49,9 @@ def main() -> None:
     import torch
     import transformers
     import xgrammar as xgr
-
-    from pagedgen.engine.grammar import _Vocabulary, fill_bitmask_rows
     from test_structured_outputs import GPT2_TOKENIZER, SCHEMAS, STORIES_PATH
+
+    from pagedgen.structured_output.grammar import _Vocabulary, fill_bitmask_rows
 
     torch.set_num_threads(1)
     gpt2 = transformers.AutoTokenizer.from_pretrained(GPT2_TOKENIZER)

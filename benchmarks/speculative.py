@@ -13,7 +13,7 @@ Cases: random-135m bf16 greedy (its outputs repeat themselves, so lookup propose
 batch 1, 4 and 8; stories260K on prompts that end by restarting a passage they contain (lookup
 mostly misses: the cost of a miss); batch 256 with disable_by_batch_size=64 (speculation off at full
 batch). Draft model: stories260K with early-exit drafts of its own first two and four layers
-(``pagedgen.spec.early_exit``, written to a temporary folder) and stories260K as its own draft
+(``pagedgen.spec_decode.early_exit``, written to a temporary folder) and stories260K as its own draft
 (every draft accepted: the upper bound of the mechanism) on TinyStories openings, greedy, at batch
 1, 4 and 8. Each line: batch, tok/s off, tok/s on, ratio, accepted / proposed, acceptance by
 position, and whether the outputs equal speculation off (they must: greedy).
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _workload import RANDOM_MODELS, SHARED, ensure_random_model, fold_ids, gpt2_tokenizer_dir  # noqa: E402
 
 from pagedgen import LLM, SamplingParams  # noqa: E402
-from pagedgen.spec.early_exit import write_early_exit_draft  # noqa: E402
+from pagedgen.spec_decode.early_exit import write_early_exit_draft  # noqa: E402
 
 STORIES = os.path.join(SHARED, "models", "stories260K")
 BOUND = False  # --bound: each case prints its GEMM ceiling (``bound``) instead of its timing
@@ -86,13 +86,13 @@ def run(model: str, prompts: list, batch: int, max_tokens: int, spec: dict | Non
 
 
 SPEC_FUNCTIONS = [  # (label, path suffix, function): the speculative path's own host work, cumulative
-    ("propose + lookahead slots (Speculator.plan)", "pagedgen/spec/speculator.py", "plan"),
-    ("  n-gram lookup", "pagedgen/spec/ngram.py", "propose"),
-    ("  lookahead slots (Scheduler.add_lookahead)", "pagedgen/engine/scheduler.py", "add_lookahead"),
-    ("verify rows (verify.draft_rows)", "pagedgen/spec/verify.py", "draft_rows"),
-    ("accept (verify.collapse)", "pagedgen/spec/verify.py", "collapse"),
-    ("commit + rollback (Speculator.commit)", "pagedgen/spec/speculator.py", "commit"),
-    ("  rollback (Scheduler.rollback)", "pagedgen/engine/scheduler.py", "rollback"),
+    ("propose + lookahead slots (Speculator.plan)", "pagedgen/spec_decode/speculator.py", "plan"),
+    ("  n-gram lookup", "pagedgen/spec_decode/ngram.py", "propose"),
+    ("  lookahead slots (Scheduler.add_lookahead)", "pagedgen/core/scheduler.py", "add_lookahead"),
+    ("verify rows (verify.draft_rows)", "pagedgen/spec_decode/verify.py", "draft_rows"),
+    ("accept (verify.collapse)", "pagedgen/spec_decode/verify.py", "collapse"),
+    ("commit + rollback (Speculator.commit)", "pagedgen/spec_decode/speculator.py", "commit"),
+    ("  rollback (Scheduler.rollback)", "pagedgen/core/scheduler.py", "rollback"),
 ]
 
 

@@ -48,7 +48,7 @@ struct AttentionSizes {
 // memory with the other arguments (writable_output); sizes fit the kernels' int32 indices.
 // query_start_loc[num_seqs] must equal num_tokens (a value: the CPU kernel raises; the CUDA kernel
 // gives zeros to rows past it; the engine never passes such rows: CUDA-graph padding rows are
-// sequences of seq_len 0, see pagedgen/engine/cuda_graphs.py).
+// sequences of seq_len 0, see pagedgen/worker/cuda_graphs.py).
 // The CUDA kernel also needs: query's and out's head_size dimension contiguous, block_tables' rows
 // contiguous, seq_lens and query_start_loc contiguous (the CPU kernel reads through every stride).
 AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

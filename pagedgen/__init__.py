@@ -9,7 +9,7 @@ from pagedgen.engine.llm_engine import LLMEngine
 from pagedgen.llm import LLM
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.sampling_params import SamplingParams
-from pagedgen.structured_outputs import StructuredOutputsParams
+from pagedgen.structured_output.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",

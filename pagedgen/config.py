@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the configs are plain data: the scheduler's side (pagedgen/core) imports no torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes over all layers (keys and values)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize  # bytes of one element of a torch.dtype
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 

@@ -11,34 +11,35 @@ import contextlib
 import itertools
 import os
 import threading
-from typing import Any, Iterable, Iterator, Optional, Sequence as Seq, Union
+from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Sequence as Seq
 
 import torch
 
 from pagedgen import inputs, ops
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedgen.config import CacheConfig, SchedulerConfig
-from pagedgen.engine import kv_sizing
+from pagedgen.core import kv_sizing
+from pagedgen.core.block_manager import cdiv
 from pagedgen.engine.beam_group import beam_score
-from pagedgen.engine.block_manager import cdiv
-from pagedgen.engine.grammar import GrammarCompiler
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
-from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Request, RequestProcessor
-from pagedgen.engine.sampler import Sampler
 from pagedgen.engine.step_log import StepLog
 from pagedgen.executor.multiproc import MultiprocExecutor
 from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
-from pagedgen.executor.worker import WorkerSpec
 from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
 from pagedgen.llm_args import check_llm_args, check_use_tqdm
-from pagedgen.spec.config import SpeculativeConfig
-from pagedgen.spec.draft_model import check_draft, check_draft_tokenizer, draft_model_config, naming_the_draft
 from pagedgen.model import loader
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
+from pagedgen.sample.sampler import Sampler
 from pagedgen.sampling_params import SamplingParams
-
+from pagedgen.spec_decode.config import SpeculativeConfig
+from pagedgen.spec_decode.draft_model import check_draft, check_draft_tokenizer, draft_model_config, naming_the_draft
+from pagedgen.structured_output.grammar import GrammarCompiler
+from pagedgen.worker import kv_profile
+from pagedgen.worker.model_runner import ModelRunner
+from pagedgen.worker.worker import WorkerSpec
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 
@@ -262,12 +263,12 @@ class LLM:
             prepare_matmuls(self.draft_model, self.matmul_config)
 
         # a block of the pool holds its tokens' keys and values in the model's cache and, with a draft
-        # model, in the draft's (the same block ids, spec/draft_model.py): one budget for both
+        # model, in the draft's (the same block ids, spec_decode/draft_model.py): one budget for both
         swap_block_bytes = model_config.kv_bytes_per_token() * block_size
         block_bytes = swap_block_bytes + (0 if draft is None else draft[1].kv_bytes_per_token() * block_size)
         sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
         if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
-            kv_cache_memory_bytes = kv_sizing.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
+            kv_cache_memory_bytes = kv_profile.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
         num_blocks = kv_sizing.num_kv_blocks(block_bytes, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs * cdiv(max_model_len, block_size))
         num_cpu_blocks = 0
         if preemption_mode == "swap":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pagedgen import _repr
-from pagedgen.structured_outputs import StructuredOutputsParams, check_sampling_params
+from pagedgen.structured_output.params import StructuredOutputsParams, check_sampling_params
 
 _GREEDY_EPS = 1e-5  # temperature below this means greedy, as in vLLM
 
@@ -32,6 +32,13 @@ def _is_int(x) -> bool:
 def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
+
+
+def as_int64(value: int) -> int:
+    """A 64-bit integer (signed or unsigned, as ``SamplingParams.seed`` allows) as a signed int64:
+    the form in which a seed keys the draws (``pagedgen/sample/sampler.py``)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= (1 << 63) else value
 
 @dataclass
 class SamplingParams:

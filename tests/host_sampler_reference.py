@@ -1,18 +1,19 @@
 """The host sampler as it was before sampling moved to the logits' device (pagedgen 2026-12-04,
-engine/sampler.py at 153bf80): the oracle of tests/test_sampler_device.py. Every tensor lives on
+sample/sampler.py at 153bf80): the oracle of tests/test_sampler_device.py. Every tensor lives on
 the CPU and results come back with several ``.tolist()`` calls."""
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 import torch
 
-from pagedgen.engine import logits_processors as lp
-from pagedgen.engine.logprobs import logprob_dicts
-from pagedgen.engine.sequence import Sequence
-from pagedgen.engine.token_bitmask import GrammarBitmask
-from pagedgen.engine.sampler import SamplerOutput, counter_uniforms, greedy_ids, inverse_cdf_sample, unseeded_key
+from pagedgen.core.sequence import Sequence
+from pagedgen.sample import logits_processors as lp
+from pagedgen.sample.logprobs import logprob_dicts
+from pagedgen.sample.sampler import SamplerOutput, counter_uniforms, greedy_ids, inverse_cdf_sample, unseeded_key
+from pagedgen.structured_output.token_bitmask import GrammarBitmask
 
 _PLAIN_GREEDY = attrgetter("plain_greedy")
 
@@ -30,7 +31,7 @@ class HostSampler:
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: Optional[GrammarBitmask] = None) -> SamplerOutput:
         """logits: [num_seqs, vocab] on the CPU (float32 or the model's bf16/fp16), row i for seqs[i].
         The fast path takes the argmax in the logits' own dtype; every other path works in float32.
-        ``grammar_bitmask``: the structured-output rows of this step (engine/grammar.py), applied
+        ``grammar_bitmask``: the structured-output rows of this step (structured_output/grammar.py), applied
         first, in place (vLLM's order: logprobs are then those of the masked logits)."""
         if grammar_bitmask is not None:
             logits = grammar_bitmask.apply(logits, seqs)

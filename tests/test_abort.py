@@ -2,10 +2,10 @@
 are gone (the cache is emptied), the pool holds every block again, and the next call equals a
 fresh LLM's."""
 import pytest
-
 from conftest import story_openings
+
 from pagedgen import LLM, SamplingParams, ops
-from pagedgen.engine.block_manager import BlockManager
+from pagedgen.core.block_manager import BlockManager
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen import ops
-from pagedgen.engine.logprobs import logprob_dicts
-from pagedgen.engine.sampler import Sampler
-from pagedgen.engine.sequence import Sequence
+from pagedgen.core.sequence import Sequence
 from pagedgen.layers import matmul as lin
-from pagedgen.layers.linear import ReplicatedLinear
 from pagedgen.layers.activation import ActAndMul
 from pagedgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedgen.layers.linear import ReplicatedLinear
 from pagedgen.layers.norm import LayerNorm, RMSNorm
+from pagedgen.sample.logprobs import logprob_dicts
+from pagedgen.sample.sampler import Sampler
 from pagedgen.sampling_params import SamplingParams
 
 BATCHES = [(1, [0]), (7, [0, 3, 6]), (300, [0, 151, 299])]  # batch size, positions of the row in it
@@ -411,7 +411,7 @@ def test_sampler_rows_independent(target):
 
 def test_ties_are_broken_by_token_id_in_any_batch():
     """bf16 logits tie often: top-k logprobs and top-p keep equal logits in token-id order, whatever the batch."""
-    from pagedgen.engine import logits_processors as lp
+    from pagedgen.sample import logits_processors as lp
 
     g = gen(8)
     vocab = 2048

@@ -1,10 +1,10 @@
 """Block manager: property tests (hypothesis) of ownership, leaks and the utilisation figure, with
 and without a sliding window (blocks before it released, the bound of the module docstring)."""
-from hypothesis import given, settings, strategies as st
-
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pagedgen.engine.block_manager import RELEASED, BlockManager, NoFreeBlocksError, cdiv
+from pagedgen.core.block_manager import RELEASED, BlockManager, NoFreeBlocksError, cdiv
 
 
 def _check_invariants(bm: BlockManager) -> None:

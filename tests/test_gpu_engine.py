@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import story_openings
+
 from pagedgen import LLM, SamplingParams
 
 pytestmark = [
@@ -54,8 +54,8 @@ def test_gpu_preemption_swap_and_sharing(stories_path, workload):
 def test_gpu_sampler_equals_the_cpu_sampler_on_identical_logits():
     """The device sampler alone: the same fp32 logits on the CPU and on the GPU give the same
     seeded tokens (counter draws in int64 on the GPU), greedy tokens, and logprobs within 1e-6."""
-    from pagedgen.engine.sampler import Sampler, as_int64
-    from pagedgen.engine.sequence import Sequence
+    from pagedgen.core.sequence import Sequence
+    from pagedgen.sample.sampler import Sampler, as_int64
 
     rng = random.Random(0)
     kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3, logprobs=4),

@@ -4,7 +4,6 @@ import ast
 import os
 
 import pytest
-
 from conftest import ROOT
 
 
@@ -90,3 +89,116 @@ def test_model_loading_imports_one_way():
 
 def test_no_import_circles_in_pagedgen():
     assert circles(import_graph()) == []
+
+
+# ----- the layout's rules (docs/architecture.md, "The map") -------------------------------------------
+def _package(module: str) -> str:
+    """pagedgen.core.scheduler -> core; pagedgen.llm -> llm."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def _in(package: str, graph: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m in graph if _package(m) == package)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every pagedgen module that importing ``start`` reads (its imports, theirs, ...), ``start`` too."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    return seen
+
+
+def _run_time_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (read by type checkers only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _imports_torch(path: str) -> bool:
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in _run_time_nodes(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            return True
+    return False
+
+
+#: What the worker and the sampler may read of core: the plain data of a step (a sequence's tokens
+#: and sampling settings, the scheduled batch), never the scheduler or the block manager.
+STEP_DATA = {"pagedgen.core.sequence", "pagedgen.core.scheduler_output"}
+
+
+def test_core_imports_no_torch_and_nothing_of_worker_or_sample():
+    graph, files = import_graph(), _modules()
+    assert _in("core", graph), "no pagedgen.core package"
+    for module in _in("core", graph):
+        read = reachable(graph, module) - {"pagedgen"}  # the root package's __init__ (LLM) is not core's
+        torch_users = sorted(m for m in read if _imports_torch(files[m]))
+        assert torch_users == [], f"{module} reads torch through {torch_users}"
+        assert sorted(m for m in read if _package(m) in ("worker", "sample")) == [], module
+
+
+def test_core_imports_no_torch_when_run():
+    """The same, as Python sees it: the scheduler, the block manager and their imports load with
+    torch made unimportable (the root package's __init__, which imports LLM, stood in for)."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, types\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('core imported torch: ' + name)\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "root = types.ModuleType('pagedgen'); root.__path__ = [sys.argv[1]]; sys.modules['pagedgen'] = root\n"
+        "import pagedgen.core.scheduler, pagedgen.core.block_manager, pagedgen.core.kv_sizing\n"
+        "import pagedgen.core.block_pool_check, pagedgen.core.scheduler_output, pagedgen.core.sequence\n"
+        "from pagedgen.config import CacheConfig, SchedulerConfig\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "pagedgen")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_worker_and_sample_import_nothing_of_the_scheduler():
+    graph = import_graph()
+    for module in _in("worker", graph) + _in("sample", graph):
+        of_core = sorted(d for d in reachable(graph, module) if _package(d) == "core")
+        assert set(of_core) <= STEP_DATA, f"{module} reads {sorted(set(of_core) - STEP_DATA)}"
+
+
+def test_the_engine_reaches_the_worker_only_through_the_executor():
+    """llm.py -> engine -> core (schedule) -> executor -> worker -> sample: the engine and core
+    import no worker or sample module; the executor is the one door."""
+    graph = import_graph()
+    for module in _in("engine", graph) + _in("core", graph):
+        direct = sorted(d for d in graph[module] if _package(d) in ("worker", "sample"))
+        assert direct == [], f"{module} imports {direct}"
+    for module in _in("worker", graph) + _in("sample", graph) + _in("executor", graph):
+        assert sorted(d for d in graph[module] if _package(d) == "engine") == [], module
+
+
+#: The most lines a module of pagedgen/ may have (one job a file), and llm.py's own bound: the
+#: argument checks and the loops under generate live with the engine.
+MAX_LINES, MAX_LLM_LINES = 450, 400
+
+
+def test_files_hold_one_job():
+    long = {}
+    for name, path in _modules().items():
+        with open(path, encoding="utf-8") as f:
+            n = sum(1 for _ in f)
+        if n > (MAX_LLM_LINES if name == "pagedgen.llm" else MAX_LINES):
+            long[name] = n
+    assert long == {}

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from pagedgen import LLM, SamplingParams
-from pagedgen.engine import kv_sizing
+from pagedgen.core import kv_sizing
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -79,6 +79,7 @@ def test_worker_backends_on_a_gpu_need_the_kv_size_before_anything_loads(stories
     # on a GPU the KV cache is sized by a profiling pass over the model, which only the worker holds:
     # the size must be given. A fake device check stands for the GPU (none here); nothing is loaded
     import torch
+
     from pagedgen import inputs
     from pagedgen.model import loader
 

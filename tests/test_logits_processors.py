@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from pagedgen.engine import logits_processors as lp
-from pagedgen.engine import sampler as sampler_module
-from pagedgen.engine.sampler import Sampler, inverse_cdf_sample
-from pagedgen.engine.sequence import Sequence
+from pagedgen.core.sequence import Sequence
+from pagedgen.sample import logits_processors as lp
+from pagedgen.sample import sampler as sampler_module
+from pagedgen.sample.sampler import Sampler, inverse_cdf_sample
 from pagedgen.sampling_params import SamplingParams
 
 VOCAB = 64

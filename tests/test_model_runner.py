@@ -3,10 +3,10 @@ equal the block manager's through preemption, swapping, copy-on-write, prefix ca
 aborted step; positions and the slot mapping equal their per-token definitions."""
 import pytest
 import torch
-
 from conftest import story_openings
+
 from pagedgen import LLM, SamplingParams
-from pagedgen.engine.block_tables import BlockTables
+from pagedgen.worker.block_tables import BlockTables
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.in_process]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pagedgen.ops
-from pagedgen.engine.sampler import greedy_ids
 from pagedgen.ops import reference
+from pagedgen.sample.sampler import greedy_ids
 
 pytestmark = pytest.mark.skipif(
     not pagedgen.ops.extension_available("cpu"), reason="pagedgen._C is not built: " + pagedgen.ops.extension_error("cpu")

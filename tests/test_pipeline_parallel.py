@@ -22,9 +22,10 @@ import threading
 import time
 
 import pytest
-
-from worker_rpc import fail_steps, normal_steps, slow_steps, wait_gone as _gone
 from conftest import story_openings
+from worker_rpc import fail_steps, normal_steps, slow_steps
+from worker_rpc import wait_gone as _gone
+
 from pagedgen import LLM, SamplingParams
 from pagedgen.beam_search import BeamSearchParams
 
@@ -186,9 +187,9 @@ def test_stages_hold_only_their_layers_and_kv_cache(pp2):
 def test_microbatches_split_balanced_keep_forks_and_merge_in_step_order():
     from types import SimpleNamespace
 
-    from pagedgen.engine import microbatch
-    from pagedgen.engine.model_runner import StepOutput
-    from pagedgen.engine.scheduler_output import ScheduledBatch, SchedulerOutput
+    from pagedgen.core.scheduler_output import ScheduledBatch, SchedulerOutput
+    from pagedgen.worker import microbatch
+    from pagedgen.worker.model_runner import StepOutput
 
     seqs = [SimpleNamespace(seq_id=i) for i in range(5)]
     child = SimpleNamespace(seq_id=9)

@@ -1,12 +1,12 @@
-"""The CPU KV cache's pages are faulted in bulk before a step writes them (pagedgen/engine/prefault.py):
+"""The CPU KV cache's pages are faulted in bulk before a step writes them (pagedgen/worker/prefault.py):
 every block a step writes lies below the touched frontier, zeroing never reaches a block in use,
 and generation is the same with and without it."""
 import pytest
 import torch
-
 from conftest import story_openings
+
 from pagedgen import LLM, SamplingParams, ops
-from pagedgen.engine.prefault import Prefaulter
+from pagedgen.worker.prefault import Prefaulter
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.in_process]
 

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 import torch
-
 from host_sampler_reference import HostSampler
-from pagedgen.engine import sampler as sampler_mod
-from pagedgen.engine import token_bitmask
-from pagedgen.engine.sampler import Sampler, as_int64, counter_uniform, counter_uniforms_torch
-from pagedgen.engine.sequence import Sequence
-from pagedgen.engine.token_bitmask import GrammarBitmask
+
+from pagedgen.core.sequence import Sequence
+from pagedgen.sample import sampler as sampler_mod
+from pagedgen.sample.sampler import Sampler, as_int64, counter_uniform, counter_uniforms_torch
 from pagedgen.sampling_params import SamplingParams
+from pagedgen.structured_output import token_bitmask
+from pagedgen.structured_output.token_bitmask import GrammarBitmask
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 VOCAB = 1000
@@ -136,7 +136,7 @@ def test_one_copy_to_the_host_per_step(device, names, monkeypatch):
 def _sparse_bitmask(rng: random.Random, seqs: list[Sequence], vocab: int, kinds=("few", "few", "few", "one", "many")) -> GrammarBitmask:
     """Constrained rows of every kind: a few allowed tokens (sampled among them alone), one, many
     (past MAX_CANDIDATES: the full masked row), none inside the vocabulary (the grammar manager
-    ends such a request before it is sampled: engine/grammar.py); some rows unconstrained."""
+    ends such a request before it is sampled: structured_output/grammar.py); some rows unconstrained."""
     chosen = [s.seq_id for s in seqs if rng.random() < 0.8] or [seqs[0].seq_id]
     words = torch.zeros(len(chosen), -(-vocab // 32) + 1, dtype=torch.int64)  # one word wider than the vocabulary
     for row in range(len(chosen)):

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from pagedgen.engine.sampler import Sampler, as_int64, counter_uniform, counter_uniforms, unseeded_key
-from pagedgen.engine.sequence import Sequence
+from pagedgen.core.sequence import Sequence
+from pagedgen.sample.sampler import Sampler, as_int64, counter_uniform, counter_uniforms, unseeded_key
 from pagedgen.sampling_params import SamplingParams
 
 EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 12345, -98765]

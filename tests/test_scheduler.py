@@ -3,9 +3,9 @@ import random
 from typing import Optional
 
 from pagedgen.config import SchedulerConfig
-from pagedgen.engine.block_manager import BlockManager
-from pagedgen.engine.scheduler import Scheduler
-from pagedgen.engine.sequence import Sequence, SequenceStatus
+from pagedgen.core.block_manager import BlockManager
+from pagedgen.core.scheduler import Scheduler
+from pagedgen.core.sequence import Sequence, SequenceStatus
 from pagedgen.sampling_params import SamplingParams
 
 

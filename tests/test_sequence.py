@@ -1,7 +1,7 @@
 """Sequence.append_token: vLLM's stop order (EOS, stop token ids, stop strings, then length) and min_tokens."""
 import pytest
 
-from pagedgen.engine.sequence import Sequence
+from pagedgen.core.sequence import Sequence
 from pagedgen.sampling_params import SamplingParams
 
 EOS = 2

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import tiny_checkpoints
 import torch
 
-import tiny_checkpoints
 from pagedgen import LLM, SamplingParams
-from pagedgen.engine.block_manager import cdiv
+from pagedgen.core.block_manager import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

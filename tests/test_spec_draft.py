@@ -14,11 +14,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import GPT2_TOKENIZER, STORIES, story_openings
 from scipy.stats import chi2
 
-from conftest import GPT2_TOKENIZER, STORIES, story_openings
 from pagedgen import LLM, SamplingParams
-from pagedgen.spec.early_exit import write_early_exit_draft
+from pagedgen.spec_decode.early_exit import write_early_exit_draft
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny kernels: threads on a shared CPU only wait
 
@@ -269,9 +269,9 @@ def test_sampler_propose_processes_and_draws_as_the_sampler():
     """``Sampler.propose`` (a draft's proposals) applies the target's processing and draws: with no
     stream tag it picks the very tokens ``Sampler.__call__`` picks, and q is the distribution drawn
     from (one-hot for greedy rows); a tag moves the draws to another stream."""
-    from pagedgen.engine.sampler import Sampler, as_int64
-    from pagedgen.engine.sequence import Sequence
-    from pagedgen.spec.rejection_sampler import DRAFT_STREAM
+    from pagedgen.core.sequence import Sequence
+    from pagedgen.sample.rejection_sampler import DRAFT_STREAM
+    from pagedgen.sample.sampler import Sampler, as_int64
 
     cases = [SamplingParams(temperature=0.8, top_k=20, seed=3), SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.7),
              SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(temperature=1.3, min_p=0.05, seed=9, min_tokens=5)]
@@ -365,7 +365,7 @@ def test_cli_resume_binds_a_draft_model_but_not_ngram(drafts, tmp_path, capsys):
 def test_a_step_that_fails_in_the_draft_leaves_the_llm_as_fresh(drafts, prompts64, monkeypatch):
     """An exception inside a draft pass aborts the call; the next call's outputs (greedy and
     seeded) equal a fresh LLM's, the draft's per-sequence counts forgotten with the tables."""
-    from pagedgen.spec.draft_model import DraftModelProposer
+    from pagedgen.spec_decode.draft_model import DraftModelProposer
 
     params = [SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=0.9, seed=4, max_tokens=20)] * 3
     spec = dict(num_kv_blocks=256, block_size=4, speculative_config=_spec(drafts["early_exit"], 3))
@@ -393,7 +393,7 @@ def test_batched_rejection_sampler_equals_the_loop():
     """``rejection_sample_batch`` (tensor ops, all sequences at once) emits the tokens of
     ``rejection_sample`` (the plain loop), over random targets, drafts, k and draws, including
     greedy (one-hot) rows and drafts equal to the target."""
-    from pagedgen.spec.rejection_sampler import rejection_sample, rejection_sample_batch
+    from pagedgen.sample.rejection_sampler import rejection_sample, rejection_sample_batch
 
     g = torch.Generator().manual_seed(5)
     vocab, K = 7, 5

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from pagedgen import LLM, SamplingParams
-from pagedgen.spec.ngram import INDEX_MAX_N, NgramIndex, propose_reference
-from pagedgen.spec.speculator import MAX_PAUSE, MISS_LIMIT, Speculator
-from pagedgen.spec import verify
+from pagedgen.spec_decode import verify
+from pagedgen.spec_decode.ngram import INDEX_MAX_N, NgramIndex, propose_reference
+from pagedgen.spec_decode.speculator import MAX_PAUSE, MISS_LIMIT, Speculator
 
 MODEL = "../shared/models/stories260K"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -63,7 +63,7 @@ def test_draft_rows_build_views_only_where_sampling_reads_tokens(params, views):
 
 # ----- back-off ------------------------------------------------------------------------------------
 def _speculator():
-    from pagedgen.spec.config import SpeculativeConfig
+    from pagedgen.spec_decode.config import SpeculativeConfig
 
     return Speculator(SpeculativeConfig.from_dict(SPEC))
 

@@ -12,9 +12,9 @@ from scipy.stats import chisquare
 
 from pagedgen import LLM
 from pagedgen.engine_args import EngineArgs
-from pagedgen.spec.config import SpeculativeConfig
-from pagedgen.spec.ngram import NgramProposer, propose, propose_reference
-from pagedgen.spec.rejection_sampler import ACCEPT_STREAM, RESIDUAL_STREAM, greedy_verify, rejection_sample, spec_uniforms
+from pagedgen.sample.rejection_sampler import ACCEPT_STREAM, RESIDUAL_STREAM, greedy_verify, rejection_sample, spec_uniforms
+from pagedgen.spec_decode.config import SpeculativeConfig
+from pagedgen.spec_decode.ngram import NgramProposer, propose, propose_reference
 
 MODEL = "../shared/models/stories260K"
 
@@ -195,7 +195,7 @@ def test_sampled_tokens_follow_the_target(draft_kind):
 
 
 def test_streams_do_not_collide_with_the_ordinary_draw():
-    from pagedgen.engine.sampler import counter_uniforms
+    from pagedgen.sample.sampler import counter_uniforms
     ordinary = counter_uniforms([42] * 4, [3] * 4, [10, 11, 12, 13])
     assert not torch.equal(spec_uniforms(42, 3, 10, 4, ACCEPT_STREAM), ordinary)
     assert not torch.equal(spec_uniforms(42, 3, 10, 4, RESIDUAL_STREAM), ordinary)
@@ -299,7 +299,7 @@ def test_mp_executor_refused():
 
 
 def test_lookahead_slots_roll_back_and_never_enter_the_prefix_cache():
-    from pagedgen.engine.block_manager import BlockManager
+    from pagedgen.core.block_manager import BlockManager
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     bm.allocate(0, 6, list(range(6)))  # 2 blocks, the first full and named
     assert len(bm._cached) == 1

@@ -1,8 +1,8 @@
-"""The persistent step buffers (engine/step_buffers.py): a step's inputs staged into one buffer,
+"""The persistent step buffers (worker/step_buffers.py): a step's inputs staged into one buffer,
 moved in one copy, read back exactly; the buffers are reused from step to step."""
 import torch
 
-from pagedgen.engine.step_buffers import StepBuffers
+from pagedgen.worker.step_buffers import StepBuffers
 
 
 def _step(n: int, width: int, seed: int) -> list[torch.Tensor]:

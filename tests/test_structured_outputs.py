@@ -13,10 +13,12 @@ import torch
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")  # a core dependency; absent only from a foreign image (the GPU machine's)
 
-from conftest import GPT2_TOKENIZER, STORIES as STORIES_PATH, story_openings  # noqa: F401 (benchmarks/grammar_backends.py)
+from conftest import GPT2_TOKENIZER, story_openings  # noqa: F401 (benchmarks/grammar_backends.py)
+from conftest import STORIES as STORIES_PATH
+
 from pagedgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from pagedgen.engine import grammar as grammar_mod
-from pagedgen.engine.token_bitmask import GrammarBitmask, apply_token_bitmask, apply_token_bitmask_reference
+from pagedgen.structured_output import grammar as grammar_mod
+from pagedgen.structured_output.token_bitmask import GrammarBitmask, apply_token_bitmask, apply_token_bitmask_reference
 
 _STR = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
 _OBJ = lambda props, required, **kw: {"type": "object", "properties": props, "required": required, "additionalProperties": False, **kw}  # noqa: E731

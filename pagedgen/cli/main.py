@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Iterator, Optional
 
-from pagedgen.cli import progress as progress_mod
 from pagedgen.cli import checks, openai_batch, readers, resume, sidecar, structured
+from pagedgen.cli import progress as progress_mod
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
 from pagedgen.cli.lock import OutputLock, lock_path
@@ -260,7 +260,7 @@ def _speculative_fingerprint(config) -> Optional[dict]:
     flag); a draft model's sampled tokens come from its draws (docs/speculative.md), so its method,
     k, ``disable_by_batch_size`` and the draft's files bind the output like the model's. The config
     is checked here first (TypeError / ValueError / FileNotFoundError naming the key)."""
-    from pagedgen.spec.config import SpeculativeConfig
+    from pagedgen.spec_decode.config import SpeculativeConfig
 
     if config is None:
         return None

@@ -22,7 +22,7 @@ from pagedgen import arg_utils
 from pagedgen.cli.errors import BadRow, CLIError
 from pagedgen.sampling_args import sampling_fields
 from pagedgen.sampling_params import SamplingParams
-from pagedgen.structured_outputs import StructuredOutputsParams
+from pagedgen.structured_output.params import StructuredOutputsParams
 
 FLAGS = ("--json-schema", "--regex", "--choice", "--grammar")
 

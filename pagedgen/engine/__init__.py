@@ -1,2 +1,5 @@
-"""The engine: request state (sequence), KV block accounting (block_manager), batching (scheduler),
-tensors and the model step (model_runner), sampling (sampler), and the step loop (llm_engine)."""
+"""The request lifecycle in the driver: ``llm_engine`` (``LLMEngine``: add requests, step, abort,
+the step loop over ``core``'s scheduler and an ``executor``), ``processor`` (prompts and
+``SamplingParams`` checked and turned into requests and sequences; ``RequestOutput`` assembly),
+``detokenizer`` (incremental text and stop strings), ``beam_group`` (a beam search's beams and
+finished hypotheses) and ``step_log`` (per-step figures for ``LLM.start_recording``)."""

@@ -31,19 +31,17 @@ import torch
 
 from pagedgen import _repr
 from pagedgen.config import CacheConfig, SchedulerConfig
+from pagedgen.core.block_manager import BlockManager
+from pagedgen.core.scheduler import Scheduler
+from pagedgen.core.scheduler_output import ScheduledBatch
+from pagedgen.core.sequence import Sequence, SequenceStatus
 from pagedgen.engine.beam_group import BeamGroup
-from pagedgen.engine.block_manager import BlockManager
-from pagedgen.engine.grammar import StructuredOutputManager
-from pagedgen.engine.model_runner import ModelRunner
 from pagedgen.engine.processor import Params, Request, RequestProcessor
-from pagedgen.engine.sampler import as_int64
-from pagedgen.engine.scheduler import Scheduler
-from pagedgen.engine.scheduler_output import ScheduledBatch
-from pagedgen.engine.sequence import Sequence, SequenceStatus
 from pagedgen.engine.step_log import StepLog
 from pagedgen.outputs import RequestOutput
-from pagedgen.sampling_params import SamplingParams
-from pagedgen.spec.speculator import Speculator
+from pagedgen.sampling_params import SamplingParams, as_int64
+from pagedgen.spec_decode.speculator import Speculator
+from pagedgen.structured_output.grammar import StructuredOutputManager
 
 logger = logging.getLogger("pagedgen")
 
@@ -119,8 +117,9 @@ class LLMEngine:
         cpu_blocks = BlockManager(cache_config.num_cpu_blocks, cache_config.block_size) if cache_config.num_cpu_blocks else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager, cpu_blocks)
         self.executor = executor
-        # the in-process model runner (None when the model lives in worker processes)
-        self.model_runner: Optional[ModelRunner] = getattr(executor, "model_runner", None)
+        # the in-process executor's ModelRunner, for tests and tools (None when the model lives in
+        # worker processes); the engine itself reaches the model only through the executor
+        self.model_runner = getattr(executor, "model_runner", None)
         self.processor = processor
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}  # unfinished requests, in arrival order
@@ -134,7 +133,7 @@ class LLMEngine:
         self._peak_savings = 0.0
         self.step_log: Optional[StepLog] = None  # set by LLM.start_recording(): one record per step
         self.grammars = StructuredOutputManager(processor.grammars)  # structured outputs: one matcher per constrained sequence
-        # speculative decoding (pagedgen/spec/): drafts, lookahead slots, commit and rollback
+        # speculative decoding (pagedgen/spec_decode/): drafts, lookahead slots, commit and rollback
         self.speculator = None if speculative_config is None else Speculator(speculative_config)
 
     # ----- the request API -----------------------------------------------------------------------

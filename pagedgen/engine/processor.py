@@ -15,9 +15,9 @@ from typing import Optional, Union
 
 from pagedgen import inputs
 from pagedgen.beam_search import BeamSearchParams
+from pagedgen.core.sequence import Sequence
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.detokenizer import Detokenizer
-from pagedgen.engine.sequence import Sequence
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
@@ -68,7 +68,7 @@ class RequestProcessor:
         vocab_size: the model's vocabulary size (token ids must lie in [0, vocab_size)).
         max_model_len: most tokens of prompt + output; a prompt must leave room for one token.
         max_num_seqs: most sequences in a step (``n`` and ``beam_width`` cannot exceed it).
-        grammars: compiles structured-output constraints (``engine/grammar.py``); None refuses them.
+        grammars: compiles structured-output constraints (``structured_output/grammar.py``); None refuses them.
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, grammars=None) -> None:

@@ -15,7 +15,7 @@ The driver (``LLMEngine``: scheduler, block manager, Sequences, detokenizers, be
 ``tensor_parallel_size`` = N > 1 runs N ``"mp"`` workers, each with its shard of the weights and
 the KV cache (pagedgen/distributed, docs/architecture.md); ``pipeline_parallel_size`` = P runs P
 stages of N workers each, a run of the decoder layers per stage, each step in micro-batches
-(engine/microbatch.py).
+(worker/microbatch.py).
 """
 from __future__ import annotations
 

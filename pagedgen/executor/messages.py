@@ -14,7 +14,7 @@ A step record carries each sequence once (``NewSequence``: its prompt and token 
 settings with the seed, logprob settings), then only the plan's deltas (first position, the tokens
 computed in the step, block-table deltas), freed sequence ids, block moves and forks. Randomness
 travels as a key, not a state: the draws are a function of (seed, completion index, position)
-(engine/sampler.py), so a worker needs no generator from the driver.
+(sample/sampler.py), so a worker needs no generator from the driver.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedgen.engine.scheduler_output import SchedulerOutput
-from pagedgen.engine.sequence import Sequence
+from pagedgen.core.scheduler_output import SchedulerOutput
+from pagedgen.core.sequence import Sequence
 from pagedgen.outputs import Logprob
 from pagedgen.sampling_params import SamplingParams
 
@@ -91,7 +91,7 @@ class StepRecord:
     scheduled sequences the worker does not hold yet; ``forked``: the children of ``plan.forked``
     (they sample from their parent's row in this step only; the worker forgets them after it and
     gets them as new sequences when they are first scheduled); ``grammar_bitmask``: the
-    structured-output rows of the step's constrained sequences (engine/grammar.py's
+    structured-output rows of the step's constrained sequences (structured_output/grammar.py's
     ``GrammarBitmask``: seq ids and a [rows, ceil(vocab / 32)] int32 tensor), None when none is.
     """
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import shutil
@@ -34,16 +35,14 @@ import traceback
 import weakref
 from typing import Callable, Optional
 
-import multiprocessing.connection as mp_connection
-
 import torch.multiprocessing as mp
 
-from pagedgen.engine.model_runner import StepOutput
-from pagedgen.engine.scheduler_output import ScheduledBatch
-from pagedgen.engine.sequence import Sequence
+from pagedgen.core.scheduler_output import ScheduledBatch
+from pagedgen.core.sequence import Sequence
 from pagedgen.executor.messages import RpcReply, RunOnWorker, Shutdown, StepRecord, StepReply, WorkerError, WorkerReady
 from pagedgen.executor.uniproc import RecordBuilder
-from pagedgen.executor.worker import Worker, WorkerSpec, output_of
+from pagedgen.worker.model_runner import StepOutput
+from pagedgen.worker.worker import Worker, WorkerSpec, output_of
 
 POLL_S = 0.05  # how often a waiting driver checks that its workers are alive
 START_TIMEOUT_S = 600.0  # loading a model may take minutes; a worker that dies while loading is seen at once

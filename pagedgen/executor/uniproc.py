@@ -12,11 +12,11 @@ import itertools
 import pickle
 from typing import Callable, Optional
 
-from pagedgen.engine.model_runner import ModelRunner, StepOutput
-from pagedgen.engine.scheduler_output import ScheduledBatch
-from pagedgen.engine.sequence import Sequence
+from pagedgen.core.scheduler_output import ScheduledBatch
+from pagedgen.core.sequence import Sequence
 from pagedgen.executor.messages import NewSequence, StepRecord
-from pagedgen.executor.worker import Worker, WorkerSpec, output_of
+from pagedgen.worker.model_runner import ModelRunner, StepOutput
+from pagedgen.worker.worker import Worker, WorkerSpec, output_of
 
 
 class RecordBuilder:

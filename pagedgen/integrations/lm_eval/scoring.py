@@ -12,7 +12,7 @@ continuation token counts as greedy when it is the argmax there. The same window
     continuation[-1]   = the one token sampled after the prompt, forced by allowed_token_ids=[it];
                          logprobs=0 returns its raw log-probability and rank
 
-Logprobs are the log-softmax of the raw logits (engine/logprobs.py), and a rank is the number of
+Logprobs are the log-softmax of the raw logits (sample/logprobs.py), and a rank is the number of
 tokens at least as likely, so "greedy" is rank 1 for every continuation token. The window takes
 every position of ``max_model_len``, which is where vLLM refuses the prompt (lm-evaluation-harness
 issue #2880): pagedgen accepts a prompt of exactly ``max_model_len`` tokens.

@@ -3,7 +3,7 @@
 The draft's KV cache shares the target's block ids: block b of the draft's cache holds the draft's
 keys and values of the tokens whose target keys and values are in block b of the target's cache, so
 one block manager, one block table and one slot mapping serve both models, and a block of the pool
-costs target bytes + draft bytes (``LLM`` sizes the pool with both; engine/kv_sizing.py).
+costs target bytes + draft bytes (``LLM`` sizes the pool with both; core/kv_sizing.py).
 
     target cache  layer l  [num_blocks, block_size, kv_heads,       head_dim      ]   same block ids,
     draft cache   layer l' [num_blocks, block_size, draft_kv_heads, draft_head_dim]   same slots
@@ -26,8 +26,8 @@ writing its keys and values in the target's slots of those positions (the lookah
 scheduler reserved for the drafts). After the step its count is L + k - 1; the next step clamps it
 to the target's count, which covers the rollback of rejected drafts: their slots are overwritten
 later. Each proposal is drawn by ``Sampler.propose`` with the request's own sampling parameters on
-the sequence as if the earlier drafts were committed (spec/verify.py's view), keeping q for the
-rejection sampler (spec/rejection_sampler.py).
+the sequence as if the earlier drafts were committed (spec_decode/verify.py's view), keeping q for the
+rejection sampler (sample/rejection_sampler.py).
 """
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ from typing import Optional
 import torch
 
 from pagedgen.config import CacheConfig
-from pagedgen.engine.block_tables import BlockTables, int_tensor
-from pagedgen.engine.sampler import Sampler
 from pagedgen.ops import AttentionMetadata
-from pagedgen.spec.rejection_sampler import DRAFT_STREAM
-from pagedgen.spec.verify import view
+from pagedgen.sample.rejection_sampler import DRAFT_STREAM
+from pagedgen.sample.sampler import Sampler
+from pagedgen.spec_decode.verify import view
+from pagedgen.worker.block_tables import BlockTables, int_tensor
 
 
 class DraftModelProposer:
@@ -146,10 +146,10 @@ def naming_the_draft(draft_path: str):
 
 
 def check_draft(draft_config, target_config, draft_path: str, max_model_len: int) -> None:
-    """The draft's config against the target's: the same vocabulary size (spec/config.py's
+    """The draft's config against the target's: the same vocabulary size (spec_decode/config.py's
     ``check_draft_vocab``), positions up to ``max_model_len``, no sliding window on either (the
     block manager releases blocks by the target's window). Raises ValueError naming the field."""
-    from pagedgen.spec.config import check_draft_vocab
+    from pagedgen.spec_decode.config import check_draft_vocab
 
     check_draft_vocab(draft_config.vocab_size, target_config.vocab_size, draft_path)
     if draft_config.max_position_embeddings < max_model_len:

@@ -20,7 +20,7 @@ One step's inputs, for the scheduled sequences s_0..s_{n-1} computing tokens [c_
                                 then the R prompt positions whose logits give prompt logprobs
 
 Pipeline parallelism (``pp``, a ``PPGroup``): the runner of a stage holds the KV cache of the
-stage's layers only and runs each step as micro-batches (engine/microbatch.py): every stage
+stage's layers only and runs each step as micro-batches (worker/microbatch.py): every stage
 prepares the same inputs (the block tables are every stage's), the first embeds the tokens, the
 others receive the previous stage's activations, every stage but the last sends its own on, and
 the last samples each micro-batch; the other stages return an empty output.
@@ -42,21 +42,21 @@ import torch
 
 from pagedgen import ops
 from pagedgen.config import CacheConfig
-from pagedgen.engine.block_tables import BlockTables, int_tensor
-from pagedgen.engine.cuda_graphs import CUDAGraphRunner
-from pagedgen.engine import microbatch
-from pagedgen.engine.logprobs import logprob_dicts
-from pagedgen.engine.prefault import Prefaulter
-from pagedgen.engine.sampler import Sampler
-from pagedgen.engine.scheduler_output import ScheduledBatch
-from pagedgen.engine.step_buffers import StepBuffers
-from pagedgen.engine.sequence import Sequence
-from pagedgen.spec import verify
-from pagedgen.spec.draft_model import DraftModelProposer
-from pagedgen.spec.rejection_sampler import DraftGroup, resample_groups
+from pagedgen.core.scheduler_output import ScheduledBatch
+from pagedgen.core.sequence import Sequence
 from pagedgen.model.llama import LlamaForCausalLM
 from pagedgen.ops import AttentionMetadata
 from pagedgen.outputs import Logprob
+from pagedgen.sample.logprobs import logprob_dicts
+from pagedgen.sample.rejection_sampler import DraftGroup, resample_groups
+from pagedgen.sample.sampler import Sampler
+from pagedgen.spec_decode import verify
+from pagedgen.spec_decode.draft_model import DraftModelProposer
+from pagedgen.worker import microbatch
+from pagedgen.worker.block_tables import BlockTables, int_tensor
+from pagedgen.worker.cuda_graphs import CUDAGraphRunner
+from pagedgen.worker.prefault import Prefaulter
+from pagedgen.worker.step_buffers import StepBuffers
 
 # Steps of at most this many query rows (decode and speculative verify rows) build their positions
 # and row indices as Python lists: cheaper than the tensor ops a long prefill needs (measured: a
@@ -111,7 +111,7 @@ class StepOutput:
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
     beam_logprobs: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
     # speculative decoding: (sequence, tokens sampled after its first, their logprobs, drafts) for
-    # each sequence verified this step (pagedgen/spec/verify.py)
+    # each sequence verified this step (pagedgen/spec_decode/verify.py)
     spec: list = field(default_factory=list)
 
 
@@ -128,7 +128,7 @@ class ModelRunner:
         pp: this rank's pipeline stage (None: the whole model); its layers' KV cache only, the
             step in micro-batches (see the module docstring).
         draft_model: speculative decoding's draft model (method "draft_model"), run beside the
-            model with a KV cache of the same blocks (spec/draft_model.py); None without one.
+            model with a KV cache of the same blocks (spec_decode/draft_model.py); None without one.
     """
 
     def __init__(
@@ -160,7 +160,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers if cache_config.num_cpu_blocks else 0)
         ]
         self.on_cpu = model.device.type == "cpu"
-        # speculative decoding with a draft model: its KV cache has the same block ids (spec/draft_model.py)
+        # speculative decoding with a draft model: its KV cache has the same block ids (spec_decode/draft_model.py)
         self.drafter = None if draft_model is None else DraftModelProposer(draft_model, cache_config, sampler)
         # CPU: the pages of never-used blocks are faulted in bulk before a step writes them (prefault.py)
         block_bytes = cfg.kv_bytes_per_token() * cache_config.block_size
@@ -238,7 +238,7 @@ class ModelRunner:
         """The step's rows whose logits are wanted: (flat row of each sampling sequence's last token,
         those sequences, the beams, the beams' rows, the prompt-logprobs plan). A sequence samples
         when its computed tokens reach its end; a forked parallel sample repeats its parent's row; a
-        sequence with drafts (speculative decoding, ``batch.drafts``) gets k + 1 rows (spec/verify.py)."""
+        sequence with drafts (speculative decoding, ``batch.drafts``) gets k + 1 rows (spec_decode/verify.py)."""
         seqs, drafts = batch.seqs, batch.drafts
         prompt_plan = PromptLogprobsPlan()
         if not drafts and all(end == len(seq.token_ids) and seq.beam_group is None and seq.prompt_logprobs is None
@@ -350,7 +350,7 @@ class ModelRunner:
         out = StepOutput(sampling, [])
         if sampling:
             resample = None
-            if groups:  # sampled rows verified against a draft model: rejection sampling (spec/rejection_sampler.py)
+            if groups:  # sampled rows verified against a draft model: rejection sampling (sample/rejection_sampler.py)
                 where = {id(seq): i for i, seq in enumerate(sampling)}
                 for g in groups:
                     g.first_row = where[id(g.seq)]

@@ -16,7 +16,7 @@ and a decode step appends the token sampled in the step before, so its tokens ar
 children. A mirror never needs a token back from the driver that is not in a record.
 
 With pipeline stages every rank gets the same record; a stage's runner runs its layers on each
-micro-batch and hands the activations on (engine/model_runner.py); the last stage samples, the
+micro-batch and hands the activations on (worker/model_runner.py); the last stage samples, the
 others reply with an empty ``StepReply`` (every rank answers, so that an error anywhere is seen).
 A non-last stage's mirrors do not advance their prompt-logprobs progress (it has no logits):
 only the last stage reads it.
@@ -30,15 +30,15 @@ import torch
 import torch.distributed as dist
 
 from pagedgen.config import CacheConfig
+from pagedgen.core.scheduler_output import ScheduledBatch
+from pagedgen.core.sequence import Sequence
 from pagedgen.distributed.communicator import init_process_group, make_channel, make_communicator
 from pagedgen.distributed.group import PPGroup, TPGroup, stage_layers
-from pagedgen.engine.model_runner import ModelRunner, StepOutput
-from pagedgen.engine.sampler import Sampler
-from pagedgen.engine.scheduler_output import ScheduledBatch
-from pagedgen.engine.sequence import Sequence
 from pagedgen.executor.messages import StepRecord, StepReply
 from pagedgen.layers.matmul import MatmulConfig, prepare_matmuls
 from pagedgen.model import loader
+from pagedgen.sample.sampler import Sampler
+from pagedgen.worker.model_runner import ModelRunner, StepOutput
 
 
 @dataclass(frozen=True)

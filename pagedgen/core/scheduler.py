@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedgen.config import SchedulerConfig
-from pagedgen.engine.block_manager import BlockManager
-from pagedgen.engine.scheduler_output import SchedulerOutput
-from pagedgen.engine.sequence import Sequence, SequenceStatus
+from pagedgen.core.block_manager import BlockManager
+from pagedgen.core.scheduler_output import SchedulerOutput
+from pagedgen.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 CPU: ``DEFAULT_CPU_KV_FRACTION`` of the memory available when the engine is built.
 GPU: vLLM's rule: ``gpu_memory_utilization * total GPU memory - peak memory of a profiling forward
-pass`` (weights + activations of the largest step), measured with torch's allocator statistics.
+pass`` (weights + activations of the largest step), measured with torch's allocator statistics by
+the worker (``pagedgen/worker/kv_profile.py``); this module holds the arithmetic, tensor-free.
 Either way the default never exceeds what ``max_num_seqs`` sequences of ``max_model_len`` tokens
 could use at once.
 
@@ -11,7 +12,7 @@ sequence alone always fits and preemption cannot loop): ``check_max_model_len`` 
 otherwise, naming both numbers and what to change, as vLLM does at start-up
 (``check_enough_kv_cache_memory``); ``max_model_len`` is never lowered behind the user's back.
 
-With a draft model (speculative decoding, spec/draft_model.py) the draft's KV cache has the same
+With a draft model (speculative decoding, spec_decode/draft_model.py) the draft's KV cache has the same
 block ids as the model's, so ``block_bytes`` here is the bytes of one block in both caches: one
 budget, one pool.
 """
@@ -19,11 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from pagedgen.engine.block_manager import cdiv
-from pagedgen.model.llama import LlamaForCausalLM
-from pagedgen.ops import AttentionMetadata
+from pagedgen.core.blocks import cdiv
 
 #: Share of the available host memory the KV cache takes by default on the CPU.
 DEFAULT_CPU_KV_FRACTION = 0.25
@@ -78,39 +75,3 @@ def check_max_model_len(num_blocks: int, block_size: int, block_bytes: int, max_
         f"fewer than one sequence of max_model_len={max_model_len} tokens{origin}: {bigger}, "
         f"or pass a smaller max_model_len (at most {slots})"
     )
-
-
-@torch.inference_mode()
-def cuda_kv_bytes(model: LlamaForCausalLM, max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
-    """Bytes left for the KV cache on ``model.device`` after a profiling forward pass of
-    ``max_num_batched_tokens`` tokens (the largest step). Raises ValueError if nothing is left."""
-    cfg, dev = model.config, model.device
-    torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    T = max_num_batched_tokens
-    one_block = (1, 1, cfg.num_kv_heads, cfg.head_dim)  # a stand-in cache: nothing is written (slot -1)
-    caches = [(torch.zeros(one_block, dtype=cfg.dtype, device=dev), torch.zeros(one_block, dtype=cfg.dtype, device=dev)) for _ in range(cfg.num_layers)]
-    attn = AttentionMetadata(  # T one-token sequences, each attending over its own (unwritten) slot
-        slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
-        block_tables=torch.zeros(T, 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.ones(T, dtype=torch.int32, device=dev),
-        query_start_loc=torch.arange(T + 1, dtype=torch.int32, device=dev),
-        max_seq_len=1,
-    )
-    ids = torch.zeros(T, dtype=torch.int64, device=dev)
-    positions = torch.zeros(T, dtype=torch.int64, device=dev)
-    model.forward(ids, positions, attn, caches, torch.arange(min(T, 256), device=dev))
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev)
-    del caches, attn
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(dev).total_memory
-    kv_bytes = int(total * gpu_memory_utilization) - peak
-    if kv_bytes <= 0:
-        raise ValueError(
-            f"no GPU memory left for the KV cache: the model and one step take {peak / 2**30:.2f} GiB of "
-            f"{total * gpu_memory_utilization / 2**30:.2f} GiB (gpu_memory_utilization={gpu_memory_utilization}); "
-            "raise gpu_memory_utilization or lower max_num_batched_tokens"
-        )
-    return kv_bytes

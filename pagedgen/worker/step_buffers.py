@@ -13,7 +13,7 @@ single ``copy_(non_blocking=True)``; the tensors the model sees are views of the
 Before the staging buffer is written again, the host waits on the event recorded after the last
 copy (the copy may still be reading it). The buffers grow by doubling and are never shrunk, so a
 steady workload reuses the same memory every step. CUDA graphs keep their own static inputs
-(engine/cuda_graphs.py) and copy from these views on the device, so their addresses never move.
+(worker/cuda_graphs.py) and copy from these views on the device, so their addresses never move.
 
 On the CPU the host tensors are the model's inputs: no staging, no copy at all.
 """

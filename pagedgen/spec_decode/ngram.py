@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pagedgen.spec.config import SpeculativeConfig
+from pagedgen.spec_decode.config import SpeculativeConfig
 
 
 def propose(token_ids, k: int, min_n: int, max_n: int) -> list[int]:

@@ -48,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from pagedgen.engine.token_bitmask import GrammarBitmask
-from pagedgen.structured_outputs import StructuredOutputsParams
+from pagedgen.structured_output.params import StructuredOutputsParams
+from pagedgen.structured_output.token_bitmask import GrammarBitmask
 
 logger = logging.getLogger("pagedgen")
 

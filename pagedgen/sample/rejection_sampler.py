@@ -12,7 +12,7 @@ The emitted tokens follow the target's distribution whatever the draft (the test
 chi-square test and a deliberately bad draft). Greedy rows (temperature 0) accept while the draft
 equals the target's argmax and then emit that argmax: the output equals non-speculative greedy.
 
-Draws are counter-based, like the sampler's (engine/sampler.py): the accept draw of the token at
+Draws are counter-based, like the sampler's (sample/sampler.py): the accept draw of the token at
 position p uses stream ``stream ^ ACCEPT_STREAM``, the recovered and bonus draws ``stream ^
 RESIDUAL_STREAM`` and the draft model's own draw of its proposal ``stream ^ DRAFT_STREAM``, so
 none collides with the ordinary draw (stream, p) and a seeded request's tokens do not depend on its
@@ -30,11 +30,11 @@ from typing import Callable, Optional
 
 import torch
 
-from pagedgen.engine.sampler import as_int64, counter_uniforms, inverse_cdf_sample
+from pagedgen.sample.sampler import as_int64, counter_uniforms, inverse_cdf_sample
 
 ACCEPT_STREAM = 0x5A5A_0000_0000_0001
 RESIDUAL_STREAM = 0x5A5A_0000_0000_0002
-DRAFT_STREAM = 0x5A5A_0000_0000_0003  # the draft model's proposals (spec/draft_model.py)
+DRAFT_STREAM = 0x5A5A_0000_0000_0003  # the draft model's proposals (spec_decode/draft_model.py)
 
 
 def spec_uniforms(key: int, stream: int, first_position: int, count: int, tag: int) -> torch.Tensor:

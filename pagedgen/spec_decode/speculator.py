@@ -2,7 +2,7 @@
 reserve their lookahead slots, and after the step commit the kept tokens one by one through the
 engine's normal per-token path (stop checks after each) and give back the rejected slots.
 
-N-gram drafts are proposed here. A draft model lives with the target in the worker (spec/
+N-gram drafts are proposed here. A draft model lives with the target in the worker (spec_decode/
 draft_model.py): here a speculating sequence gets k ``PLACEHOLDER`` drafts, whose lookahead slots
 are reserved like any drafts', and the worker replaces them with the draft model's proposals (in
 ``batch.drafts`` and the plan's token ids) before the target's pass.
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedgen.spec.config import SpeculativeConfig
-from pagedgen.spec.ngram import INDEX_MAX_N, NgramIndex, propose
+from pagedgen.spec_decode.config import SpeculativeConfig
+from pagedgen.spec_decode.ngram import INDEX_MAX_N, NgramIndex, propose
 
 #: a draft token the worker's draft model has still to propose (never fed to a model)
 PLACEHOLDER = -1

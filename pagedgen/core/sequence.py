@@ -38,7 +38,7 @@ class Sequence:
         num_computed_tokens: tokens whose keys and values are in the KV cache.
         sampling_params: how to sample; ``eos_token_ids``: ids that end it unless ignore_eos.
         seed: its request's seed as a signed 64-bit int, the key of its random draws (None: the
-            request has none and draws with the engine's key; see engine/sampler.py).
+            request has none and draws with the engine's key; see sample/sampler.py).
         index: which of its request's ``n`` completions this is.
         detokenizer: an ``IncrementalDetokenizer`` when the request has stop strings (else None:
             the text is decoded once at the end).

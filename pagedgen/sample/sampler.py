@@ -1,16 +1,16 @@
 """Turns the logits of the sequences that finish a step into their next tokens (and logprobs).
 
 Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
-0. the grammar bitmask of structured outputs, on the constrained rows (engine/token_bitmask.py;
+0. the grammar bitmask of structured outputs, on the constrained rows (structured_output/token_bitmask.py;
    vLLM applies it just before its sampler); a constrained row allowing few tokens that asks for
    no logprobs and no logits processing skips it and runs steps 4-5 over those tokens alone
    (``_sample_candidates``);
-1. logprobs, if a row asks: log-softmax of the raw logits (see engine/logprobs.py);
+1. logprobs, if a row asks: log-softmax of the raw logits (see sample/logprobs.py);
 2. allowed_token_ids, logit bias and min_tokens (EOS / stop tokens banned while fewer than
    min_tokens are generated);
 3. repetition, frequency and presence penalties;
 4. greedy rows take the argmax here;
-5. other rows: temperature, min-p, top-k, top-p (engine/logits_processors.py), then sampling by the
+5. other rows: temperature, min-p, top-k, top-p (sample/logits_processors.py), then sampling by the
    inverse transform: one ``u ~ U[0, 1)`` per row, the token is the first whose cumulative
    probability exceeds ``u`` (``inverse_cdf_sample``). One random number per sampled token, where the
    exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` (vLLM's), needs one per vocabulary entry:
@@ -26,7 +26,7 @@ a row's token does not depend on what else shares the batch, on the batch order,
 
 Device: every step above is batched tensor work on the logits' device (a GPU's logits never
 travel whole); the per-row parameters go down as a few small tensors, and the sampled ids and the
-requested logprobs (packed by ``engine/logprobs.py::logprob_tensors`` into one float64 tensor) come
+requested logprobs (packed by ``sample/logprobs.py::logprob_tensors`` into one float64 tensor) come
 back in one copy, ``_to_host``. The draws are computed there too: ``counter_uniforms_torch`` is the
 same hash in torch int64 arithmetic (wrapping + and *, shifts made logical), bit for bit the Python
 reference; on the CPU the numpy version ``counter_uniforms`` is used (cheaper on small arrays).
@@ -39,17 +39,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, Optional, Sequence as Seq
+from typing import Callable, Optional
+from typing import Sequence as Seq
 
 import numpy as np
 import torch
 
 from pagedgen import ops
-from pagedgen.engine import logits_processors as lp
-from pagedgen.engine.logprobs import logprob_tensors, unpack_logprob_dicts
-from pagedgen.engine.sequence import Sequence
-from pagedgen.engine.token_bitmask import GrammarBitmask
+from pagedgen.core.sequence import Sequence
 from pagedgen.outputs import Logprob
+from pagedgen.sample import logits_processors as lp
+from pagedgen.sample.logprobs import logprob_tensors, unpack_logprob_dicts
+from pagedgen.sampling_params import as_int64
+from pagedgen.structured_output.token_bitmask import GrammarBitmask
 
 _PLAIN_GREEDY = attrgetter("plain_greedy")
 _CPU = torch.device("cpu")
@@ -59,12 +61,6 @@ _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 _MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser
 _UNSEEDED = 0x5EED_0F_E4_61_4E_5EED  # keeps the keys of unseeded requests apart from request seeds
-
-
-def as_int64(value: int) -> int:
-    """A 64-bit integer (signed or unsigned, as ``SamplingParams.seed`` allows) as a signed int64."""
-    value &= _M64
-    return value - (1 << 64) if value >= (1 << 63) else value
 
 
 def _mix(z: int) -> int:
@@ -180,12 +176,12 @@ class Sampler:
         seqs[i]. All the work runs on the logits' device; the sampled ids and the requested
         logprobs come back to the host in one copy (``_to_host``). The fast path takes the argmax
         in the logits' own dtype; every other path works in float32. ``grammar_bitmask``: the
-        structured-output rows of this step (engine/grammar.py), applied first, in place (vLLM's
+        structured-output rows of this step (structured_output/grammar.py), applied first, in place (vLLM's
         order: logprobs are then those of the masked logits); a constrained row whose grammar allows
         at most ``token_bitmask.MAX_CANDIDATES`` tokens and that asks for no logprobs and no logits
         processing is sampled among those tokens alone (``_sample_candidates``).
         ``resample(tokens, probs, rows)``: speculative decoding with a draft model
-        (spec/rejection_sampler.py): given the drawn tokens [R] int64 of the sampled rows ``rows``
+        (sample/rejection_sampler.py): given the drawn tokens [R] int64 of the sampled rows ``rows``
         (indices into ``seqs``) and the distributions they were drawn from, probs [R, vocab]
         float32, returns the tokens to keep instead (the rejection sampler's); logprobs are those
         of the returned tokens. (Steps with a grammar bitmask are not speculated.)"""
@@ -361,7 +357,7 @@ class Sampler:
         return x.softmax(dim=-1)  # [R, vocab]
 
     def propose(self, logits: torch.Tensor, seqs: Seq[Sequence], stream_tag: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft model's proposals (speculative decoding, spec/draft_model.py): one token per row
+        """A draft model's proposals (speculative decoding, spec_decode/draft_model.py): one token per row
         of ``logits`` [R, vocab] (the draft's, any float dtype), drawn as ``__call__`` would draw
         the target's (the same logit processing, penalties and min_tokens on ``seqs``, the same
         temperature, min-p, top-k and top-p) from draws on the stream ``stream ^ stream_tag``, so

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pagedgen.engine.blocks import RELEASED, cdiv
+from pagedgen.core.blocks import RELEASED, cdiv
 
-# ``bm`` below is a pagedgen.engine.block_manager.BlockManager, whose private state these functions
+# ``bm`` below is a pagedgen.core.block_manager.BlockManager, whose private state these functions
 # read and reset; not imported, so that imports run one way (block_manager -> this module).
 
 

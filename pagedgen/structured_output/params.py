@@ -10,7 +10,7 @@ Exactly one kind of constraint per request:
     grammar       a context-free grammar: Lark (llguidance's dialect) or GBNF (llama.cpp's)
 
 The constraint is compiled once per distinct value for the model's tokenizer and applied to every
-step as a token bitmask (``pagedgen/engine/grammar.py``; docs/structured_outputs.md). Only the
+step as a token bitmask (``pagedgen/structured_output/grammar.py``; docs/structured_outputs.md). Only the
 fields' types and the one-kind rule are checked here; a schema, regex or grammar the backend
 cannot compile is a ValueError when the request is added (naming the request), before any work.
 """

@@ -10,7 +10,7 @@ request state stay with the engine that owns the scheduler.
 
 ``ScheduledBatch`` is the same step for a model runner: the plan plus the Sequence objects its ids
 name (in this process the driver's own; in a worker the mirrors it built from the step records,
-pagedgen/executor/worker.py).
+pagedgen/worker/worker.py).
 """
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ class ScheduledBatch:
     plan: SchedulerOutput
     seqs: list[Any]
     forked: list[tuple[Any, Any]] = field(default_factory=list)
-    grammar_bitmask: Any = None  # structured outputs: the step's GrammarBitmask (engine/grammar.py), for the sampler
-    drafts: dict = field(default_factory=dict)  # speculative decoding: {seq_id: draft token ids} (pagedgen/spec/)
+    grammar_bitmask: Any = None  # structured outputs: the step's GrammarBitmask (structured_output/grammar.py), for the sampler
+    drafts: dict = field(default_factory=dict)  # speculative decoding: {seq_id: draft token ids} (pagedgen/spec_decode/)
 
     @property
     def num_new_tokens(self) -> list[int]:

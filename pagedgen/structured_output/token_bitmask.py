@@ -24,7 +24,8 @@ what else shares the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 import numpy as np
 import torch
@@ -136,7 +137,7 @@ class GrammarBitmask:
     sampler finds each one's logits row (vLLM's ``GrammarOutput``: request ids and their rows).
 
     ``pending``: a ``concurrent.futures.Future`` still filling ``bitmask`` on a helper thread while
-    the model runs the step (engine/grammar.py); reading ``bitmask`` (or pickling this, for a
+    the model runs the step (structured_output/grammar.py); reading ``bitmask`` (or pickling this, for a
     worker behind a pickled boundary) waits for it first and re-raises what the fill raised.
     """
 

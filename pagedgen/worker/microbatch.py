@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from pagedgen.engine.scheduler_output import ScheduledBatch, SchedulerOutput
+from pagedgen.core.scheduler_output import ScheduledBatch, SchedulerOutput
 
 
 def split(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:

@@ -49,8 +49,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional, Sequence
 
-from pagedgen.engine import block_pool_check
-from pagedgen.engine.blocks import RELEASED, cdiv, hash_block
+from pagedgen.core import block_pool_check
+from pagedgen.core.blocks import RELEASED, cdiv, hash_block
 
 __all__ = ["RELEASED", "BlockManager", "NoFreeBlocksError", "cdiv", "hash_block"]
 
