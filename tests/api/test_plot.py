@@ -1,25 +1,12 @@
 """``pagedgen.plot`` draws a recorded run into PNG files without a display (Agg, no pyplot)."""
-import io
-
 import pytest
 
 pytest.importorskip("matplotlib")
-PIL = pytest.importorskip("PIL.Image")
 
 import pagedgen.plot  # noqa: E402
 from pagedgen import LLM, RequestOutput, SamplingParams  # noqa: E402
 from pagedgen.engine.step_log import StepLog  # noqa: E402
-
-
-def check_png(data: bytes, min_width: int = 400) -> None:
-    """A valid PNG of a real picture: decodes, is large enough, and has many distinct colours."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    PIL.open(io.BytesIO(data)).verify()
-    image = PIL.open(io.BytesIO(data)).convert("RGB")
-    assert image.width >= min_width and image.height >= 200
-    colors = image.getcolors(maxcolors=1 << 20)
-    assert colors is not None and len(colors) > 32  # lines, text, fills: not a blank canvas
-    assert max(count for count, _ in colors) < 0.97 * image.width * image.height
+from png_check import check_png  # noqa: E402
 
 
 @pytest.fixture(scope="module")

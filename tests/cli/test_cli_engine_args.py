@@ -133,7 +133,9 @@ def test_docs_name_every_flag():
 
     from pagedgen.cli import build_parser
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "cli.md")) as f:
+    from conftest import ROOT
+
+    with open(os.path.join(ROOT, "docs", "cli.md")) as f:
         docs = f.read()
     flags = [s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
     missing = [s for s in flags if s not in docs]

@@ -13,7 +13,7 @@ pytest.importorskip("llguidance")
 
 from cli_util import error_lines, popen_cli, read_jsonl, run_cli
 from conftest import story_openings
-from test_structured_outputs import SCHEMAS
+from json_schemas import SCHEMAS
 
 ROWS = 120
 REGEX = r"(yes|no), [a-z]{2,8}\."

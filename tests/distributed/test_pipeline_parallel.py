@@ -322,7 +322,7 @@ def test_shm_channel_hands_on_tensors_bitwise_two_messages_ahead_at_most(tmp_pat
 def test_mixed_requests_equal_one_rank(pp2, ref):
     """test_executor's mix at PP = 2: penalties, top-p, logprobs, prompt logprobs with min_tokens,
     n = 3, and a grammar bitmask that reaches only the micro-batches holding its sequences."""
-    from test_executor import _run
+    from worker_rpc import run_mixed as _run
 
     prompts = story_openings(10, seed=2)
     assert _run(pp2, prompts) == _run(ref, prompts)

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from worker_rpc import fail_steps, normal_steps, slow_steps, wait_gone as _gone
-from conftest import story_openings
+from conftest import ROOT, story_openings
 from pagedgen import LLM, SamplingParams
 
 KW = dict(num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=96)  # preemption and chunked prefill
@@ -331,7 +331,7 @@ def test_workers_end_with_their_driver_even_inside_a_collective(stories_path, tm
     here = os.path.dirname(os.path.abspath(__file__))
     script.write_text(DRIVER_DIES_MID_STEP.format(root=here, model=stories_path))
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, here, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "support")]))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     pids = [int(p) for p in proc.stdout.split()]

@@ -89,7 +89,7 @@ def _inject(monkeypatch, llm, point, kind):
     """Arm the fault; returns the wrapper (its ``calls`` say whether it fired)."""
     engine = llm.llm_engine
     if point in ("first layer", "last layer", "sampling") and engine.model_runner is None and not hasattr(engine.executor, "worker"):
-        pytest.skip("the model runs in a worker process (tests/test_executor.py injects faults there)")
+        pytest.skip("the model runs in a worker process (tests/executor/test_executor.py injects faults there)")
     if point in ("before scheduling", "after scheduling"):
         w = _failing(engine.scheduler.schedule, FAIL_AT_STEP, kind, before=point == "before scheduling")
         monkeypatch.setattr(engine.scheduler, "schedule", w)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from conftest import ROOT
+
 CHILD = r"""
 import json, os, random, signal, sys, threading, time
 sys.path.insert(0, sys.argv[2])
@@ -65,7 +67,7 @@ print(json.dumps(report))
 
 
 def test_real_sigint_at_random_moments(stories_path):
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.join(ROOT, "tests")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(tests) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     attempts = 6  # per preemption mode
     proc = subprocess.run([sys.executable, "-c", CHILD, stories_path, tests, str(attempts)],

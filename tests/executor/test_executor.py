@@ -16,31 +16,12 @@ import time
 
 import pytest
 
-from worker_rpc import alive as _alive, normal_steps, slow_steps, wait_gone as _wait_gone
-from conftest import story_openings
-from pagedgen import LLM, SamplingParams, StructuredOutputsParams
-from pagedgen.beam_search import BeamSearchParams
+from worker_rpc import MIXED, alive as _alive, normal_steps, run_mixed as _run, slow_steps, wait_gone as _wait_gone
+from conftest import ROOT, story_openings
+from pagedgen import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
-MIXED = [
-    GREEDY,
-    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=16, logprobs=2),
-    SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=10, presence_penalty=0.4),
-    SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3, min_tokens=4),
-    # the grammar bitmask crosses the boundary with the step record
-    SamplingParams(temperature=1.0, seed=5, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"(yes|no)( (yes|no))*")),
-]
 KW = dict(num_kv_blocks=16, max_model_len=192, max_num_batched_tokens=64)  # preemption and chunked prefill
-
-
-def _run(llm: LLM, prompts: list[str]):
-    outs = llm.generate(prompts, [MIXED[i % len(MIXED)] for i in range(len(prompts))], use_tqdm=False)
-    beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=8))
-    return (
-        [[(c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason) for c in o.outputs] for o in outs],
-        [o.prompt_logprobs for o in outs],
-        [[(s.tokens, s.cum_logprob) for s in b.sequences] for b in beams],
-    )
 
 
 # functions run in the worker through collective_rpc (module level: pickled by name)
@@ -171,7 +152,7 @@ def test_a_script_without_a_main_guard_is_told_why_its_worker_died(stories_path,
 
     script = tmp_path / "no_guard.py"
     script.write_text(f"from pagedgen import LLM\nLLM({stories_path!r}, distributed_executor_backend='mp')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]

@@ -2,7 +2,7 @@
 the other rows.
 
 The compiled kernels (norms, RoPE, silu_and_mul, the KV-cache write, paged attention with prefill
-chunks vs decode) are covered by tests/test_ops_batch_invariance.py. Here: every matmul path of
+chunks vs decode) are covered by tests/ops/test_ops_batch_invariance.py. Here: every matmul path of
 ``pagedgen.layers.linear`` (the one this machine takes, and each path forced), the lm_head, the
 embeddings, the PyTorch norms and activations of the other families, the log-softmax and logprob
 dictionaries, and the sampler. For each: the same row computed alone, in a batch of 7 and in a batch

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 import tiny_checkpoints
+from conftest import ROOT
 from pagedgen import LLM, SamplingParams
 from pagedgen.model import loader
 from pagedgen.model.loader import CheckpointError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _copy(src: str, dst) -> str:

@@ -1,10 +1,10 @@
-"""The CUDA attention kernels, run on the CPU: tests/cuda_emulation compiles the kernel sources of
+"""The CUDA attention kernels, run on the CPU: tests/support/cuda_emulation compiles the kernel sources of
 csrc/cuda as host C++ (one thread per CUDA thread, barriers for __syncthreads and shuffles) and
-this file compares them with the PyTorch reference, as tests/test_ops_cuda.py does on a GPU. It
+this file compares them with the PyTorch reference, as tests/ops/test_ops_cuda.py does on a GPU. It
 checks the kernels' logic (thread layout, masking, online softmax, split-K merge, GQA chunks, the
 host-side plan, the trap on a block id outside the cache) where no GPU is available; the GPU tests
 remain the word on the real thing. The emulation builds the kernels without torch, so the op's
-argument checks (csrc/op_checks.h) are not part of it: tests/test_ops_checks.py runs those through
+argument checks (csrc/op_checks.h) are not part of it: tests/ops/test_ops_checks.py runs those through
 the compiled CUDA op's own entry.
 
 Needs g++ (C++20) and the CUDA toolkit's headers (cuda_fp16.h); skipped without them.
@@ -18,12 +18,11 @@ import subprocess
 import pytest
 import torch
 
-from attention_batches import attention_args
+from conftest import ROOT
+from attention_batches import TOL, attention_args, decode_specs, paged_batch  # the same batch builder (NaN poisoning) as on the GPU
 from pagedgen.ops import reference
-from test_ops_cuda import TOL, decode_specs, paged_batch  # the same batch builder (NaN poisoning) as on the GPU
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = [os.path.join(ROOT, "tests", "cuda_emulation", f) for f in ("emulation.h", "attention_emu.cpp")] + [
+SOURCES = [os.path.join(ROOT, "tests", "support", "cuda_emulation", f) for f in ("emulation.h", "attention_emu.cpp")] + [
     os.path.join(ROOT, "csrc", "cuda", f)
     for f in ("attention_params.cuh", "kernel_utils.cuh", "attention_fast.cuh", "attention_generic.cu", "attention_reduce.cu")
 ]
@@ -51,7 +50,7 @@ def emulator():
     if not os.path.exists(lib):
         os.makedirs(os.path.dirname(lib), exist_ok=True)
         cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", f"-I{ROOT}/csrc/cuda",
-               f"-I{ROOT}/tests/cuda_emulation", f"-I{include}", SOURCES[1], "-o", lib + ".tmp"]
+               f"-I{ROOT}/tests/support/cuda_emulation", f"-I{include}", SOURCES[1], "-o", lib + ".tmp"]
         subprocess.run(cmd, check=True)
         os.replace(lib + ".tmp", lib)
     return ctypes.CDLL(lib)

@@ -1,13 +1,13 @@
 """The argument checks shared by the CPU and CUDA kernels (csrc/op_checks.h): every bad call of
-tests/op_bad_calls.py raises a RuntimeError naming the argument, from the CPU kernel and, with CPU
+tests/support/op_bad_calls.py raises a RuntimeError naming the argument, from the CPU kernel and, with CPU
 tensors, from the CUDA kernel's own entry (reached through the dispatcher's CUDA key: the checks read
 no pointer, and the CUDA kernel refuses CPU tensors at its device check, which comes last). So a
 machine without a GPU runs the very checks (compiled by the same build) that guard the CUDA ops;
-tests/test_ops_cuda.py runs the same list on a GPU.
+tests/ops/test_ops_cuda.py runs the same list on a GPU.
 
 The values inside the tensors (block ids, slots, seq_lens, query_start_loc) are checked by the CPU
-kernels on the host (tests/test_ops.py, tests/test_ops_attention.py) and guarded inside the CUDA
-kernels (tests/test_cuda_emulation.py, tests/test_ops_cuda.py).
+kernels on the host (tests/ops/test_ops.py, tests/ops/test_ops_attention.py) and guarded inside the CUDA
+kernels (tests/ops/test_cuda_emulation.py, tests/ops/test_ops_cuda.py).
 """
 import pytest
 import torch

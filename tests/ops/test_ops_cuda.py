@@ -5,10 +5,10 @@ missing CUDA build is a failure, not a skip.
 Poisoning makes the comparisons strict: outputs start as NaN (every element must be written), and
 every cache slot outside the attended spans (padding in the last block, positions before a sliding
 window, unused blocks, the block that unused block-table entries point to) holds NaN, so reading one
-poisons the result. Batches are varlen (tests/attention_batches.py): decode rows, prefill chunks,
+poisons the result. Batches are varlen (tests/support/attention_batches.py): decode rows, prefill chunks,
 padding rows (seq_len 0, zeros) in one call.
 
-Bad arguments: every call of tests/op_bad_calls.py must raise (the checks shared with the CPU
+Bad arguments: every call of tests/support/op_bad_calls.py must raise (the checks shared with the CPU
 kernels, csrc/op_checks.h); values the host cannot see without a sync are guarded in the kernels
 (a trap on a block id outside the cache, skipped slots and pairs).
 
@@ -24,7 +24,8 @@ import textwrap
 import pytest
 import torch
 
-from attention_batches import attention_args, varlen_batch
+from conftest import ROOT
+from attention_batches import TOL, attention_args, decode_specs, paged_batch, varlen_batch
 from op_bad_calls import CASES, arguments, bad_call, valid_call
 from pagedgen import ops
 from pagedgen.ops import reference
@@ -36,7 +37,6 @@ pytestmark = [
 
 DEVICE = "cuda"
 OPS = torch.ops.pagedgen
-TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # ~ one output rounding step
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,18 +46,6 @@ def cuda_kernels():
 
 def num_sms() -> int:
     return torch.cuda.get_device_properties(DEVICE).multi_processor_count
-
-
-def paged_batch(specs, block_size, num_kv_heads, num_heads, head_size, dtype, *, window=0, seed=0, device=DEVICE):
-    """A varlen batch (attention_batches.varlen_batch) on `device`: specs [(seq_len, q_len), ...];
-    every slot the call must not read is NaN, unread block-table entries point to the all-NaN block 0."""
-    return varlen_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, window=window, seed=seed,
-                        unused=0, device=device)
-
-
-def decode_specs(contexts):
-    """One decode row per context (a context of 0: a padding row at position -1, zeros)."""
-    return [(c, 1) for c in contexts]
 
 
 def check_attention(batch, *, window=0, out=None):
@@ -168,7 +156,7 @@ def test_paged_attention_traps_on_a_block_id_outside_the_cache():
     # launch fails and the CUDA context is lost, so this runs in a process of its own
     script = textwrap.dedent("""
         import os, sys, torch
-        sys.path.insert(0, "tests")
+        sys.path.insert(0, "tests/support")
         from attention_batches import attention_args, varlen_batch
         import pagedgen.ops
         batch = varlen_batch([(40, 1), (20, 1)], 4, 2, 64, 16, torch.float16, unused=0, device="cuda")
@@ -182,8 +170,7 @@ def test_paged_attention_traps_on_a_block_id_outside_the_cache():
         print("no error", flush=True)
         os._exit(1)
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "CUDA error" in run.stdout, (run.returncode, run.stdout, run.stderr[-2000:])
 
 
@@ -192,7 +179,7 @@ def test_paged_attention_traps_on_a_block_id_outside_the_cache():
 
 @pytest.mark.parametrize("case", [c for c, (_, _, _, kernels) in CASES.items() if "cuda" in kernels])
 def test_rejects_bad_arguments(case):
-    # every bad call of tests/op_bad_calls.py, as tests/test_ops_checks.py runs them on the CPU
+    # every bad call of tests/support/op_bad_calls.py, as tests/ops/test_ops_checks.py runs them on the CPU
     op, args, message = bad_call(case, DEVICE, "cpu")
     with pytest.raises(RuntimeError, match=message):
         getattr(OPS, op)(*args)

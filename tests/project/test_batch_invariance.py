@@ -15,7 +15,7 @@ lengths), repeated ``generate`` calls on one LLM (the second finds its prefixes 
 search alone vs among other prompts and with fewer sequences per step.
 
 One torch thread (tiny models: two threads mostly wait for each other on a shared machine); the
-per-op tests (tests/test_batch_invariance_ops.py) run with the default thread count.
+per-op tests (tests/layers/test_batch_invariance_ops.py) run with the default thread count.
 """
 from __future__ import annotations
 

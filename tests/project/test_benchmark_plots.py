@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import plots  # noqa: E402
 import step_log as step_log_bench  # noqa: E402
-from test_plot import check_png  # noqa: E402
+from png_check import check_png  # noqa: E402
 
 MEMORY = {
     "util": dict(num_requests=300, pagedgen=0.992, contiguous_max=0.473, contiguous_pow2=0.605, contiguous_oracle=0.784),

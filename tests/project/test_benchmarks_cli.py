@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 BENCH = os.path.join(ROOT, "benchmarks")
 SCRIPT = os.path.join(BENCH, "throughput.py")
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")  # where the script looks (or .gpu_assets/)

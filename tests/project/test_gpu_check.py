@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def run(*cmd, env=None):
@@ -86,7 +86,7 @@ def test_gpu_check_dry_run_lists_the_stages_and_their_caps(tmp_path):
         assert text in e2e, text
     profile = next(line for line in r.stdout.splitlines() if line.startswith("  profile"))
     assert "benchmarks/gpu_profile.py" in profile and "--num-prompts 512" in profile and "--device cuda" in profile
-    for text in ("build_ext --inplace", "TORCH_CUDA_ARCH_LIST=9.0", "tests/test_ops_cuda.py", "benchmarks/kernels.py",
+    for text in ("build_ext --inplace", "TORCH_CUDA_ARCH_LIST=9.0", "tests/ops/test_ops_cuda.py", "benchmarks/kernels.py",
                  "gpu_check.tar.gz", "summary.txt"):
         assert text in r.stdout
     assert "$PYTHON" not in r.stdout

@@ -4,7 +4,7 @@ imported from outside the checkout, generating.
 The suite otherwise runs on the checkout itself (an editable install or PYTHONPATH), which cannot see a
 package that pyproject.toml leaves out of the wheel. The wheel is built with the CPU kernels only
 (``PAGEDGEN_NO_CUDA=1``: the CUDA kernels are compiled by scripts/setup.sh's build and
-tests/test_setup_toolkit.py checks how setup.py finds the toolkit).
+tests/project/test_setup_toolkit.py checks how setup.py finds the toolkit).
 """
 import json
 import os

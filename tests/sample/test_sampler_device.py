@@ -1,4 +1,4 @@
-"""The sampler on the logits' device against the host sampler it replaced (tests/host_sampler_reference.py).
+"""The sampler on the logits' device against the host sampler it replaced (tests/support/host_sampler_reference.py).
 
 Given the same logits, every ``SamplingParams`` field gives the same tokens, bit for bit, and the
 same logprobs (within 1e-6); the counter-based draws in torch int64 arithmetic equal the plain

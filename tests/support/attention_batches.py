@@ -77,3 +77,19 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+# the CUDA kernels' tests (test_ops_cuda.py on a GPU, test_cuda_emulation.py on the CPU): tolerances and batches
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # ~ one output rounding step
+
+
+def paged_batch(specs, block_size, num_kv_heads, num_heads, head_size, dtype, *, window=0, seed=0, device="cuda"):
+    """A varlen batch (attention_batches.varlen_batch) on `device`: specs [(seq_len, q_len), ...];
+    every slot the call must not read is NaN, unread block-table entries point to the all-NaN block 0."""
+    return varlen_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, window=window, seed=seed,
+                        unused=0, device=device)
+
+
+def decode_specs(contexts):
+    """One decode row per context (a context of 0: a padding row at position -1, zeros)."""
+    return [(c, 1) for c in contexts]

@@ -1,5 +1,5 @@
 """The host sampler as it was before sampling moved to the logits' device (pagedgen 2026-12-04,
-sample/sampler.py at 153bf80): the oracle of tests/test_sampler_device.py. Every tensor lives on
+sample/sampler.py at 153bf80): the oracle of tests/sample/test_sampler_device.py. Every tensor lives on
 the CPU and results come back with several ``.tolist()`` calls."""
 from __future__ import annotations
 

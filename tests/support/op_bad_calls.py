@@ -1,7 +1,7 @@
 """Bad calls of the ops that have a kernel per device (paged_attention, reshape_and_cache, copy_blocks,
 swap_blocks) and of the CPU-only layer ops that share the output checks (rms_norm, fused_add_rms_norm,
-silu_and_mul: csrc/op_checks.h, writable_output), one list for every test that runs them: tests/test_ops_checks.py on the CPU kernels and,
-with CPU tensors, through the CUDA kernels' own entry; tests/test_ops_cuda.py on a GPU. Both kernels
+silu_and_mul: csrc/op_checks.h, writable_output), one list for every test that runs them: tests/ops/test_ops_checks.py on the CPU kernels and,
+with CPU tensors, through the CUDA kernels' own entry; tests/ops/test_ops_cuda.py on a GPU. Both kernels
 run the same checks (csrc/op_checks.h), so each case names the message both must raise.
 
 A case: ``(op, mutate, message, kernels)``. ``mutate(args, other)`` breaks a valid call built by

@@ -1,5 +1,5 @@
 // C entry point running pagedgen's paged-attention kernels under emulation.h, for
-// tests/test_cuda_emulation.py (ctypes). Mirrors csrc/cuda/paged_attention.cu's host side: the same
+// tests/ops/test_cuda_emulation.py (ctypes). Mirrors csrc/cuda/paged_attention.cu's host side: the same
 // AttentionParams, plan_attention and kernel choice; only the launches differ.
 #include "emulation.h"
 
