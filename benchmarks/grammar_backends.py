@@ -2,7 +2,7 @@
 
 For each tokenizer (stories260K's SentencePiece-style vocabulary of 512 with byte fallback; GPT-2's
 BPE cut to the tiny test models' first 4,096 ids, EOS the text token "!" = id 0; GPT-2 in full,
-EOS 50256) and each of the ten JSON schemas of tests/test_structured_outputs.py, both backends
+EOS 50256) and each of the ten JSON schemas of tests/support/json_schemas.py, both backends
 compile the schema (compact JSON) and walk it with random allowed tokens (seeded) until the grammar
 ends or 80 tokens: compile time, mean per-token mask time, and whether each finished walk decodes
 to JSON that validates against its schema. One thread, no engine. Needs ``pip install
@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 
 def _walk(fill, accept, done, words: int, vocab: int, rng: random.Random, max_len: int = 80):
@@ -49,7 +50,9 @@ def main() -> None:
     import torch
     import transformers
     import xgrammar as xgr
-    from test_structured_outputs import GPT2_TOKENIZER, SCHEMAS, STORIES_PATH
+    from conftest import GPT2_TOKENIZER
+    from conftest import STORIES as STORIES_PATH
+    from json_schemas import SCHEMAS
 
     from pagedgen.structured_output.grammar import _Vocabulary, fill_bitmask_rows
 

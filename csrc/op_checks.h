@@ -2,7 +2,7 @@
 // called first by the CPU kernel (csrc/cpu/*.cpp) and the CUDA kernel (csrc/cuda/*.cu) of each op,
 // before either reads a pointer. A bad call therefore raises the same RuntimeError (TORCH_CHECK,
 // "<op>: <argument> must ..., got ...") on both devices, and the CPU tests run the checks the CUDA op
-// runs (tests/test_ops_checks.py, also through the CUDA kernel's own entry when it is built).
+// runs (tests/ops/test_ops_checks.py, also through the CUDA kernel's own entry when it is built).
 //
 // Each function checks what the tensors' metadata tells, in this order: ranks, sizes and how the
 // arguments' sizes fit together, dtypes, strides the kernels assume, size limits, and last the

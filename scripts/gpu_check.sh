@@ -5,7 +5,7 @@
 #   build       pagedgen._C for sm_90 (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=nproc; 57 s on 2026-12-04);
 #               then random-1b's checkpoint is built in the background (39 s; nice), ready for the
 #               profile and end-to-end stages
-#   tests       tests/test_ops_cuda.py, tests/test_gpu_engine.py and tests/test_sampler_device.py, resumed after a crash (below)
+#   tests       tests/ops/test_ops_cuda.py, tests/project/test_gpu_engine.py and tests/sample/test_sampler_device.py, resumed after a crash (below)
 #   kernels     benchmarks/kernels.py: the decode grid and the prefill cases, paged vs SDPA
 #   profile     benchmarks/gpu_profile.py: torch.profiler over 8 decode steps of pagedgen on the
 #               end-to-end workload (GPU-busy share of a step, top kernels, host gaps)
@@ -62,11 +62,11 @@ ASSETS=(
   "tinystories_valid_first1000.jsonl|data/tinystories_valid_first1000/tinystories_valid_first1000.jsonl|optional"
   "stories260K|models/stories260K|optional"
 )
-GPU_TESTS="tests/test_ops_cuda.py"
-[ -f tests/test_gpu_engine.py ] && GPU_TESTS="$GPU_TESTS tests/test_gpu_engine.py"
+GPU_TESTS="tests/ops/test_ops_cuda.py"
+[ -f tests/project/test_gpu_engine.py ] && GPU_TESTS="$GPU_TESTS tests/project/test_gpu_engine.py"
 # the device sampler against the host one with the logits on the GPU (its cuda cases), grammar
 # candidates included; no llguidance needed (not on the H200 image)
-[ -f tests/test_sampler_device.py ] && GPU_TESTS="$GPU_TESTS tests/test_sampler_device.py"
+[ -f tests/sample/test_sampler_device.py ] && GPU_TESTS="$GPU_TESTS tests/sample/test_sampler_device.py"
 MODEL=random-1b
 WORKLOAD="--model $MODEL --dtype bfloat16 --device cuda --workload sharegpt --num-prompts 512"
 PROFILE_CMD="benchmarks/gpu_profile.py $WORKLOAD --steps 8 --out $RAW"
@@ -74,7 +74,7 @@ PROFILE_CMD="benchmarks/gpu_profile.py $WORKLOAD --steps 8 --out $RAW"
 THROUGHPUT_CMD="benchmarks/throughput.py $WORKLOAD --systems pagedgen,static,generate_batch --static-batch-sizes 256 --cb-attn paged|sdpa --repeats 1 --roofline-runs 3 --out $RAW"
 
 # name, cap in seconds, command (run by bash -c with STAGE_LIMIT = its limit; exit status 99 = skipped,
-# not failed). The caps add up to 540 s (tests/test_gpu_check.py checks it): one device call of 9 minutes.
+# not failed). The caps add up to 540 s (tests/project/test_gpu_check.py checks it): one device call of 9 minutes.
 STAGES=(
   "env|15|nvidia-smi; \$PYTHON -c 'import sys, torch, transformers; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0), \"transformers\", transformers.__version__)'; nvcc --version | tail -n 2"
   "build|85|TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"

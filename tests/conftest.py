@@ -90,7 +90,7 @@ def pytest_addoption(parser):
 @pytest.fixture(scope="session", autouse=True)
 def executor_backend(request):
     """With ``--executor-backend``, LLMs default to that backend: the engine tests run through the
-    driver/worker boundary (``pytest --executor-backend=pickle tests/test_engine.py``)."""
+    driver/worker boundary (``pytest --executor-backend=pickle tests/engine/test_engine.py``)."""
     backend = request.config.getoption("--executor-backend")
     if backend is None:
         yield None

@@ -2,7 +2,7 @@
 // once over a "tile backend" T and instantiated twice: with the AMX instructions (linear_amx.cpp, the
 // only code compiled for AMX) and with a plain C++ emulation of tileloadd / tdpbf16ps / tilestored
 // (linear_amx_emulated.cpp, runs on any CPU). Both share this packing and indexing, so the emulation's
-// tests (tests/test_packed_linear_amx.py) check the real path's addressing on CPUs without AMX.
+// tests (tests/ops/test_packed_linear_amx.py) check the real path's addressing on CPUs without AMX.
 //
 // Weight: the bf16-pair layout of packed_linear_bf16, [P, Q, 16, 2] with P = ceil(N / 16), Q = ceil(K / 2),
 // weight[p, q, j, t] = W[16 p + j, 2 q + t]. One B tile (16 rows of 64 bytes, tdpbf16ps' VNNI layout:

@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_fast_kernel(const
 
 }  // namespace fast
 
-// Launchers: nvcc only (the code above also compiles as host C++, see tests/cuda_emulation).
+// Launchers: nvcc only (the code above also compiles as host C++, see tests/support/cuda_emulation).
 #ifdef __CUDACC__
 namespace fast {
 

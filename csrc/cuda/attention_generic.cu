@@ -137,7 +137,7 @@ size_t attention_generic_smem_bytes(const AttentionParams& p) {
   return kTile * sizeof(int64_t) + (2 * h * d + h * kTile + 3 * h) * sizeof(float);
 }
 
-// Launcher: nvcc only (the kernel above also compiles as host C++, see tests/cuda_emulation).
+// Launcher: nvcc only (the kernel above also compiles as host C++, see tests/support/cuda_emulation).
 #ifdef __CUDACC__
 template <typename scalar_t>
 void launch_attention_generic(const AttentionParams& p, cudaStream_t stream) {

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kAttentionThreads) attention_reduce_kernel(con
 
 }  // namespace
 
-// Launcher: nvcc only (the kernel above also compiles as host C++, see tests/cuda_emulation).
+// Launcher: nvcc only (the kernel above also compiles as host C++, see tests/support/cuda_emulation).
 #ifdef __CUDACC__
 template <typename scalar_t>
 void launch_attention_reduce(const AttentionParams& p, cudaStream_t stream) {

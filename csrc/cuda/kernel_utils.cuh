@@ -126,7 +126,7 @@ __device__ __forceinline__ RowSpan row_span(const int* query_start_loc, const in
 // A value the host could not check without a device sync is bad (a block id outside the cache):
 // stop before it is used. On the GPU a trap: the launch fails ("unspecified launch failure" at the
 // next synchronising call) and the CUDA context is lost, as after a failed device-side assertion in
-// PyTorch; no memory outside the cache is touched. Under the host emulation (tests/cuda_emulation)
+// PyTorch; no memory outside the cache is touched. Under the host emulation (tests/support/cuda_emulation)
 // the trap is recorded and the caller goes on with a safe value.
 __device__ __forceinline__ void trap_bad_value() {
 #if defined(__CUDA_ARCH__)
