@@ -162,7 +162,7 @@ def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
     for the emulation, so the dispatch is exercised on this CPU); a kernel that raises falls back."""
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "amx")
     monkeypatch.setattr(lin.choice, "cpu_has_amx", lambda: True)
-    monkeypatch.setattr(lin.choice, "_AMX_CHECKED", [])
+    monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
     calls = []
 
     class FakeOps:
@@ -186,7 +186,7 @@ def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
             raise RuntimeError("Linux refused the AMX tile state")
 
     monkeypatch.setattr(torch.ops, "pagedgen", RaisingOps(), raising=False)
-    monkeypatch.setattr(lin.choice, "_AMX_CHECKED", [])
+    monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
     with pytest.warns(RuntimeWarning, match="refused the AMX tile state.*falls back to oneDNN"):
         cfg = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)
     assert not cfg.amx and not cfg.pairs
