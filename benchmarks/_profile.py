@@ -30,7 +30,7 @@ COMPONENTS = [
     ("step assembly (step tensors, block moves)", None,
      [("pagedgen/worker/model_runner.py", "prepare"), ("pagedgen/worker/model_runner.py", "move_blocks")]),
     ("forward", None, [("pagedgen/model/base.py", "forward")]),
-    ("  layer matmuls (linear)", "forward", [("pagedgen/layers/matmul.py", "linear")]),
+    ("  layer matmuls (linear)", "forward", [("pagedgen/layers/matmul/dispatch.py", "linear")]),
     ("  lm_head", "forward", [("pagedgen/layers/embedding.py", "forward@ParallelLMHead")]),
     ("  paged_attention", "forward", [("pagedgen/ops/__init__.py", "paged_attention")]),
     ("  reshape_and_cache", "forward", [("pagedgen/ops/__init__.py", "reshape_and_cache")]),
@@ -78,7 +78,7 @@ def breakdown(stats: pstats.Stats, total: float, lm_head_line: int | None = None
         seconds[label] = s
     # the lm_head's linear call is counted in the lm_head, not in the layer matmuls
     for (path, func, _), (_, _, _, callers) in times.items():
-        if _matches(path, func, "pagedgen/layers/matmul.py", "linear"):
+        if _matches(path, func, "pagedgen/layers/matmul/dispatch.py", "linear"):
             for (cpath, cline, cfunc), caller_stats in callers.items():
                 if _matches(cpath, cfunc, "pagedgen/layers/embedding.py", "forward") and cline == lm_head_line:
                     head_linear += caller_stats[3]

@@ -40,6 +40,7 @@ Sharing (paper sections 4.3-4.4):
   to sample (a prompt that is an exact multiple of the block size recomputes its last block).
   Blocks whose count drops to 0 keep their hash and stay findable until the pool needs them:
   the free queue hands out the least recently freed block first and forgets its hash then (LRU).
+  The names and the lookup are ``prefix_cache``'s.
 
 **After an aborted step nothing stays findable**: see ``block_pool_check``, which holds ``check`` and
 ``repair``.
@@ -51,6 +52,7 @@ from typing import Optional, Sequence
 
 from pagedgen.core import block_pool_check
 from pagedgen.core.blocks import RELEASED, cdiv, hash_block
+from pagedgen.core.prefix_cache import PrefixCache
 
 __all__ = ["RELEASED", "BlockManager", "NoFreeBlocksError", "cdiv", "hash_block"]
 
@@ -92,8 +94,7 @@ class BlockManager:
         self._released: dict[int, int] = {}  # leading RELEASED entries of a table (absent: 0)
         self._num_tokens: dict[int, int] = {}  # tokens of each sequence in its blocks
         self._hashes: dict[int, list[bytes]] = {}  # names of each sequence's full blocks, in order
-        self._cached: dict[bytes, int] = {}  # prefix cache: block name -> physical block
-        self._block_hash: list[Optional[bytes]] = [None] * num_blocks
+        self._cached = PrefixCache(num_blocks, block_size)  # the prefix cache: block names <-> physical blocks
         self._pending_copies: list[tuple[int, int]] = []
         self._used_slots = 0  # sum of _filled over blocks in use
         self._logical_blocks = 0  # sum of block-table lengths
@@ -128,8 +129,7 @@ class BlockManager:
 
     def is_cached(self, block_id: int) -> bool:
         """True when the block is findable in the prefix cache."""
-        h = self._block_hash[block_id]
-        return h is not None and self._cached.get(h) == block_id
+        return self._cached.is_cached(block_id)
 
     @property
     def num_free_blocks(self) -> int:
@@ -166,18 +166,7 @@ class BlockManager:
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached full blocks holding a prefix of ``token_ids[:-1]``, in order (changes nothing)."""
-        if not self.enable_prefix_caching:
-            return []
-        blocks: list[int] = []
-        parent = None
-        bs = self.block_size
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            block = self._cached.get(parent)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return self._cached.match(token_ids) if self.enable_prefix_caching else []
 
     def blocks_needed(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> int:
         """Free blocks that ``allocate(seq_id, num_tokens, ..., prefix_blocks)`` would take, net of
@@ -248,7 +237,7 @@ class BlockManager:
         if prefix_blocks:
             skip = self._window_start_block(len(prefix_blocks) * bs)
             for i, block in enumerate(prefix_blocks):
-                hashes.append(self._block_hash[block])
+                hashes.append(self._cached.name_of(block))
                 if i < skip:
                     table.append(RELEASED)
                 else:
@@ -438,27 +427,14 @@ class BlockManager:
     def _new_block(self) -> int:
         """An empty block for one owner: the least recently freed, forgotten by the prefix cache."""
         block, _ = self._free.popitem(last=False)
-        name = self._block_hash[block]
-        if name is not None:
-            if self._cached.get(name) == block:
-                del self._cached[name]
-            self._block_hash[block] = None
+        self._cached.forget(block)
         self._filled[block] = 0
         self._ref_counts[block] = 1
         return block
 
     def _name_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
         """Name the sequence's blocks that are now full and offer them to the prefix cache."""
-        table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
-        released = self._released.get(seq_id, 0)
-        while len(hashes) < num_tokens // bs:
-            i = len(hashes)
-            name = hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
-            hashes.append(name)
-            block = table[i]
-            if i >= released and self._block_hash[block] is None and name not in self._cached:
-                self._block_hash[block] = name
-                self._cached[name] = block
+        self._cached.name_full_blocks(self._tables[seq_id], self._hashes[seq_id], self._released.get(seq_id, 0), num_tokens, token_ids)
 
     # ----- after an aborted step (block_pool_check.py) ----------------------------------------------
     def check(self) -> list[str]:

@@ -60,7 +60,7 @@ def check(bm: BlockManager) -> list[str]:
     if bm._logical_blocks != held_entries:
         problems.append(f"logical blocks {bm._logical_blocks} != {held_entries}")
     for name, b in bm._cached.items():
-        if bm._block_hash[b] != name or bm._filled[b] != bs:
+        if bm._cached.name_of(b) != name or bm._filled[b] != bs:
             problems.append(f"prefix-cache entry of block {b} is inconsistent")
     return problems
 
@@ -71,8 +71,7 @@ def repair(bm: BlockManager) -> list[str]:
     scratch. Returns the problems found (empty when the pool was whole)."""
     for seq_id in list(bm._tables):
         bm.free(seq_id)
-    bm._cached = {}
-    bm._block_hash = [None] * bm.num_blocks
+    bm._cached.clear()
     for b in bm._free:
         bm._filled[b] = 0
     bm._pending_copies = []

@@ -1,8 +1,10 @@
 """Building blocks of the model families (``pagedgen/model/``), each owning its weights and how
 they load from a checkpoint (nano-vllm's and vLLM's ``layers/``):
 
-- ``linear``: ``linear()``, the single point of every matmul; column/row-parallel, merged
-  (gate/up) and q/k/v linear layers with per-parameter weight loaders.
+- ``matmul``: ``linear()``, the single point of every matmul, and how it runs (the CPU paths, weight
+  packing, batch-invariant row blocks).
+- ``linear``: column/row-parallel, merged (gate/up) and q/k/v linear layers with per-parameter
+  weight loaders; their matmul is ``matmul.linear``.
 - ``norm``: RMSNorm (Llama and Gemma forms), LayerNorm; both with an optional residual add.
 - ``rotary_embedding``: RoPE, full/partial, neox/GPT-J style, transformers' scaling types.
 - ``embedding``: token embedding, learned absolute positions, the lm_head.

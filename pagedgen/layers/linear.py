@@ -4,7 +4,7 @@ layouts and loading; the matmul itself is ``pagedgen.layers.matmul.linear``.
 A model never calls ``F.linear`` or ``@`` itself: its projections are the classes below and its
 lm_head is ``ParallelLMHead`` (``pagedgen.layers.embedding``), all of which call
 ``pagedgen.layers.matmul.linear``. So a change to how matmuls run — fixed-size row blocks for batch
-invariance, prepacked weights, a quantised kernel — is a change to that one function (matmul.py).
+invariance, prepacked weights, a quantised kernel — is a change to that one function (matmul/dispatch.py).
 
 The classes carry vLLM's names (``vllm/model_executor/layers/linear.py``) and are where the
 tensor-parallel split goes (Megatron-LM): given a ``TPGroup`` of size > 1, a column-parallel linear

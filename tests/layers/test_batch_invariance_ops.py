@@ -249,10 +249,10 @@ def test_bf16_pairs_available_needs_the_kernel_avx512_and_the_cpu_flag(monkeypat
         assert not lin.bf16_pairs_available()
         return
     assert lin.bf16_pairs_available() == (torch.backends.cpu.get_cpu_capability() == "AVX512" and lin.cpu_has_flag("avx512_bf16"))
-    monkeypatch.setattr(lin, "cpu_has_flag", lambda flag: False)
+    monkeypatch.setattr(lin.choice, "cpu_has_flag", lambda flag: False)
     assert not lin.bf16_pairs_available()
-    monkeypatch.setattr(lin, "cpu_has_flag", lambda flag: True)
-    monkeypatch.setattr(lin, "amx_available", lambda: True)
+    monkeypatch.setattr(lin.choice, "cpu_has_flag", lambda flag: True)
+    monkeypatch.setattr(lin.choice, "amx_available", lambda: True)
     monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         assert lin.cpu_matmul_backend(torch.bfloat16) == "onednn" and not lin.choose_matmul(torch.bfloat16, torch.device("cpu"), True).pairs

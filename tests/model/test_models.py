@@ -198,7 +198,7 @@ def test_every_matmul_goes_through_linear(family):
     from pagedgen.model import loader
 
     single_point = linear_module.linear.__code__
-    ops_dir = os.path.join(os.path.dirname(linear_module.__file__), "..", "ops")
+    ops_dir = os.path.join(os.path.dirname(linear_module.__file__), "..", "..", "ops")  # matmul/__init__.py
     ops_dir = os.path.realpath(ops_dir)
     stray, seen = [], []
 

@@ -161,8 +161,8 @@ def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
     """With AMX reported, PAGEDGEN_CPU_MATMUL=amx packs pairs and linear runs the AMX op (here swapped
     for the emulation, so the dispatch is exercised on this CPU); a kernel that raises falls back."""
     monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "amx")
-    monkeypatch.setattr(lin, "cpu_has_amx", lambda: True)
-    monkeypatch.setattr(lin, "_AMX_CHECKED", [])
+    monkeypatch.setattr(lin.choice, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
     calls = []
 
     class FakeOps:
@@ -170,7 +170,7 @@ def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
             calls.append(a[0].shape)
             emulated(*a)
 
-    monkeypatch.setattr(lin.torch.ops, "pagedgen", FakeOps(), raising=False)
+    monkeypatch.setattr(torch.ops, "pagedgen", FakeOps(), raising=False)
     cfg = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)
     assert cfg.amx and cfg.pairs and cfg.batch_invariant
     w = torch.randn(40, 64).bfloat16()
@@ -185,8 +185,8 @@ def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
         def packed_linear_bf16_amx(self, *a):
             raise RuntimeError("Linux refused the AMX tile state")
 
-    monkeypatch.setattr(lin.torch.ops, "pagedgen", RaisingOps(), raising=False)
-    monkeypatch.setattr(lin, "_AMX_CHECKED", [])
+    monkeypatch.setattr(torch.ops, "pagedgen", RaisingOps(), raising=False)
+    monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
     with pytest.warns(RuntimeWarning, match="refused the AMX tile state.*falls back to oneDNN"):
         cfg = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)
     assert not cfg.amx and not cfg.pairs

@@ -1,0 +1,36 @@
+"""``linear``: the single point through which every matmul of every model runs, and how it runs.
+
+- ``dispatch``: ``linear`` itself: pagedgen's kernel for a weight packed in panels or pairs, else the
+  GEMM library in the row blocks of the model's ``MatmulConfig``.
+- ``config``: ``MatmulConfig``, how one model's matmuls run, and the row blocks measured to keep a
+  row's bits whatever the batch (batch invariance).
+- ``choice``: ``choose_matmul``, the one place a model's path is chosen: what this CPU and build
+  offer, ``PAGEDGEN_CPU_MATMUL``; its docstring describes every path and its measurements.
+- ``packing``: the weight layouts (``pack_panels``, ``pack_pairs``, oneDNN's ``prepack``) and
+  ``prepare_matmuls``, which puts a loaded model's weights in the chosen one.
+- ``amx_check``: ``amx_self_check``, which pagedgen's opt-in AMX GEMM passes before a model uses it.
+
+Every public name is imported from here (``pagedgen.layers.matmul.X``). A function or a flag read by
+another function is replaced (in tests) in the module that reads it, e.g. ``matmul.choice.cpu_has_amx``
+or ``matmul.amx_check._AMX_CHECKED``: replacing the name here changes nothing there.
+"""
+from pagedgen.layers.matmul.amx_check import AmxUnavailableError, amx_self_check
+from pagedgen.layers.matmul.choice import (MATMUL_BACKENDS, PREPACK_MIN_NUMEL, PREPACK_MIN_NUMEL_BF16, amx_available,
+                                           bf16_pairs_available, bf16_row_blocks, choose_matmul, cpu_has_amx,
+                                           cpu_has_flag, cpu_matmul_backend, native_reduced_precision,
+                                           onednn_prepack_available, onednn_prepack_supported)
+from pagedgen.layers.matmul.config import (BF16_MAX_ROWS, BF16_MIN_ROWS, FP16_MIN_ROWS, LONG_K, LONG_K_MAX_ROWS,
+                                           MAX_ROWS, MIN_ROWS, PACKED_MIN_ROWS, MatmulConfig)
+from pagedgen.layers.matmul.dispatch import linear
+from pagedgen.layers.matmul.packing import PACKABLE_DTYPES, PANEL, PREPACK_ROWS, pack_pairs, pack_panels, prepack, prepare_matmuls
+
+__all__ = [
+    "AmxUnavailableError", "amx_self_check",
+    "MATMUL_BACKENDS", "PREPACK_MIN_NUMEL", "PREPACK_MIN_NUMEL_BF16", "amx_available", "bf16_pairs_available",
+    "bf16_row_blocks", "choose_matmul", "cpu_has_amx", "cpu_has_flag", "cpu_matmul_backend", "native_reduced_precision",
+    "onednn_prepack_available", "onednn_prepack_supported",
+    "BF16_MAX_ROWS", "BF16_MIN_ROWS", "FP16_MIN_ROWS", "LONG_K", "LONG_K_MAX_ROWS", "MAX_ROWS", "MIN_ROWS",
+    "PACKED_MIN_ROWS", "MatmulConfig",
+    "linear",
+    "PACKABLE_DTYPES", "PANEL", "PREPACK_ROWS", "pack_pairs", "pack_panels", "prepack", "prepare_matmuls",
+]

@@ -1,0 +1,75 @@
+"""``linear``: the single point through which every matmul of every model runs. A weight packed in
+panels or bf16 pairs goes to pagedgen's kernel for it; a dense or oneDNN-prepacked weight runs in the
+row blocks of the model's ``MatmulConfig`` (``config``), converted to its weight dtype and back.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedgen import ops
+from pagedgen.layers.matmul.config import MatmulConfig
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """[m, K] rows times a ``prepack``-ed [N, K] weight of their dtype -> [m, N] (oneDNN)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], min_rows: int) -> torch.Tensor:
+    """One GEMM block of [m, K] rows, run with at least ``min_rows`` rows (zero rows added): oneDNN
+    for a prepacked weight, else ``F.linear`` (MKL, or oneDNN's bf16)."""
+    run = _onednn_linear if weight.is_mkldnn else F.linear
+    m = x.shape[0]
+    if m >= min_rows:
+        return run(x, weight, bias)
+    return run(F.pad(x, (0, 0, 0, min_rows - m)), weight, bias)[:m]  # via [min_rows, K]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, config: Optional[MatmulConfig] = None,
+           out_features: Optional[int] = None) -> torch.Tensor:
+    """``y = x @ weight.T + bias``: the one function every matmul of a model goes through.
+
+    Args:
+        x: [T, in_features] activations (model dtype).
+        weight: [out_features, in_features], the model dtype or ``config.weight_dtype`` (then x is
+            converted to it and the result back to x's dtype, rounded once); dense, or
+            ``prepack``-ed for oneDNN (float32, or bf16 on a CPU with oneDNN bf16); or
+            [ceil(out_features / PANEL), in_features, PANEL] panels (``pack_panels``), run by
+            ``ops.packed_linear`` in float32 whatever the dtypes; or bf16 pairs [ceil(out_features /
+            PANEL), ceil(in_features / 2), PANEL, 2] (``pack_pairs``, bf16 x only), run by
+            ``ops.packed_linear_bf16``.
+        bias: [out_features] or None, the weight's dtype.
+        config: the model's MatmulConfig (None: a plain ``F.linear``, no row padding).
+        out_features: N; needed for a panel-packed weight, whose shape rounds it up to PANEL.
+
+    Returns:
+        [T, out_features] in x's dtype.
+
+    Raises:
+        ValueError: a panel-packed weight without ``out_features``.
+    """
+    if weight.dim() in (3, 4):  # packed panels / pairs: batch-invariant by construction, no row blocks
+        if out_features is None:
+            raise ValueError("linear: a weight packed in panels needs out_features")
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # [T, N]
+        if weight.dim() == 3:
+            run = ops.packed_linear
+        else:
+            run = torch.ops.pagedgen.packed_linear_bf16_amx if config is not None and config.amx else ops.packed_linear_bf16
+        run(out, x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
+        return out
+    out_dtype = x.dtype
+    if weight.dtype != out_dtype:
+        x = x.to(weight.dtype)
+    if config is None or not config.batch_invariant or x.shape[0] == 0:
+        y = _gemm(x, weight, bias, 0)
+    else:
+        min_rows, max_rows = config.row_blocks(weight)
+        if max_rows and x.shape[0] > max_rows:
+            y = torch.cat([_gemm(part, weight, bias, min_rows) for part in x.split(max_rows)])
+        else:
+            y = _gemm(x, weight, bias, min_rows)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
