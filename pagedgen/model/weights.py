@@ -10,7 +10,7 @@
           ``param.weight_loader`` copies it into place, converting the dtype in the same pass
 
 No full-checkpoint dict and no second copy of the weights: peak memory is the parameters plus one
-checkpoint tensor (``tests/test_model_loading.py`` measures the RSS). Each tensor gets its own
+checkpoint tensor (``tests/model/test_model_loading.py`` measures the RSS). Each tensor gets its own
 ``safe_open``: one open for a whole file keeps every page read so far mapped, and those pages
 count in the process's resident memory until the file is closed — for a single-file checkpoint,
 the whole file on top of the parameters.

@@ -2,7 +2,7 @@
 
 All take ``logits`` [num_rows, vocab] float32 and return a new tensor of the same shape (the input
 is not modified). A filtered-out token gets -inf. Semantics, checked against transformers'
-``transformers.generation.logits_process`` in tests/test_logits_processors.py:
+``transformers.generation.logits_process`` in tests/sample/test_logits_processors.py:
 
 - ``apply_penalties``: repetition penalty as ``RepetitionPenaltyLogitsProcessor`` (CTRL, Keskar et
   al. 2019) over prompt + output tokens: a seen token's logit x becomes x / r if x > 0, else x * r.

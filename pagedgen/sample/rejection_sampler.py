@@ -117,7 +117,7 @@ def rejection_sample_batch(
     residual_u: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rejection_sample`` for G sequences at once, as tensor ops on their device (no host sync),
-    token for token the same (tests/test_spec_draft.py checks it against the loop).
+    token for token the same (tests/spec_decode/test_spec_draft.py checks it against the loop).
 
     Args:
         target_probs: [G, K + 1, vocab] the target's probabilities; sequence g's rows 0..k_g

@@ -96,7 +96,7 @@ def _mix_u64(z: np.ndarray) -> np.ndarray:  # [R] uint64; numpy's unsigned arith
 def counter_uniforms(keys, streams, positions) -> torch.Tensor:
     """One U[0, 1) float64 draw per row, a pure function of (key, stream, position) (each R
     int64 values: lists or arrays): bit for bit ``counter_uniform`` of each row
-    (tests/test_sampling_draws.py). Returns [R] float64. In numpy, whose uint64 arithmetic wraps
+    (tests/sample/test_sampling_draws.py). Returns [R] float64. In numpy, whose uint64 arithmetic wraps
     and whose ops on small arrays cost a fraction of torch's: a dozen ops whatever R."""
     k, s, p = (np.asarray(x, dtype=np.int64).view(np.uint64) for x in (keys, streams, positions))
     h = _mix_u64(_mix_u64(_mix_u64(k) ^ s) ^ p)  # [R] uint64
@@ -127,7 +127,7 @@ def _mix_i64(z: torch.Tensor) -> torch.Tensor:  # [R] int64; + and * wrap mod 2*
 def counter_uniforms_torch(keys: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``counter_uniforms`` in torch int64 arithmetic on the tensors' device (a GPU worker draws
     without a host round trip): keys, streams, positions [R] int64 on one device -> [R] float64,
-    bit for bit ``counter_uniform`` of each row (tests/test_sampling_draws.py). Multiplication and
+    bit for bit ``counter_uniform`` of each row (tests/sample/test_sampling_draws.py). Multiplication and
     addition of int64 wrap modulo 2**64 as unsigned arithmetic does; shifts are made logical."""
     h = _mix_i64(_mix_i64(_mix_i64(keys) ^ streams) ^ positions)  # [R] int64, the bits of the uint64 hash
     return _shr(h, 11).double() * 2.0**-53  # 53 bits: exact in float64
@@ -414,7 +414,7 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """The one place where the sampler's results come back: a device tensor to the host (no copy on
-    the CPU). tests/test_sampler_device.py counts the calls."""
+    the CPU). tests/sample/test_sampler_device.py counts the calls."""
     return t if t.device.type == "cpu" else t.cpu()
 
 

@@ -70,7 +70,7 @@ class NgramIndex:
 
     Each call indexes the n-grams ending at the positions added since the last one (a token at
     position j ends one n-gram of each n), then looks up the suffix: bit for bit ``propose``
-    (tests/test_speculative.py). Keys are tuples of n tokens, so ``max_n`` is kept small
+    (tests/spec_decode/test_speculative.py). Keys are tuples of n tokens, so ``max_n`` is kept small
     (``INDEX_MAX_N``; the engine calls ``propose`` for longer lookups).
     """
 

@@ -4,7 +4,7 @@ matcher per constrained sequence, and the step's token bitmask.
 Backend: llguidance (https://github.com/guidance-ai/llguidance), chosen over xgrammar 0.2.9 after
 measuring both on our tokenizers (stories260K's SentencePiece-style vocabulary of 512 with byte
 fallback; GPT-2's BPE in full and cut to the tiny test models' first 4,096 ids, EOS the text token
-"!"), with the ten JSON schemas of tests/test_structured_outputs.py walked by random allowed tokens
+"!"), with the ten JSON schemas of tests/support/json_schemas.py walked by random allowed tokens
 (benchmarks/grammar_backends.py; the table is in docs/structured_outputs.md):
   - coverage: all 30 llguidance walks ended in JSON valid against its schema; 5 of 30 xgrammar walks
     did not (``multipleOf`` ignored on every tokenizer, bytes that are not UTF-8 inside a

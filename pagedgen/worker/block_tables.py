@@ -14,7 +14,7 @@ blocks, copy-on-write, freed rows zeroed) are collected first and written with o
 not one tensor assignment per sequence.
 
 The runner sees every step's output in order, so the mirror always equals the block manager's
-tables (``tests/test_model_runner.py`` checks it through preemption, swapping and copy-on-write).
+tables (``tests/worker/test_model_runner.py`` checks it through preemption, swapping and copy-on-write).
 A step that raises rolls the engine back: every request is aborted and the scheduler frees every
 table it had sent, so the next output frees every row, whatever the interrupted step left here.
 A table freed and sent again in one output (a sequence preempted and readmitted in the same step)

@@ -12,7 +12,7 @@ each row the same bits whatever the other rows and the row's position: MKL at le
 ``LONG_K``), prepacked float32 at least ``PACKED_MIN_ROWS``, oneDNN bf16 at least
 ``BF16_MIN_ROWS`` and at most ``BF16_MAX_ROWS`` with AMX (``MAX_ROWS`` without), fp16 at least
 ``FP16_MIN_ROWS``. The tests check every row of batches of up to 1,100 rows against the row alone
-at the model shapes, on the machine they run on (``tests/test_batch_invariance_ops.py``).
+at the model shapes, on the machine they run on (``tests/layers/test_batch_invariance_ops.py``).
 """
 from __future__ import annotations
 
