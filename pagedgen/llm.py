@@ -35,7 +35,7 @@ from pagedgen.progress import Progress
 from pagedgen.sample.sampler import Sampler
 from pagedgen.sampling_params import SamplingParams
 from pagedgen.spec_decode.config import SpeculativeConfig
-from pagedgen.spec_decode.draft_model import check_draft, check_draft_tokenizer, draft_model_config, naming_the_draft
+from pagedgen.spec_decode.draft_checks import check_draft_tokenizer, check_speculative_model, naming_the_draft
 from pagedgen.structured_output.grammar import GrammarCompiler
 from pagedgen.worker import kv_profile
 from pagedgen.worker.model_runner import ModelRunner
@@ -58,19 +58,6 @@ def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
 
 
 ChatMessage = dict  # {"role": str, "content": str}
-
-
-def check_speculative_model(spec: SpeculativeConfig, model_config, max_model_len: int):
-    """The checks of a speculative config that need the target's config, before any weights are
-    loaded: for method "draft_model" the draft's config.json (the same vocab_size, positions up to
-    ``max_model_len``, no sliding window; ValueError naming the field). Returns the draft's
-    (hf_config, ModelConfig) in the target's dtype, or None for "ngram"."""
-    if spec.method != "draft_model":
-        return None
-    with naming_the_draft(spec.model):
-        draft_hf, draft_config = draft_model_config(spec.model, model_config.dtype)
-    check_draft(draft_config, model_config, spec.model, max_model_len)
-    return draft_hf, draft_config
 
 
 class LLM:
