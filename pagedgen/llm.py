@@ -9,37 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 from typing import Any, Iterable, Iterator, Optional, Union
 from typing import Sequence as Seq
 
 import torch
 
-from pagedgen import inputs, ops
+from pagedgen import inputs
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedgen.config import CacheConfig, SchedulerConfig
-from pagedgen.core import kv_sizing
-from pagedgen.core.block_manager import cdiv
 from pagedgen.engine.beam_group import beam_score
+from pagedgen.engine.build import build_engine
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
-from pagedgen.engine.processor import Request, RequestProcessor
+from pagedgen.engine.processor import Request
 from pagedgen.engine.step_log import StepLog
-from pagedgen.executor.multiproc import MultiprocExecutor
-from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
-from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
-from pagedgen.llm_args import check_llm_args, check_use_tqdm
-from pagedgen.model import loader
+from pagedgen.llm_args import LLMArgs, check_use_tqdm
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import Progress
-from pagedgen.sample.sampler import Sampler
 from pagedgen.sampling_params import SamplingParams
-from pagedgen.spec_decode.config import SpeculativeConfig
-from pagedgen.spec_decode.draft_checks import check_draft_tokenizer, check_speculative_model, naming_the_draft
-from pagedgen.structured_output.grammar import GrammarCompiler
-from pagedgen.worker import kv_profile
-from pagedgen.worker.model_runner import ModelRunner
-from pagedgen.worker.worker import WorkerSpec
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 
@@ -180,122 +166,31 @@ class LLM:
         pipeline_parallel_size: int = 1,
         speculative_config: Optional[dict[str, Any]] = None,
     ) -> None:
-        check_llm_args(
-            model=model, tokenizer=tokenizer, block_size=block_size, num_kv_blocks=num_kv_blocks,
+        args = LLMArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
             enforce_extension=enforce_extension, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes,
+            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-        )  # TypeError / ValueError before anything is loaded (llm_args.py)
-        spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
-        world = tensor_parallel_size * pipeline_parallel_size
-        if spec_config is not None and (distributed_executor_backend is not None or world > 1):
-            raise ValueError(
-                f"LLM speculative_config needs distributed_executor_backend=None (in process) and "
-                f"tensor_parallel_size=pipeline_parallel_size=1, got {distributed_executor_backend!r}, {tensor_parallel_size} "
-                f"and {pipeline_parallel_size}: drafts do not travel in the step record yet"
-            )
-        device = inputs.resolve_device(device)
-        if distributed_executor_backend is not None and device.type == "cuda" and num_kv_blocks is None and kv_cache_memory_bytes is None:
-            # the driver sizes the KV cache, and on a GPU that needs a profiling forward pass of the model,
-            # which only the worker holds: the size must be given (before anything is loaded)
-            raise ValueError(
-                f"LLM distributed_executor_backend={distributed_executor_backend!r} on a GPU needs num_kv_blocks or "
-                "kv_cache_memory_bytes (--num-kv-blocks / --kv-cache-memory-bytes): the KV cache cannot be sized "
-                "by a profiling run, which needs the model in the driver; or pass distributed_executor_backend=None"
-            )
-        if enforce_extension and not ops.extension_available(device.type):
-            raise RuntimeError(ops.extension_error(device.type))
-
-        model = os.fspath(model)
-        hf_config = loader.load_hf_config(model)
-        model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
-        if world > 1:
-            loader.check_parallel(hf_config, model_config, tensor_parallel_size, pipeline_parallel_size)  # ValueError before any process
-            distributed_executor_backend = "mp"
-        if batch_invariant is None:
-            batch_invariant = device.type == "cpu"
-        self.matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading
-        max_model_len_given = max_model_len is not None
-        if max_model_len is None:
-            max_model_len = model_config.max_position_embeddings
-        elif max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"LLM max_model_len must be <= the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings}), got {max_model_len}"
-            )
-        max_num_batched_tokens = max_num_batched_tokens or max(4096, max_num_seqs)
-        draft = None if spec_config is None else check_speculative_model(spec_config, model_config, max_model_len)
-
-        tok_path = os.fspath(tokenizer) if tokenizer is not None else model
-        self.tokenizer = loader.load_tokenizer(tok_path)
-        eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
-        if draft is not None:
-            with naming_the_draft(spec_config.model):
-                check_draft_tokenizer(spec_config.model, self.tokenizer)  # ValueError before any weights load
-
-        in_process = distributed_executor_backend is None
-        if in_process:
-            self.model = loader.load_model(model, hf_config, model_config, device)
-            prepare_matmuls(self.model, self.matmul_config)
-        else:
-            self.model = None  # the worker loads it; the driver holds no model and no device tensors
-        self.draft_model = None  # speculative decoding's draft model (method "draft_model"), beside the model
-        if draft is not None:
-            with naming_the_draft(spec_config.model):
-                self.draft_model = loader.load_model(spec_config.model, draft[0], draft[1], device)
-            prepare_matmuls(self.draft_model, self.matmul_config)
-
-        # a block of the pool holds its tokens' keys and values in the model's cache and, with a draft
-        # model, in the draft's (the same block ids, spec_decode/draft_model.py): one budget for both
-        swap_block_bytes = model_config.kv_bytes_per_token() * block_size
-        block_bytes = swap_block_bytes + (0 if draft is None else draft[1].kv_bytes_per_token() * block_size)
-        sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
-        if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
-            kv_cache_memory_bytes = kv_profile.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
-        num_blocks = kv_sizing.num_kv_blocks(block_bytes, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs * cdiv(max_model_len, block_size))
-        num_cpu_blocks = 0
-        if preemption_mode == "swap":
-            # swap space holds the model's blocks only (a draft recomputes its cache after a swap-in)
-            swap_bytes = swap_space_bytes if swap_space_bytes is not None else min(4 << 30, num_blocks * swap_block_bytes)
-            num_cpu_blocks = swap_bytes // swap_block_bytes
-            if num_cpu_blocks < 1:
-                raise ValueError(f"LLM swap_space_bytes must hold at least one block ({swap_block_bytes} bytes), got {swap_bytes}")
-        cache_config = CacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            num_cpu_blocks=num_cpu_blocks,
-            sliding_window=model_config.sliding_window,
+            speculative_config=speculative_config,
         )
-        kv_sizing.check_max_model_len(num_blocks, block_size, block_bytes, max_model_len, max_model_len_given, sized_by)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            preemption_mode=preemption_mode,
-        )
-        self.device = device
+        # the argument checks first (llm_args.py: errors before anything is loaded), then the configs,
+        # the tokenizer, the model, the KV cache's size, the executor and the engine (engine/build.py)
+        built = build_engine(args)
+        self.llm_engine = built.engine
+        self.processor = built.engine.processor
+        self.cache_config = built.engine.cache_config
+        self.scheduler_config = built.engine.scheduler_config
+        self.tokenizer = built.tokenizer
+        self.model_config = built.model_config
+        self.matmul_config = built.matmul_config
+        self.model = built.models.model  # None when the model lives in worker processes
+        self.draft_model = built.models.draft_model  # speculative decoding's draft model (method "draft_model"), beside the model
+        self.device = built.device
         self.seed = seed  # the draw key of requests without their own seed
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        use_graphs = device.type == "cuda" and not enforce_eager
-        graph_seqs = max_num_seqs if use_graphs else 0
-        if in_process:
-            executor = InProcessExecutor(ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=graph_seqs,
-                                                     max_model_len=max_model_len, draft_model=self.draft_model))
-        else:
-            threads = torch.get_num_threads() if world == 1 else max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // world)
-            spec = WorkerSpec(model, model_config.dtype, device, self.matmul_config, cache_config, max_model_len, seed,
-                              graph_seqs if world == 1 else 0, threads, tensor_parallel_size, pipeline_parallel_size)
-            executor = MultiprocExecutor(spec) if distributed_executor_backend == "mp" else PicklingExecutor(spec)
-        grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
-        self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)
-        self.llm_engine = LLMEngine(cache_config, scheduler_config, executor, self.processor, eos_token_ids, spec_config)
         self._lock = threading.Lock()
         self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
 
