@@ -245,9 +245,9 @@ class LLMEngine:
         params = request.params
         if isinstance(params, SamplingParams):
             seed = None if params.seed is None else as_int64(params.seed)
-            seq = self._sequence(request, params, seed, self.processor.new_stream(request))
+            seq = self._sequence(request, params, seed, request.detokenizers[0])
             # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
-            seq.pending_forks = [(j, self.processor.new_stream(request)) for j in range(1, params.n)]
+            seq.pending_forks = [(j, request.detokenizers[j]) for j in range(1, params.n)]
             return seq
         group = BeamGroup(params, len(request.prompt_token_ids), self.eos_token_ids, self.scheduler_config.max_model_len)
         seq = self._sequence(request, SamplingParams(temperature=0, max_tokens=None), None, None)
