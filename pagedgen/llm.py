@@ -7,42 +7,22 @@
 """
 from __future__ import annotations
 
-import contextlib
-import itertools
-import threading
 from typing import Any, Iterable, Iterator, Optional, Union
 from typing import Sequence as Seq
 
 import torch
 
-from pagedgen import inputs
-from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedgen.engine.beam_group import beam_score
+from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedgen.call_lock import CallLock
+from pagedgen.engine import offline
 from pagedgen.engine.build import build_engine
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
-from pagedgen.engine.processor import Request
 from pagedgen.engine.step_log import StepLog
 from pagedgen.llm_args import LLMArgs, check_use_tqdm
 from pagedgen.outputs import RequestOutput
-from pagedgen.progress import Progress
 from pagedgen.sampling_params import SamplingParams
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
-
-
-def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
-    """Up to ``n`` items of ``items``: (the items, whether the source ended, the exception it raised
-    or None). A source that raises keeps the items it gave before: they run and are yielded, then
-    its exception is raised (an interrupt, KeyboardInterrupt, is not caught: it aborts the stream)."""
-    batch: list = []
-    try:
-        for item in itertools.islice(items, n):
-            batch.append(item)
-    except Exception as exc:  # noqa: BLE001 - re-raised by _stream once the admitted items are yielded
-        return batch, True, exc
-    return batch, len(batch) < n, None
-
-
 ChatMessage = dict  # {"role": str, "content": str}
 
 
@@ -191,8 +171,7 @@ class LLM:
         self.draft_model = built.models.draft_model  # speculative decoding's draft model (method "draft_model"), beside the model
         self.device = built.device
         self.seed = seed  # the draw key of requests without their own seed
-        self._lock = threading.Lock()
-        self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
+        self._lock = CallLock()  # one call at a time (call_lock.py)
 
     def shutdown(self) -> None:
         """End the worker processes of ``distributed_executor_backend="mp"``, after which its calls
@@ -248,9 +227,8 @@ class LLM:
                 this thread is inside a ``generate_stream`` of this LLM.
         """
         check_use_tqdm(use_tqdm)
-        with self._exclusive("generate"):
-            texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
-            return self._run(self.processor.process_batch(texts, ids, sampling_params), use_tqdm)
+        with self._lock.held("generate"):
+            return offline.generate(self.llm_engine, prompts, sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -285,10 +263,8 @@ class LLM:
             RuntimeError: as ``generate``.
         """
         check_use_tqdm(use_tqdm)
-        with self._exclusive("chat"):
-            texts = inputs.render_chats(self.tokenizer, messages, chat_template, add_generation_prompt, continue_final_message)
-            ids = inputs.fill_empty(self.tokenizer, [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]) if texts else []
-            return self._run(self.processor.process_batch(texts, ids, sampling_params), use_tqdm)
+        with self._lock.held("chat"):
+            return offline.chat(self.llm_engine, messages, sampling_params, chat_template, add_generation_prompt, continue_final_message, use_tqdm)
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search for each prompt; beams of one prompt share their common history's KV blocks.
@@ -316,23 +292,8 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         check_use_tqdm(use_tqdm)
-        with self._exclusive("beam_search"):
-            texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
-            outputs = self._run(self.processor.beam_batch(texts, ids, params), use_tqdm, desc="Beam search")
-        return [
-            BeamSearchOutput([
-                BeamSearchSequence(
-                    tokens=out.prompt_token_ids + c.token_ids,
-                    output_token_ids=c.token_ids,
-                    text=c.text,
-                    cum_logprob=c.cumulative_logprob,
-                    score=beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty),
-                    finish_reason=c.finish_reason,
-                )
-                for c in out.outputs
-            ])
-            for out in outputs
-        ]
+        with self._lock.held("beam_search"):
+            return offline.beam_search(self.llm_engine, prompts, params, use_tqdm)
 
     def generate_stream(
         self,
@@ -370,103 +331,8 @@ class LLM:
         KeyboardInterrupt (from the source too), aborts the requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
         """
         check_use_tqdm(use_tqdm)
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
-        default = self.processor.check_params(sampling_params, "sampling_params")
-        if max_in_flight is None:
-            max_in_flight = 4 * self.scheduler_config.max_num_seqs
-        elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-            raise TypeError(f"max_in_flight must be an int, got {type(max_in_flight).__name__}")
-        elif max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        total = len(prompts) if hasattr(prompts, "__len__") else None
-        return self._stream(iter(prompts), default, max_in_flight, use_tqdm, total)
-
-    def _stream(self, items: Iterator, default: SamplingParams, max_in_flight: int, use_tqdm: bool, total: Optional[int]) -> Iterator[RequestOutput]:
-        engine = self.llm_engine
-        with self._exclusive("generate_stream"):
-            self._check_engine_idle()
-            index, error, exhausted = 0, None, False
-            progress = Progress(use_tqdm, total, "Processed prompts", engine.num_generated_tokens)
-            try:
-                while True:
-                    room = max_in_flight - engine.get_num_unfinished_requests()
-                    if not exhausted and error is None and room > 0:
-                        batch, exhausted, source_error = _pull(items, room)  # tokenized together: one tokenizer call
-                        requests, error = self.processor.process_stream_items(index, batch, default)
-                        if error is None:  # a bad item comes before the source's failure
-                            error = source_error
-                        for request in requests:  # those before a bad item; its error is raised at the end
-                            engine.enqueue(request)
-                        index += len(batch)
-                    if not engine.has_unfinished_requests():
-                        break
-                    outputs = engine.step()
-                    progress.update(len(outputs), engine.num_generated_tokens)
-                    for out in outputs:
-                        yield out
-                        self._holder = (threading.get_ident(), "generate_stream")  # resumed by this thread
-                if error is not None:
-                    raise error
-            except BaseException:  # an error, an interrupt, or close() at a yield: abort what is in flight
-                engine.abort_all()
-                raise
-            finally:
-                progress.close()
-
-    # ----- the loop under generate, chat and beam_search -----------------------------------------------
-    def _run(self, requests: list[Request], use_tqdm: bool, desc: str = "Processed prompts") -> list[RequestOutput]:
-        """Queue every request, step until all have finished; results in input order. Any error or
-        interrupt aborts them all (the engine repairs the block pool) before it propagates."""
-        if not requests:
-            return []
-        self._check_engine_idle()
-        engine = self.llm_engine
-        results: list[Optional[RequestOutput]] = [None] * len(requests)
-        progress = Progress(use_tqdm, len(requests), desc, engine.num_generated_tokens)
-        try:
-            for request in requests:
-                engine.enqueue(request)
-            while engine.has_unfinished_requests():
-                outputs = engine.step()
-                for out in outputs:
-                    results[out.index] = out
-                progress.update(len(outputs), engine.num_generated_tokens)
-        except BaseException:
-            engine.abort_all()
-            raise
-        finally:
-            progress.close()
-        return results
-
-    def _check_engine_idle(self) -> None:
-        self.llm_engine.executor.check_usable()  # shut down, or a worker died: RuntimeError before any work
-        n = self.llm_engine.get_num_unfinished_requests()
-        if n:
-            raise RuntimeError(
-                f"the engine holds {n} unfinished requests added with llm_engine.add_request: finish them "
-                "(llm_engine.step()) or abort them (llm_engine.abort_request) before calling generate"
-            )
-
-    @contextlib.contextmanager
-    def _exclusive(self, call: str):
-        """Hold the LLM's lock for one call; RuntimeError at once if this thread already holds it."""
-        me = threading.get_ident()
-        holder = self._holder
-        if holder is not None and holder[0] == me:
-            raise RuntimeError(
-                f"LLM.{call} called while this thread is inside LLM.{holder[1]} of the same LLM, which holds its "
-                "lock until it is done (a generate_stream until it is exhausted or closed): this call would wait "
-                "for itself forever. Finish or close() the stream first."
-            )
-        with self._lock:
-            self._holder = (me, call)
-            try:
-                yield
-            finally:
-                self._holder = None
+        outputs = offline.stream(self.llm_engine, prompts, sampling_params, max_in_flight, use_tqdm)  # checks now, runs when pulled
+        return self._lock.held_over("generate_stream", outputs)
 
     def get_stats(self) -> EngineStats:
         """KV cache and scheduling counters since this LLM was made (see ``EngineStats``)."""

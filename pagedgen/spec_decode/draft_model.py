@@ -3,7 +3,7 @@
 The draft's KV cache shares the target's block ids: block b of the draft's cache holds the draft's
 keys and values of the tokens whose target keys and values are in block b of the target's cache, so
 one block manager, one block table and one slot mapping serve both models, and a block of the pool
-costs target bytes + draft bytes (``LLM`` sizes the pool with both; core/kv_sizing.py).
+costs target bytes + draft bytes (``engine/build.py`` sizes the pool with both; core/kv_sizing.py).
 
     target cache  layer l  [num_blocks, block_size, kv_heads,       head_dim      ]   same block ids,
     draft cache   layer l' [num_blocks, block_size, draft_kv_heads, draft_head_dim]   same slots
