@@ -1,4 +1,4 @@
-"""Frozen configuration of one engine, built and validated once by ``LLM`` and passed down."""
+"""Frozen configuration of one engine, built and validated once (``engine/build.py``) and passed down."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,70 +7,23 @@
 """
 from __future__ import annotations
 
-import contextlib
-import itertools
-import os
-import threading
 from typing import Any, Iterable, Iterator, Optional, Union
 from typing import Sequence as Seq
 
 import torch
 
-from pagedgen import inputs, ops
-from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedgen.config import CacheConfig, SchedulerConfig
-from pagedgen.core import kv_sizing
-from pagedgen.core.block_manager import cdiv
-from pagedgen.engine.beam_group import beam_score
+from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedgen.call_lock import CallLock
+from pagedgen.engine import offline
+from pagedgen.engine.build import build_engine
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
-from pagedgen.engine.processor import Request, RequestProcessor
 from pagedgen.engine.step_log import StepLog
-from pagedgen.executor.multiproc import MultiprocExecutor
-from pagedgen.executor.uniproc import InProcessExecutor, PicklingExecutor
-from pagedgen.layers.matmul import choose_matmul, prepare_matmuls
-from pagedgen.llm_args import check_llm_args, check_use_tqdm
-from pagedgen.model import loader
+from pagedgen.llm_args import LLMArgs, check_use_tqdm
 from pagedgen.outputs import RequestOutput
-from pagedgen.progress import Progress
-from pagedgen.sample.sampler import Sampler
 from pagedgen.sampling_params import SamplingParams
-from pagedgen.spec_decode.config import SpeculativeConfig
-from pagedgen.spec_decode.draft_model import check_draft, check_draft_tokenizer, draft_model_config, naming_the_draft
-from pagedgen.structured_output.grammar import GrammarCompiler
-from pagedgen.worker import kv_profile
-from pagedgen.worker.model_runner import ModelRunner
-from pagedgen.worker.worker import WorkerSpec
 
 PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
-
-
-def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
-    """Up to ``n`` items of ``items``: (the items, whether the source ended, the exception it raised
-    or None). A source that raises keeps the items it gave before: they run and are yielded, then
-    its exception is raised (an interrupt, KeyboardInterrupt, is not caught: it aborts the stream)."""
-    batch: list = []
-    try:
-        for item in itertools.islice(items, n):
-            batch.append(item)
-    except Exception as exc:  # noqa: BLE001 - re-raised by _stream once the admitted items are yielded
-        return batch, True, exc
-    return batch, len(batch) < n, None
-
-
 ChatMessage = dict  # {"role": str, "content": str}
-
-
-def check_speculative_model(spec: SpeculativeConfig, model_config, max_model_len: int):
-    """The checks of a speculative config that need the target's config, before any weights are
-    loaded: for method "draft_model" the draft's config.json (the same vocab_size, positions up to
-    ``max_model_len``, no sliding window; ValueError naming the field). Returns the draft's
-    (hf_config, ModelConfig) in the target's dtype, or None for "ngram"."""
-    if spec.method != "draft_model":
-        return None
-    with naming_the_draft(spec.model):
-        draft_hf, draft_config = draft_model_config(spec.model, model_config.dtype)
-    check_draft(draft_config, model_config, spec.model, max_model_len)
-    return draft_hf, draft_config
 
 
 class LLM:
@@ -193,124 +146,32 @@ class LLM:
         pipeline_parallel_size: int = 1,
         speculative_config: Optional[dict[str, Any]] = None,
     ) -> None:
-        check_llm_args(
-            model=model, tokenizer=tokenizer, block_size=block_size, num_kv_blocks=num_kv_blocks,
+        args = LLMArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
             enforce_extension=enforce_extension, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes,
+            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-        )  # TypeError / ValueError before anything is loaded (llm_args.py)
-        spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
-        world = tensor_parallel_size * pipeline_parallel_size
-        if spec_config is not None and (distributed_executor_backend is not None or world > 1):
-            raise ValueError(
-                f"LLM speculative_config needs distributed_executor_backend=None (in process) and "
-                f"tensor_parallel_size=pipeline_parallel_size=1, got {distributed_executor_backend!r}, {tensor_parallel_size} "
-                f"and {pipeline_parallel_size}: drafts do not travel in the step record yet"
-            )
-        device = inputs.resolve_device(device)
-        if distributed_executor_backend is not None and device.type == "cuda" and num_kv_blocks is None and kv_cache_memory_bytes is None:
-            # the driver sizes the KV cache, and on a GPU that needs a profiling forward pass of the model,
-            # which only the worker holds: the size must be given (before anything is loaded)
-            raise ValueError(
-                f"LLM distributed_executor_backend={distributed_executor_backend!r} on a GPU needs num_kv_blocks or "
-                "kv_cache_memory_bytes (--num-kv-blocks / --kv-cache-memory-bytes): the KV cache cannot be sized "
-                "by a profiling run, which needs the model in the driver; or pass distributed_executor_backend=None"
-            )
-        if enforce_extension and not ops.extension_available(device.type):
-            raise RuntimeError(ops.extension_error(device.type))
-
-        model = os.fspath(model)
-        hf_config = loader.load_hf_config(model)
-        model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(dtype, hf_config))
-        if world > 1:
-            loader.check_parallel(hf_config, model_config, tensor_parallel_size, pipeline_parallel_size)  # ValueError before any process
-            distributed_executor_backend = "mp"
-        if batch_invariant is None:
-            batch_invariant = device.type == "cpu"
-        self.matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading
-        max_model_len_given = max_model_len is not None
-        if max_model_len is None:
-            max_model_len = model_config.max_position_embeddings
-        elif max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"LLM max_model_len must be <= the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings}), got {max_model_len}"
-            )
-        max_num_batched_tokens = max_num_batched_tokens or max(4096, max_num_seqs)
-        draft = None if spec_config is None else check_speculative_model(spec_config, model_config, max_model_len)
-
-        tok_path = os.fspath(tokenizer) if tokenizer is not None else model
-        self.tokenizer = loader.load_tokenizer(tok_path)
-        eos_token_ids = loader.load_eos_token_ids(model, hf_config, self.tokenizer)
-        if draft is not None:
-            with naming_the_draft(spec_config.model):
-                check_draft_tokenizer(spec_config.model, self.tokenizer)  # ValueError before any weights load
-
-        in_process = distributed_executor_backend is None
-        if in_process:
-            self.model = loader.load_model(model, hf_config, model_config, device)
-            prepare_matmuls(self.model, self.matmul_config)
-        else:
-            self.model = None  # the worker loads it; the driver holds no model and no device tensors
-        self.draft_model = None  # speculative decoding's draft model (method "draft_model"), beside the model
-        if draft is not None:
-            with naming_the_draft(spec_config.model):
-                self.draft_model = loader.load_model(spec_config.model, draft[0], draft[1], device)
-            prepare_matmuls(self.draft_model, self.matmul_config)
-
-        # a block of the pool holds its tokens' keys and values in the model's cache and, with a draft
-        # model, in the draft's (the same block ids, spec_decode/draft_model.py): one budget for both
-        swap_block_bytes = model_config.kv_bytes_per_token() * block_size
-        block_bytes = swap_block_bytes + (0 if draft is None else draft[1].kv_bytes_per_token() * block_size)
-        sized_by = kv_sizing.sizing_source(num_kv_blocks, kv_cache_memory_bytes, device.type, gpu_memory_utilization)
-        if num_kv_blocks is None and kv_cache_memory_bytes is None and device.type == "cuda":
-            kv_cache_memory_bytes = kv_profile.cuda_kv_bytes(self.model, max_num_batched_tokens, gpu_memory_utilization)
-        num_blocks = kv_sizing.num_kv_blocks(block_bytes, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs * cdiv(max_model_len, block_size))
-        num_cpu_blocks = 0
-        if preemption_mode == "swap":
-            # swap space holds the model's blocks only (a draft recomputes its cache after a swap-in)
-            swap_bytes = swap_space_bytes if swap_space_bytes is not None else min(4 << 30, num_blocks * swap_block_bytes)
-            num_cpu_blocks = swap_bytes // swap_block_bytes
-            if num_cpu_blocks < 1:
-                raise ValueError(f"LLM swap_space_bytes must hold at least one block ({swap_block_bytes} bytes), got {swap_bytes}")
-        cache_config = CacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            num_cpu_blocks=num_cpu_blocks,
-            sliding_window=model_config.sliding_window,
+            speculative_config=speculative_config,
         )
-        kv_sizing.check_max_model_len(num_blocks, block_size, block_bytes, max_model_len, max_model_len_given, sized_by)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            preemption_mode=preemption_mode,
-        )
-        self.device = device
+        # the argument checks first (llm_args.py: errors before anything is loaded), then the configs,
+        # the tokenizer, the model, the KV cache's size, the executor and the engine (engine/build.py)
+        built = build_engine(args)
+        self.llm_engine = built.engine
+        self.processor = built.engine.processor
+        self.cache_config = built.engine.cache_config
+        self.scheduler_config = built.engine.scheduler_config
+        self.tokenizer = built.tokenizer
+        self.model_config = built.model_config
+        self.matmul_config = built.matmul_config
+        self.model = built.models.model  # None when the model lives in worker processes
+        self.draft_model = built.models.draft_model  # speculative decoding's draft model (method "draft_model"), beside the model
+        self.device = built.device
         self.seed = seed  # the draw key of requests without their own seed
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        use_graphs = device.type == "cuda" and not enforce_eager
-        graph_seqs = max_num_seqs if use_graphs else 0
-        if in_process:
-            executor = InProcessExecutor(ModelRunner(self.model, cache_config, Sampler(seed), cuda_graph_max_seqs=graph_seqs,
-                                                     max_model_len=max_model_len, draft_model=self.draft_model))
-        else:
-            threads = torch.get_num_threads() if world == 1 else max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // world)
-            spec = WorkerSpec(model, model_config.dtype, device, self.matmul_config, cache_config, max_model_len, seed,
-                              graph_seqs if world == 1 else 0, threads, tensor_parallel_size, pipeline_parallel_size)
-            executor = MultiprocExecutor(spec) if distributed_executor_backend == "mp" else PicklingExecutor(spec)
-        grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
-        self.processor = RequestProcessor(self.tokenizer, model_config.vocab_size, max_model_len, max_num_seqs, grammars)
-        self.llm_engine = LLMEngine(cache_config, scheduler_config, executor, self.processor, eos_token_ids, spec_config)
-        self._lock = threading.Lock()
-        self._holder: Optional[tuple[int, str]] = None  # (thread id, call) of the lock's holder
+        self._lock = CallLock()  # one call at a time (call_lock.py)
 
     def shutdown(self) -> None:
         """End the worker processes of ``distributed_executor_backend="mp"``, after which its calls
@@ -366,9 +227,8 @@ class LLM:
                 this thread is inside a ``generate_stream`` of this LLM.
         """
         check_use_tqdm(use_tqdm)
-        with self._exclusive("generate"):
-            texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
-            return self._run(self.processor.process_batch(texts, ids, sampling_params), use_tqdm)
+        with self._lock.held("generate"):
+            return offline.generate(self.llm_engine, prompts, sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -403,10 +263,8 @@ class LLM:
             RuntimeError: as ``generate``.
         """
         check_use_tqdm(use_tqdm)
-        with self._exclusive("chat"):
-            texts = inputs.render_chats(self.tokenizer, messages, chat_template, add_generation_prompt, continue_final_message)
-            ids = inputs.fill_empty(self.tokenizer, [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]) if texts else []
-            return self._run(self.processor.process_batch(texts, ids, sampling_params), use_tqdm)
+        with self._lock.held("chat"):
+            return offline.chat(self.llm_engine, messages, sampling_params, chat_template, add_generation_prompt, continue_final_message, use_tqdm)
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search for each prompt; beams of one prompt share their common history's KV blocks.
@@ -434,23 +292,8 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         check_use_tqdm(use_tqdm)
-        with self._exclusive("beam_search"):
-            texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.model_config.vocab_size)
-            outputs = self._run(self.processor.beam_batch(texts, ids, params), use_tqdm, desc="Beam search")
-        return [
-            BeamSearchOutput([
-                BeamSearchSequence(
-                    tokens=out.prompt_token_ids + c.token_ids,
-                    output_token_ids=c.token_ids,
-                    text=c.text,
-                    cum_logprob=c.cumulative_logprob,
-                    score=beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty),
-                    finish_reason=c.finish_reason,
-                )
-                for c in out.outputs
-            ])
-            for out in outputs
-        ]
+        with self._lock.held("beam_search"):
+            return offline.beam_search(self.llm_engine, prompts, params, use_tqdm)
 
     def generate_stream(
         self,
@@ -488,103 +331,8 @@ class LLM:
         KeyboardInterrupt (from the source too), aborts the requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
         """
         check_use_tqdm(use_tqdm)
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
-        default = self.processor.check_params(sampling_params, "sampling_params")
-        if max_in_flight is None:
-            max_in_flight = 4 * self.scheduler_config.max_num_seqs
-        elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-            raise TypeError(f"max_in_flight must be an int, got {type(max_in_flight).__name__}")
-        elif max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        total = len(prompts) if hasattr(prompts, "__len__") else None
-        return self._stream(iter(prompts), default, max_in_flight, use_tqdm, total)
-
-    def _stream(self, items: Iterator, default: SamplingParams, max_in_flight: int, use_tqdm: bool, total: Optional[int]) -> Iterator[RequestOutput]:
-        engine = self.llm_engine
-        with self._exclusive("generate_stream"):
-            self._check_engine_idle()
-            index, error, exhausted = 0, None, False
-            progress = Progress(use_tqdm, total, "Processed prompts", engine.num_generated_tokens)
-            try:
-                while True:
-                    room = max_in_flight - engine.get_num_unfinished_requests()
-                    if not exhausted and error is None and room > 0:
-                        batch, exhausted, source_error = _pull(items, room)  # tokenized together: one tokenizer call
-                        requests, error = self.processor.process_stream_items(index, batch, default)
-                        if error is None:  # a bad item comes before the source's failure
-                            error = source_error
-                        for request in requests:  # those before a bad item; its error is raised at the end
-                            engine.enqueue(request)
-                        index += len(batch)
-                    if not engine.has_unfinished_requests():
-                        break
-                    outputs = engine.step()
-                    progress.update(len(outputs), engine.num_generated_tokens)
-                    for out in outputs:
-                        yield out
-                        self._holder = (threading.get_ident(), "generate_stream")  # resumed by this thread
-                if error is not None:
-                    raise error
-            except BaseException:  # an error, an interrupt, or close() at a yield: abort what is in flight
-                engine.abort_all()
-                raise
-            finally:
-                progress.close()
-
-    # ----- the loop under generate, chat and beam_search -----------------------------------------------
-    def _run(self, requests: list[Request], use_tqdm: bool, desc: str = "Processed prompts") -> list[RequestOutput]:
-        """Queue every request, step until all have finished; results in input order. Any error or
-        interrupt aborts them all (the engine repairs the block pool) before it propagates."""
-        if not requests:
-            return []
-        self._check_engine_idle()
-        engine = self.llm_engine
-        results: list[Optional[RequestOutput]] = [None] * len(requests)
-        progress = Progress(use_tqdm, len(requests), desc, engine.num_generated_tokens)
-        try:
-            for request in requests:
-                engine.enqueue(request)
-            while engine.has_unfinished_requests():
-                outputs = engine.step()
-                for out in outputs:
-                    results[out.index] = out
-                progress.update(len(outputs), engine.num_generated_tokens)
-        except BaseException:
-            engine.abort_all()
-            raise
-        finally:
-            progress.close()
-        return results
-
-    def _check_engine_idle(self) -> None:
-        self.llm_engine.executor.check_usable()  # shut down, or a worker died: RuntimeError before any work
-        n = self.llm_engine.get_num_unfinished_requests()
-        if n:
-            raise RuntimeError(
-                f"the engine holds {n} unfinished requests added with llm_engine.add_request: finish them "
-                "(llm_engine.step()) or abort them (llm_engine.abort_request) before calling generate"
-            )
-
-    @contextlib.contextmanager
-    def _exclusive(self, call: str):
-        """Hold the LLM's lock for one call; RuntimeError at once if this thread already holds it."""
-        me = threading.get_ident()
-        holder = self._holder
-        if holder is not None and holder[0] == me:
-            raise RuntimeError(
-                f"LLM.{call} called while this thread is inside LLM.{holder[1]} of the same LLM, which holds its "
-                "lock until it is done (a generate_stream until it is exhausted or closed): this call would wait "
-                "for itself forever. Finish or close() the stream first."
-            )
-        with self._lock:
-            self._holder = (me, call)
-            try:
-                yield
-            finally:
-                self._holder = None
+        outputs = offline.stream(self.llm_engine, prompts, sampling_params, max_in_flight, use_tqdm)  # checks now, runs when pulled
+        return self._lock.held_over("generate_stream", outputs)
 
     def get_stats(self) -> EngineStats:
         """KV cache and scheduling counters since this LLM was made (see ``EngineStats``)."""

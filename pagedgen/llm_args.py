@@ -1,53 +1,97 @@
-"""The checks of ``LLM(...)``'s arguments: types and ranges, before anything is loaded or started.
+"""The arguments of ``LLM(...)`` (``LLMArgs``) and their checks, before anything is loaded or started.
 
 ``check_llm_args`` raises ``TypeError`` (a wrong type), ``ValueError`` (a value outside its range,
-named with the range) or ``FileNotFoundError`` (a tokenizer folder that does not exist); what
-needs the checkpoint (dtype, the parallel sizes against the heads and layers,
-``max_model_len`` against the model's positions, the KV cache's size) is checked by ``LLM`` as it
-assembles the engine (llm.py).
+named with the range, or arguments that do not go together) or ``FileNotFoundError`` (a tokenizer
+folder that does not exist), and ``RuntimeError`` when ``enforce_extension`` finds no compiled
+extension; what needs the checkpoint (dtype, the parallel sizes against the heads and layers,
+``max_model_len`` against the model's positions, the KV cache's size) is checked as the engine is
+built (``engine/build.py``).
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from pagedgen import inputs
+import torch
+
+from pagedgen import inputs, ops
 from pagedgen.executor import BACKENDS
+from pagedgen.spec_decode.config import SpeculativeConfig
 
 
-def check_llm_args(
-    *,
-    model,
-    tokenizer,
-    block_size,
-    num_kv_blocks,
-    kv_cache_memory_bytes,
-    max_num_seqs,
-    max_num_batched_tokens,
-    max_model_len,
-    seed,
-    enforce_extension,
-    enable_prefix_caching,
-    preemption_mode,
-    swap_space_bytes,
-    gpu_memory_utilization,
-    enforce_eager,
-    batch_invariant: Optional[bool],
-    distributed_executor_backend,
-    tensor_parallel_size,
-    pipeline_parallel_size,
-) -> None:
-    """Check ``LLM(...)``'s keyword arguments (see ``LLM``'s docstring for each one's range)."""
+@dataclass(frozen=True)
+class LLMArgs:
+    """The keyword arguments of ``LLM(...)``, as given (see ``LLM``'s docstring for each one);
+    ``engine/build.py`` builds the engine from them."""
+
+    model: Any
+    tokenizer: Any
+    dtype: Any
+    block_size: int
+    num_kv_blocks: Optional[int]
+    kv_cache_memory_bytes: Optional[int]
+    max_num_seqs: int
+    max_num_batched_tokens: Optional[int]
+    max_model_len: Optional[int]
+    seed: int
+    enforce_extension: bool
+    enable_prefix_caching: bool
+    preemption_mode: str
+    swap_space_bytes: Optional[int]
+    device: Any
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    batch_invariant: Optional[bool]
+    distributed_executor_backend: Optional[str]
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    speculative_config: Any
+
+
+def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.device]:
+    """Check ``LLM(...)``'s arguments, in this order: types and ranges (``check_arg_types``), the
+    speculative config and where it may run, the device, the KV cache's sizing with worker
+    processes on a GPU, the compiled extension. Returns the checked ``SpeculativeConfig`` (None
+    without one) and the resolved device."""
+    check_arg_types(args)
+    spec_config = None if args.speculative_config is None else SpeculativeConfig.from_dict(args.speculative_config)
+    backend, tp, pp = args.distributed_executor_backend, args.tensor_parallel_size, args.pipeline_parallel_size
+    if spec_config is not None and (backend is not None or tp * pp > 1):
+        raise ValueError(
+            f"LLM speculative_config needs distributed_executor_backend=None (in process) and "
+            f"tensor_parallel_size=pipeline_parallel_size=1, got {backend!r}, {tp} "
+            f"and {pp}: drafts do not travel in the step record yet"
+        )
+    device = inputs.resolve_device(args.device)
+    if backend is not None and device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory_bytes is None:
+        # the driver sizes the KV cache, and on a GPU that needs a profiling forward pass of the model,
+        # which only the worker holds: the size must be given (before anything is loaded)
+        raise ValueError(
+            f"LLM distributed_executor_backend={backend!r} on a GPU needs num_kv_blocks or "
+            "kv_cache_memory_bytes (--num-kv-blocks / --kv-cache-memory-bytes): the KV cache cannot be sized "
+            "by a profiling run, which needs the model in the driver; or pass distributed_executor_backend=None"
+        )
+    if args.enforce_extension and not ops.extension_available(device.type):
+        raise RuntimeError(ops.extension_error(device.type))
+    return spec_config, device
+
+
+def check_arg_types(args: LLMArgs) -> None:
+    """The types and ranges of ``LLM(...)``'s keyword arguments (see ``LLM``'s docstring for each one's range)."""
+    model, tokenizer, seed = args.model, args.tokenizer, args.seed
+    tensor_parallel_size, pipeline_parallel_size = args.tensor_parallel_size, args.pipeline_parallel_size
+    distributed_executor_backend, gpu_memory_utilization = args.distributed_executor_backend, args.gpu_memory_utilization
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"LLM model must be a folder path, got {type(model).__name__}")
     for name, value, opt in (
-        ("block_size", block_size, False),
-        ("num_kv_blocks", num_kv_blocks, True),
-        ("kv_cache_memory_bytes", kv_cache_memory_bytes, True),
-        ("max_num_seqs", max_num_seqs, False),
-        ("max_num_batched_tokens", max_num_batched_tokens, True),
-        ("max_model_len", max_model_len, True),
-        ("swap_space_bytes", swap_space_bytes, True),
+        ("block_size", args.block_size, False),
+        ("num_kv_blocks", args.num_kv_blocks, True),
+        ("kv_cache_memory_bytes", args.kv_cache_memory_bytes, True),
+        ("max_num_seqs", args.max_num_seqs, False),
+        ("max_num_batched_tokens", args.max_num_batched_tokens, True),
+        ("max_model_len", args.max_model_len, True),
+        ("swap_space_bytes", args.swap_space_bytes, True),
         ("tensor_parallel_size", tensor_parallel_size, False),
         ("pipeline_parallel_size", pipeline_parallel_size, False),
     ):
@@ -69,13 +113,13 @@ def check_llm_args(
         raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
     if not -(2**63) <= seed < 2**64:
         raise ValueError(f"LLM seed must be a 64-bit integer, got {seed}")
-    if block_size > 1024:
-        raise ValueError(f"LLM block_size must be in [1, 1024] tokens, got {block_size}")
-    for name, flag in (("enforce_extension", enforce_extension), ("enable_prefix_caching", enable_prefix_caching), ("enforce_eager", enforce_eager)):
+    if args.block_size > 1024:
+        raise ValueError(f"LLM block_size must be in [1, 1024] tokens, got {args.block_size}")
+    for name, flag in (("enforce_extension", args.enforce_extension), ("enable_prefix_caching", args.enable_prefix_caching), ("enforce_eager", args.enforce_eager)):
         if not isinstance(flag, bool):
             raise TypeError(f"LLM {name} must be a bool, got {type(flag).__name__}")
-    if batch_invariant is not None and not isinstance(batch_invariant, bool):
-        raise TypeError(f"LLM batch_invariant must be a bool or None, got {type(batch_invariant).__name__}")
+    if args.batch_invariant is not None and not isinstance(args.batch_invariant, bool):
+        raise TypeError(f"LLM batch_invariant must be a bool or None, got {type(args.batch_invariant).__name__}")
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
         raise TypeError(f"LLM gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
     if tokenizer is not None:
@@ -83,8 +127,8 @@ def check_llm_args(
             raise TypeError(f"LLM tokenizer must be a folder path, got {type(tokenizer).__name__}")
         if not os.path.isdir(tokenizer):
             raise FileNotFoundError(f"tokenizer folder not found: {os.fspath(tokenizer)!r}")
-    if preemption_mode not in ("recompute", "swap"):
-        raise ValueError(f"LLM preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+    if args.preemption_mode not in ("recompute", "swap"):
+        raise ValueError(f"LLM preemption_mode must be 'recompute' or 'swap', got {args.preemption_mode!r}")
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
 

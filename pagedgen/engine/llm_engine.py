@@ -4,7 +4,8 @@ API; nano-vllm's ``llm_engine.py`` has the same shape).
 Each ``step`` schedules (``Scheduler.schedule`` returns a plain-data ``SchedulerOutput``), runs the
 model over the batch, appends the sampled tokens, advances beam searches, retires what finished
 and returns the ``RequestOutput`` of every request that finished in it. ``LLM.generate``,
-``LLM.chat``, ``LLM.beam_search`` and ``LLM.generate_stream`` are loops over these calls.
+``LLM.chat``, ``LLM.beam_search`` and ``LLM.generate_stream`` are loops over these calls
+(``engine/offline.py``); ``engine/build.py`` builds the engine.
 
 Commit or roll back. A step that raises (any exception, KeyboardInterrupt included, at any point:
 scheduling, forks, the forward pass, sampling, the detokenizer) cannot be completed for some
@@ -93,10 +94,10 @@ class LLMEngine:
     """Runs requests over the paged KV cache, one step at a time.
 
     Args:
-        cache_config, scheduler_config: frozen limits (validated by ``LLM``).
+        cache_config, scheduler_config: frozen limits (validated by ``engine/build.py``).
         executor: runs each step's model work (``pagedgen.executor``): the model runner in this
             process, or worker processes fed plain-data step records; shares ``cache_config``.
-        processor: checks and tokenizes requests, builds their outputs.
+        processor: checks and tokenizes requests (with their detokenizers), builds their outputs.
         eos_token_ids: tokens that end a sequence (or a beam) unless its request sets ignore_eos.
 
     ``LLM(...).llm_engine`` is the engine of an LLM.
@@ -245,9 +246,9 @@ class LLMEngine:
         params = request.params
         if isinstance(params, SamplingParams):
             seed = None if params.seed is None else as_int64(params.seed)
-            seq = self._sequence(request, params, seed, self.processor.new_stream(request))
+            seq = self._sequence(request, params, seed, request.detokenizers[0])
             # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
-            seq.pending_forks = [(j, self.processor.new_stream(request)) for j in range(1, params.n)]
+            seq.pending_forks = [(j, request.detokenizers[j]) for j in range(1, params.n)]
             return seq
         group = BeamGroup(params, len(request.prompt_token_ids), self.eos_token_ids, self.scheduler_config.max_model_len)
         seq = self._sequence(request, SamplingParams(temperature=0, max_tokens=None), None, None)

@@ -1,8 +1,9 @@
 """Requests in and out of the engine: a request's prompt and parameters checked and tokenized
 (``RequestProcessor.process`` for ``add_request``, ``process_batch`` for a ``generate`` call,
-``process_stream_items`` for a window of ``generate_stream``), its state
-while it runs (``Request``), and its ``RequestOutput`` once it has finished (``make_output``).
-Tensor-free (the tokenizer runs here, the model does not).
+``process_chats`` for ``chat``, ``beam_batch`` for ``beam_search``, ``process_stream_items`` for a
+window of ``generate_stream``), its state while it runs (``Request``, with the incremental
+detokenizers of its completions), and its ``RequestOutput`` once it has finished
+(``make_output``). Tensor-free (the tokenizer runs here, the model does not).
 
 Every check runs before the request touches the engine and raises TypeError / ValueError naming
 the request (``request 'abc'`` for ``add_request``, ``prompts[3]`` for a ``generate`` call) and
@@ -37,6 +38,8 @@ class Request:
         seqs: its completions so far, completion 0 first (the others fork from it when its prompt
             is computed); for beam search, the first beam.
         num_finished: completions finished. ``beam_group``: the search of a beam-search request.
+        detokenizers: one incremental detokenizer per completion when the request has stop
+            strings (completion j's is ``detokenizers[j]``), else Nones; [] for beam search.
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     beam_group: Optional[BeamGroup] = None
+    detokenizers: list = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:
@@ -88,15 +92,29 @@ class RequestProcessor:
         name = f"request {request_id!r} prompt"
         text, ids = inputs.tokenize_prompt(self.tokenizer, prompt, self.vocab_size, name)
         inputs.check_prompt_length(ids, self.max_model_len, name)
-        return Request(request_id, text, ids, self.check_params(params, f"request {request_id!r} sampling_params"))
+        return self._request(request_id, text, ids, self.check_params(params, f"request {request_id!r} sampling_params"))
 
-    def process_batch(self, texts: list[Optional[str]], ids: list[list[int]], sampling_params) -> list[Request]:
-        """The requests of a ``generate`` / ``chat`` call, already tokenized: ``sampling_params`` one
-        SamplingParams (or None) for all, or one per prompt. Request ids are the indices."""
+    def process_batch(self, prompts, sampling_params) -> list[Request]:
+        """The requests of a ``generate`` call: ``prompts`` as ``inputs.tokenize_prompts`` takes them
+        (texts tokenized in one call), ``sampling_params`` one SamplingParams (or None) for all, or
+        one per prompt. Request ids are the indices."""
+        texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.vocab_size)
+        return self._batch(texts, ids, sampling_params)
+
+    def process_chats(self, messages, sampling_params, chat_template: Optional[str], add_generation_prompt: bool,
+                      continue_final_message: bool) -> list[Request]:
+        """The requests of a ``chat`` call: each conversation rendered with the chat template
+        (``inputs.render_chats``), tokenized without special tokens (the template writes BOS if it
+        wants one); ``sampling_params`` as in ``process_batch``."""
+        texts = inputs.render_chats(self.tokenizer, messages, chat_template, add_generation_prompt, continue_final_message)
+        ids = inputs.fill_empty(self.tokenizer, [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]) if texts else []
+        return self._batch(texts, ids, sampling_params)
+
+    def _batch(self, texts: list[Optional[str]], ids: list[list[int]], sampling_params) -> list[Request]:
         params = inputs.check_sampling_params(ids, sampling_params, self.vocab_size, self.max_model_len, self.max_num_seqs)
         for i, sp in enumerate(params):  # each distinct constraint compiled (and checked) once
             self.check_structured_outputs(sp, f"sampling_params[{i}]" if isinstance(sampling_params, (list, tuple)) else "sampling_params")
-        return [Request(str(i), t, p, sp, i) for i, (t, p, sp) in enumerate(zip(texts, ids, params))]
+        return [self._request(str(i), t, p, sp, i) for i, (t, p, sp) in enumerate(zip(texts, ids, params))]
 
     def process_stream_items(self, first_index: int, items: list, default: SamplingParams) -> tuple[list[Request], Optional[Exception]]:
         """The requests of ``generate_stream`` items ``first_index ..``: each a prompt or a (prompt,
@@ -135,15 +153,16 @@ class RequestProcessor:
                 inputs.check_prompt_length(ids, self.max_model_len, name)
             except ValueError as exc:
                 return requests, exc
-            requests.append(Request(str(index), text, ids, params, index))
+            requests.append(self._request(str(index), text, ids, params, index))
         return requests, error
 
-    def beam_batch(self, texts: list[Optional[str]], ids: list[list[int]], params: BeamSearchParams) -> list[Request]:
-        """The requests of a ``beam_search`` call, already tokenized; ids are the indices."""
+    def beam_batch(self, prompts, params: BeamSearchParams) -> list[Request]:
+        """The requests of a ``beam_search`` call: ``prompts`` as in ``process_batch``; ids are the indices."""
+        texts, ids = inputs.tokenize_prompts(self.tokenizer, prompts, self.vocab_size)
         params = self.check_params(params, "params")
         for i, p in enumerate(ids):
             inputs.check_prompt_length(p, self.max_model_len, f"prompts[{i}]")
-        return [Request(str(i), t, p, params, i) for i, (t, p) in enumerate(zip(texts, ids))]
+        return [self._request(str(i), t, p, params, i) for i, (t, p) in enumerate(zip(texts, ids))]
 
     def check_params(self, params: Optional[Params], where: str) -> Params:
         """A checked SamplingParams copy (``inputs.checked_params``), or a BeamSearchParams whose
@@ -178,11 +197,13 @@ class RequestProcessor:
             raise ValueError(f"{where}.structured_outputs: this engine has no grammar compiler")
         self.grammars.check(spec, f"{where}.structured_outputs")
 
-    def new_stream(self, request: Request):
-        """An incremental detokenizer for one completion of ``request`` when it has stop strings
-        (else None: its text is decoded once, at the end)."""
-        sp = request.params
-        return self.detokenizer.stream(sp, request.prompt_token_ids) if sp.stop else None
+    def _request(self, request_id: str, text: Optional[str], ids: list[int], params: Params, index: Optional[int] = None) -> Request:
+        """A checked request, with an incremental detokenizer per completion when it has stop
+        strings (else None: a completion's text is decoded once, at the end)."""
+        request = Request(request_id, text, ids, params, index)
+        if isinstance(params, SamplingParams):
+            request.detokenizers = [self.detokenizer.stream(params, ids) if params.stop else None for _ in range(params.n)]
+        return request
 
     # ----- out -----------------------------------------------------------------------------------
     def make_output(self, request: Request) -> RequestOutput:

@@ -3,7 +3,7 @@
 The draft's KV cache shares the target's block ids: block b of the draft's cache holds the draft's
 keys and values of the tokens whose target keys and values are in block b of the target's cache, so
 one block manager, one block table and one slot mapping serve both models, and a block of the pool
-costs target bytes + draft bytes (``LLM`` sizes the pool with both; core/kv_sizing.py).
+costs target bytes + draft bytes (``engine/build.py`` sizes the pool with both; core/kv_sizing.py).
 
     target cache  layer l  [num_blocks, block_size, kv_heads,       head_dim      ]   same block ids,
     draft cache   layer l' [num_blocks, block_size, draft_kv_heads, draft_head_dim]   same slots
@@ -31,7 +31,6 @@ rejection sampler (sample/rejection_sampler.py).
 """
 from __future__ import annotations
 
-import contextlib
 from itertools import accumulate
 from typing import Optional
 
@@ -124,73 +123,3 @@ class DraftModelProposer:
         input_ids = int_tensor([t for x in inputs for t in x], torch.int64).to(dev)  # [T]
         logits_indices = int_tensor([e - 1 for e in qsl[1:]], torch.int64).to(dev)  # [n]
         return self.model.forward(input_ids, positions.to(dev), attn, self.kv_caches, logits_indices)  # [n, vocab]
-
-
-@contextlib.contextmanager
-def naming_the_draft(draft_path: str):
-    """Errors of reading the draft checkpoint (config.json, tokenizer files, weights: OSError and
-    ValueError, e.g. ``CheckpointError``) are raised again naming ``speculative_config['model']``,
-    so that a broken draft is not mistaken for a broken target. The same class where it takes one
-    message, else ValueError / OSError; the original is the ``__cause__``."""
-    try:
-        yield
-    except (OSError, ValueError) as exc:
-        if str(exc).startswith("LLM speculative_config"):
-            raise
-        message = f"LLM speculative_config['model'] {draft_path!r} (the draft model): {exc}"
-        try:
-            renamed = type(exc)(message)
-        except Exception:  # a class whose constructor takes other arguments (CheckpointError: path, why)
-            renamed = ValueError(message) if isinstance(exc, ValueError) else OSError(message)
-        raise renamed from exc
-
-
-def check_draft(draft_config, target_config, draft_path: str, max_model_len: int) -> None:
-    """The draft's config against the target's: the same vocabulary size (spec_decode/config.py's
-    ``check_draft_vocab``), positions up to ``max_model_len``, no sliding window on either (the
-    block manager releases blocks by the target's window). Raises ValueError naming the field."""
-    from pagedgen.spec_decode.config import check_draft_vocab
-
-    check_draft_vocab(draft_config.vocab_size, target_config.vocab_size, draft_path)
-    if draft_config.max_position_embeddings < max_model_len:
-        raise ValueError(
-            f"LLM speculative_config['model'] {draft_path!r} has max_position_embeddings "
-            f"{draft_config.max_position_embeddings}, fewer than max_model_len={max_model_len}: the draft must "
-            "reach every position of the target (pass a smaller max_model_len)"
-        )
-    for name, cfg in (("the target", target_config), (f"the draft {draft_path!r}", draft_config)):
-        if cfg.sliding_window:
-            raise ValueError(
-                f"LLM speculative_config: method 'draft_model' needs models without a sliding window; {name} has "
-                f"sliding_window={cfg.sliding_window}"
-            )
-
-
-def check_draft_tokenizer(draft_path: str, tokenizer) -> None:
-    """When the draft's folder has tokenizer files, its vocabulary (token -> id) must equal the
-    target tokenizer's: a ValueError otherwise. A folder without them is accepted (its vocab_size
-    was checked)."""
-    import glob
-    import os
-
-    from pagedgen.model import loader
-
-    if not any(os.path.isfile(os.path.join(draft_path, f)) for f in loader.TOKENIZER_FILES) and not glob.glob(os.path.join(draft_path, "*.tiktoken")):
-        return
-    theirs = loader.load_tokenizer(draft_path).get_vocab()
-    ours = tokenizer.get_vocab()
-    if theirs != ours:
-        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=str)[:3]
-        raise ValueError(
-            f"LLM speculative_config['model'] {draft_path!r} has a tokenizer other than the target's "
-            f"({len(theirs)} vs {len(ours)} tokens; e.g. {differ}): a draft model must share the target's tokenizer"
-        )
-
-
-def draft_model_config(path: str, dtype: torch.dtype):
-    """(hf_config, ModelConfig) of the draft checkpoint at ``path`` in the target's ``dtype``."""
-    from pagedgen.model import loader
-
-    hf_config = loader.load_hf_config(path)
-    return hf_config, loader.model_config_from_hf(hf_config, dtype)
-

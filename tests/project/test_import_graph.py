@@ -202,3 +202,14 @@ def test_files_hold_one_job():
         if n > (MAX_LLM_LINES if name == "pagedgen.llm" else MAX_LINES):
             long[name] = n
     assert long == {}
+
+
+def test_llm_and_the_engine_reach_the_worker_only_through_the_executor():
+    """The same door, counting everything imported on the way: with pagedgen.executor cut out of
+    the graph, llm.py and the engine read no worker or sample module, at build time neither (the
+    model loaded in process, the GPU's profiling pass and the sampler are executor/factory.py's)."""
+    graph = import_graph()
+    cut = {m: set() if _package(m) == "executor" else deps for m, deps in graph.items()}
+    for module in ["pagedgen.llm"] + _in("engine", graph):
+        read = sorted(m for m in reachable(cut, module) if _package(m) in ("worker", "sample"))
+        assert read == [], f"{module} reads {read} other than through pagedgen.executor"
