@@ -3,7 +3,7 @@
 // features, weight [P, K, 16] with P = ceil(N / 16) and weight[p, k, j] = W[16 p + j, k] (zero rows
 // pad the last panel; pagedgen.layers.linear.pack_panels makes them once, after loading).
 //
-// Why a GEMM of our own (docs/benchmarks.md, "Matmul choices"): on CPUs without fast bf16 matmuls
+// Why a GEMM of our own (benchmarks/results/history.md, "Matmul choices"): on CPUs without fast bf16 matmuls
 // (AVX2, no AVX-512 BF16 / AMX) torch's bf16 GEMM runs at ~10-20 GFLOP/s, so bf16 models were
 // multiplied in float32 on float32 copies of the weights: twice the bytes to read, where a GEMM of a
 // few rows is bound by reading its weight. Here the weights stay in the model dtype (bf16/fp16
@@ -30,7 +30,7 @@
 // each panel prefetches the thread's next panel into L2 as it goes. Measured on the AMD EPYC Zen 4
 // running this AVX2 code (2 threads, weights cold, random-135m shapes, GFLOP/s before -> after): bf16
 // 8 rows 90-122 -> 128-161, 4 rows 76-109 -> 101-157, 32 rows 147-162 -> 165-190, fp32 8 rows 73-88
-// -> 95-113, 1 row unchanged (docs/benchmarks.md, "Matmul choices": "balanced tiles and next-panel
+// -> 95-113, 1 row unchanged (benchmarks/results/history.md, "Matmul choices": "balanced tiles and next-panel
 // prefetch"); not yet measured on the AVX2-only kind.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>

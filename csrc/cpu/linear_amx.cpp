@@ -11,8 +11,8 @@
 // only ldtilecfg / tilerelease are under the pragma.)
 // The op is registered on every x86-64 build; it raises (RuntimeError) on a CPU without AMX or where the
 // OS refuses the tile state, before any tile instruction. Status: written and tested through the
-// emulation on CPUs without AMX; never executed on AMX hardware yet (docs/benchmarks.md), so it is
-// opt-in only (PAGEDGEN_CPU_MATMUL=amx, pagedgen/layers/matmul.py, which self-checks it first).
+// emulation on CPUs without AMX; never executed on AMX hardware yet (benchmarks/results/history.md), so it is
+// opt-in only (PAGEDGEN_CPU_MATMUL=amx, pagedgen/layers/matmul/choice.py; amx_check.py self-checks it first).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -7,7 +7,7 @@
 // vdpbf16ps (and AMX's tdpbf16ps, whose B tiles hold the same pairs) multiplies.
 //
 // Where it runs (pagedgen.layers.linear.choose_matmul): bf16 models on CPUs with AVX512-BF16 and no
-// AMX (the AMD EPYC Zen 4 kind; measured there, docs/benchmarks.md 2026-12-04). On a Xeon with AMX,
+// AMX (the AMD EPYC Zen 4 kind; measured there, benchmarks/results/history.md 2026-12-04). On a Xeon with AMX,
 // oneDNN's AMX GEMM (in row blocks) stays the default: an AMX micro-kernel (tdpbf16ps) can read these
 // same packed pairs (one B tile = 16 consecutive panel rows [q] of one panel: 16 pairs x 16 outputs)
 // and sit beside tile<R, C> below, chosen by the build's __AMX_BF16__ and the CPU; it is to be

@@ -44,7 +44,7 @@ class BuiltEngine:
         engine: the engine (its ``cache_config``, ``scheduler_config``, ``processor``, ``executor``).
         tokenizer: the Hugging Face tokenizer (the processor's).
         model_config: the model's, in the resolved dtype.
-        matmul_config: how the linear layers multiply (layers/matmul.py).
+        matmul_config: how the linear layers multiply (layers/matmul/).
         device: where the weights and the KV cache live.
         models: the model (and the draft model) when they live in this process, else None.
     """

@@ -45,7 +45,7 @@ class ExecutorConfig:
         model: the checkpoint folder; ``hf_config`` and ``model_config`` read from it (the
             resolved dtype).
         device: where the weights and the KV cache live.
-        matmul_config: how the linear layers multiply (layers/matmul.py).
+        matmul_config: how the linear layers multiply (layers/matmul/).
         max_model_len: most tokens of one sequence (sizes the model runner's block tables).
         seed: the draw key of requests without their own seed (the sampler's).
         cuda_graph_max_seqs: decode batches up to this size are captured in CUDA graphs (0: none;

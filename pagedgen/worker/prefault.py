@@ -4,7 +4,7 @@ The CPU cache tensors are ``torch.empty``: the operating system backs a page wit
 it is first written, so the cache holds resident only the blocks used so far. Left to the kernels,
 that first write happens inside ``reshape_and_cache`` (or a block copy) in the middle of a step,
 one page fault at a time, taken by one thread of a parallel region while the others wait at its
-end. On the 2-core KVM guest of docs/benchmarks.md, faulting the blocks in beforehand made
+end. On the 2-core KVM guest of benchmarks/results/history.md, faulting the blocks in beforehand made
 random-135m's 256-request TinyStories job 5-8% faster in each of three side-by-side pairs
 (stories260K's: ~3%, the median of eight).
 

@@ -1,6 +1,6 @@
 """``choose_matmul``: which path runs the matmuls of a model, chosen once per model from what the CPU
 and the build offer and ``PAGEDGEN_CPU_MATMUL``; applied after loading by ``prepare_matmuls``
-(``packing``), run by ``linear`` (``dispatch``); docs/determinism.md, docs/benchmarks.md "Matmul choices":
+(``packing``), run by ``linear`` (``dispatch``); docs/determinism.md, benchmarks/results/history.md "Matmul choices":
 
 - **pagedgen's own GEMM on packed panels (AVX2 CPUs).** On a CPU whose best vector unit is AVX2
   (torch's CPU capability "AVX2": no AVX-512, so no oneDNN bf16 either), every weight is packed once,
@@ -9,7 +9,7 @@ and the build offer and ``PAGEDGEN_CPU_MATMUL``; applied after loading by ``prep
   weights are converted to float32 in registers as they are read and every output is a float32 sum
   over k in order, so the weights keep the model dtype's bytes (no float32 copy) and a row's bits
   never depend on the other rows (batch-invariant by construction: no row blocks). Measured on the
-  AVX2 AMD EPYC with the weights cold, 2 threads (docs/benchmarks.md, the AVX2 section of
+  AVX2 AMD EPYC with the weights cold, 2 threads (benchmarks/results/history.md, the AVX2 section of
   2026-12-03): on bf16 weights 1.4-2.4x what oneDNN's prepacked float32 inner product gives on
   float32 copies at 1-4 rows, 0.95-1.4x at 16-48 rows, 0.7-1.0x at 256-1,024 (prefill); in float32
   1.1-2.8x oneDNN at 1-16 rows, about even from 256. In the engine, a 48-request random-135m bf16
@@ -22,7 +22,7 @@ and the build offer and ``PAGEDGEN_CPU_MATMUL``; applied after loading by ``prep
   ceil(K / 2), 16, 2], the layout of ``vdpbf16ps`` and of AMX's B tiles) and ``linear`` runs
   ``pagedgen.ops.packed_linear_bf16`` (csrc/cpu/linear_avx512.cpp): each output is a chain of
   ``vdpbf16ps`` over the pairs in order, + bias, rounded once: batch-invariant by construction.
-  Measured there 2026-12-04 (docs/benchmarks.md; one thread, thread CPU time, weights cold):
+  Measured there 2026-12-04 (benchmarks/results/history.md; one thread, thread CPU time, weights cold):
   1.0-4.4x oneDNN's row-blocked bf16 GEMM at 1-4 rows, 0.94-1.45x at 16, 0.93-1.10x at 64-1,024. On a
   Xeon with AMX oneDNN's AMX GEMM stays the default (pagedgen's AMX GEMM is opt-in until measured
   there, below); float32/fp16 models on this kind keep oneDNN (below).
@@ -42,7 +42,7 @@ and the build offer and ``PAGEDGEN_CPU_MATMUL``; applied after loading by ``prep
   least ``prepack_min_numel`` elements is reordered once, after loading, into oneDNN's blocked
   layout for the inner product (``torch.ops.mkldnn._reorder_linear_weight``, the packing torch's
   inductor uses), and ``linear`` runs it with ``torch.ops.mkldnn._linear_pointwise``; the dense
-  copy is dropped. Measured on the AMD EPYC AVX2 kind with 2 threads (docs/benchmarks.md "Matmul
+  copy is dropped. Measured on the AMD EPYC AVX2 kind with 2 threads (benchmarks/results/history.md "Matmul
   choices"): 1.2-4.2x MKL's ``F.linear`` at 4-64 rows on the random-135m/1b shapes, about even
   at 256-1,024 rows. Smaller weights stay with MKL: oneDNN's call costs ~30-40 us whatever the
   size, more than a whole GEMM of stories260K. This is vLLM's CPU path too
@@ -92,7 +92,7 @@ from pagedgen.layers.matmul.config import (BF16_MAX_ROWS, BF16_MIN_ROWS, FP16_MI
 PREPACK_MIN_NUMEL = 1 << 19
 #: bf16 weights on a CPU with oneDNN bf16 are all prepacked: on the Xeon with AMX the packed GEMM
 #: was as fast or faster than the dense one at every measured shape (64 x 128 up to 576 x 49,152)
-#: and M (1-256): 1.1-3.1x at the random-135m shapes (docs/benchmarks.md "Matmul choices").
+#: and M (1-256): 1.1-3.1x at the random-135m shapes (benchmarks/results/history.md "Matmul choices").
 PREPACK_MIN_NUMEL_BF16 = 1
 MATMUL_BACKENDS = ("auto", "pagedgen", "onednn", "mkl", "amx")
 
@@ -114,7 +114,7 @@ def cpu_matmul_backend(dtype: Optional[torch.dtype] = None) -> str:
         if ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2":
             return "pagedgen"
         # AVX512-BF16 without AMX (AMD EPYC Zen 4): the bf16-pair GEMM beat oneDNN's row-blocked GEMM at
-        # every random-135m/1b shape (docs/benchmarks.md, 2026-12-04). With AMX, oneDNN's AMX GEMM stays
+        # every random-135m/1b shape (benchmarks/results/history.md, 2026-12-04). With AMX, oneDNN's AMX GEMM stays
         # until an AMX micro-kernel is measured there.
         return "pagedgen" if dtype == torch.bfloat16 and bf16_pairs_available() and not amx_available() else "onednn"
     if backend == "amx" and not cpu_has_amx():
