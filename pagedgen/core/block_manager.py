@@ -94,7 +94,7 @@ class BlockManager:
         self._released: dict[int, int] = {}  # leading RELEASED entries of a table (absent: 0)
         self._num_tokens: dict[int, int] = {}  # tokens of each sequence in its blocks
         self._hashes: dict[int, list[bytes]] = {}  # names of each sequence's full blocks, in order
-        self._cached = PrefixCache(num_blocks, block_size)  # the prefix cache: block names <-> physical blocks
+        self._prefix_cache = PrefixCache(num_blocks, block_size)  # the prefix cache: block names <-> physical blocks
         self._pending_copies: list[tuple[int, int]] = []
         self._used_slots = 0  # sum of _filled over blocks in use
         self._logical_blocks = 0  # sum of block-table lengths
@@ -129,7 +129,7 @@ class BlockManager:
 
     def is_cached(self, block_id: int) -> bool:
         """True when the block is findable in the prefix cache."""
-        return self._cached.is_cached(block_id)
+        return self._prefix_cache.is_cached(block_id)
 
     @property
     def num_free_blocks(self) -> int:
@@ -166,7 +166,7 @@ class BlockManager:
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached full blocks holding a prefix of ``token_ids[:-1]``, in order (changes nothing)."""
-        return self._cached.match(token_ids) if self.enable_prefix_caching else []
+        return self._prefix_cache.match(token_ids) if self.enable_prefix_caching else []
 
     def blocks_needed(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> int:
         """Free blocks that ``allocate(seq_id, num_tokens, ..., prefix_blocks)`` would take, net of
@@ -237,7 +237,7 @@ class BlockManager:
         if prefix_blocks:
             skip = self._window_start_block(len(prefix_blocks) * bs)
             for i, block in enumerate(prefix_blocks):
-                hashes.append(self._cached.name_of(block))
+                hashes.append(self._prefix_cache.name_of(block))
                 if i < skip:
                     table.append(RELEASED)
                 else:
@@ -427,14 +427,14 @@ class BlockManager:
     def _new_block(self) -> int:
         """An empty block for one owner: the least recently freed, forgotten by the prefix cache."""
         block, _ = self._free.popitem(last=False)
-        self._cached.forget(block)
+        self._prefix_cache.forget(block)
         self._filled[block] = 0
         self._ref_counts[block] = 1
         return block
 
     def _name_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
         """Name the sequence's blocks that are now full and offer them to the prefix cache."""
-        self._cached.name_full_blocks(self._tables[seq_id], self._hashes[seq_id], self._released.get(seq_id, 0), num_tokens, token_ids)
+        self._prefix_cache.name_full_blocks(self._tables[seq_id], self._hashes[seq_id], self._released.get(seq_id, 0), num_tokens, token_ids)
 
     # ----- after an aborted step (block_pool_check.py) ----------------------------------------------
     def check(self) -> list[str]:

@@ -59,8 +59,8 @@ def check(bm: BlockManager) -> list[str]:
         problems.append(f"used slots {bm._used_slots} != {sum(filled[b] for b in held)}")
     if bm._logical_blocks != held_entries:
         problems.append(f"logical blocks {bm._logical_blocks} != {held_entries}")
-    for name, b in bm._cached.items():
-        if bm._cached.name_of(b) != name or bm._filled[b] != bs:
+    for name, b in bm._prefix_cache.items():
+        if bm._prefix_cache.name_of(b) != name or bm._filled[b] != bs:
             problems.append(f"prefix-cache entry of block {b} is inconsistent")
     return problems
 
@@ -71,7 +71,7 @@ def repair(bm: BlockManager) -> list[str]:
     scratch. Returns the problems found (empty when the pool was whole)."""
     for seq_id in list(bm._tables):
         bm.free(seq_id)
-    bm._cached.clear()
+    bm._prefix_cache.clear()
     for b in bm._free:
         bm._filled[b] = 0
     bm._pending_copies = []

@@ -29,6 +29,14 @@ def test_fields_are_llm_keyword_arguments():
         assert f.metadata["help"], f"EngineArgs.{f.name} has no help text (document it in LLM's docstring)"
 
 
+def test_llm_args_are_llm_keyword_arguments():
+    """``LLMArgs`` (what ``LLM.__init__`` hands ``engine/build.py``) names every keyword argument of
+    ``LLM``, in order: a new argument cannot be left out of the engine's build."""
+    from pagedgen.llm_args import LLMArgs
+
+    assert [f.name for f in dataclasses.fields(LLMArgs)] == [p.name for p in _llm_keyword_params()]
+
+
 def _parser():
     ap = argparse.ArgumentParser(prog="pagedgen")
     EngineArgs.add_cli_args(ap)

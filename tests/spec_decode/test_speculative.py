@@ -302,13 +302,13 @@ def test_lookahead_slots_roll_back_and_never_enter_the_prefix_cache():
     from pagedgen.core.block_manager import BlockManager
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     bm.allocate(0, 6, list(range(6)))  # 2 blocks, the first full and named
-    assert len(bm._cached) == 1
+    assert len(bm._prefix_cache) == 1
     bm.allocate(0, 14)  # 8 lookahead slots, no token ids: blocks 2 and 3, nothing named
-    assert len(bm.block_table(0)) == 4 and len(bm._cached) == 1
+    assert len(bm.block_table(0)) == 4 and len(bm._prefix_cache) == 1
     bm.truncate(0, 7)  # one draft accepted: blocks 2 and 3 emptied and freed
     assert len(bm.block_table(0)) == 2 and bm.num_free_blocks == 14 and bm.num_tokens(0) == 7
     assert not bm.check(), bm.check()
     bm.allocate(0, 9, list(range(9)))  # the next step's committed tokens name block 1
-    assert len(bm._cached) == 2 and not bm.check()
+    assert len(bm._prefix_cache) == 2 and not bm.check()
     bm.free(0)
     assert bm.num_free_blocks == 16 and not bm.check()
