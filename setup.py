@@ -1,5 +1,9 @@
-"""Builds pagedgen._C: the op schemas (csrc/ops.cpp), the CPU kernels (csrc/cpu/*.cpp) and, when
-torch has CUDA and the CUDA toolkit is found (``find_cuda_home``), the CUDA kernels (csrc/cuda/*.cu).
+"""Builds pagedgen's extension: ``pagedgen._C``, the op schemas (csrc/ops.cpp), the CPU feature check
+(csrc/cpu_features.cpp) and, when torch has CUDA and the CUDA toolkit is found (``find_cuda_home``), the
+CUDA kernels (csrc/cuda/*.cu), compiled for any CPU of the architecture; and the CPU kernels
+(csrc/cpu/*.cpp), compiled once per instruction-set level into ``pagedgen._C_cpu_<level>`` (``CPU_LEVELS``).
+pagedgen/ops/isa.py loads the best level the CPU and its OS run at import (``PAGEDGEN_CPU_ISA`` forces a
+lower one), so one wheel runs on every x86-64 CPU with AVX2, each at its own level's speed.
 
 Install torch first and build without isolation (see ../README.md):
     pip install --no-build-isolation -e .        # or: pip wheel --no-build-isolation --no-deps .
@@ -7,11 +11,17 @@ Environment:
     CUDA_HOME               the CUDA toolkit (found by itself otherwise, see find_cuda_home)
     PAGEDGEN_NO_CUDA=1      build the CPU kernels only
     TORCH_CUDA_ARCH_LIST    CUDA architectures (default "8.0;9.0+PTX")
-    PAGEDGEN_CPU_ARCH       value of -march for the CPU kernels (default "native"; "" to omit)
+    PAGEDGEN_CPU_LEVELS     the CPU kernel levels to build, comma-separated (default on x86-64:
+                            "avx2,avx512_bf16,amx"; elsewhere "generic"); "native" builds one more
+                            level with -march=native, for this machine only (chosen only when asked
+                            for: PAGEDGEN_CPU_ISA=native)
     MAX_JOBS                parallel compile jobs
+    PAGEDGEN_SKIP_EXT=1     build no extension (scripts/setup.sh: the editable install of a checkout whose
+                            extension `setup.py build_ext --inplace` already built, objects kept in build/)
 """
 import glob
 import os
+import platform
 import re
 import shutil
 import sys
@@ -20,6 +30,35 @@ from typing import Optional
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+#: The CPU kernel levels of a wheel on x86-64, lowest first, and the compiler flags of each: the x86-64
+#: micro-architecture levels of the System V ABI, plus the instruction sets pagedgen's kernels use.
+#: csrc/cpu_features.cpp checks the same sets (cpuid and the OS's XCR0) before a level is loaded.
+CPU_LEVELS = {
+    "avx2": ["-march=x86-64-v3"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
+    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+}
+#: Levels that are not in a wheel: this machine's own (-march=native) and, on other architectures, the
+#: compiler's default for the target.
+OTHER_LEVELS = {"native": ["-march=native"], "generic": []}
+
+
+def cpu_levels() -> dict:
+    """The CPU kernel levels to build, with their flags: ``PAGEDGEN_CPU_LEVELS`` (comma-separated names of
+    ``CPU_LEVELS`` and ``OTHER_LEVELS``) or, by default, every level of ``CPU_LEVELS`` on x86-64 and
+    "generic" elsewhere. Raises ValueError naming an unknown level."""
+    text = os.environ.get("PAGEDGEN_CPU_LEVELS", "").strip()
+    if not text:
+        names = list(CPU_LEVELS) if platform.machine().lower() in ("x86_64", "amd64") else ["generic"]
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+    known = {**CPU_LEVELS, **OTHER_LEVELS}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"PAGEDGEN_CPU_LEVELS={text!r}: expected a comma-separated list of {sorted(known)}, "
+                         f"got unknown {unknown}")
+    return {n: known[n] for n in names}
 
 
 def is_cuda_toolkit(folder: str) -> bool:
@@ -98,28 +137,38 @@ def _use_cuda(torch) -> bool:
     return True
 
 
-def _extension():
+def _extensions():
     import torch
 
     use_cuda = _use_cuda(torch)  # before cpp_extension is imported: it reads CUDA_HOME then
     from torch.utils import cpp_extension
 
-    # op_checks.cpp: the argument checks every device's kernels share (csrc/op_checks.h).
-    sources = [os.path.join("csrc", f) for f in ("ops.cpp", "op_checks.cpp")]
-    sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # No -std flag: cpp_extension adds the standard the installed torch needs (C++20 for torch 2.14,
     # whose headers use std::strong_ordering; an explicit -std=c++17 breaks them).
     # -ffp-contract=off: a * b + c is a multiply and an add, each rounded, wherever the compiler inlines
     # it; fused multiply-adds are explicit (csrc/cpu/vec.h). The kernels' bitwise guarantees (batch
     # invariance, rotary_embedding equal to torch's) rest on this.
-    cxx_flags = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off"]
-    march = os.environ.get("PAGEDGEN_CPU_ARCH", "native")
-    if march:
-        cxx_flags.append(f"-march={march}")
-    if not use_cuda:
-        return cpp_extension.CppExtension(
-            "pagedgen._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
+    base_flags = ["-O3", "-g0", "-ffp-contract=off"]
+    # The CPU kernels, one module per level. Each module is its own shared library, and exactly one is
+    # loaded in a process (pagedgen/ops/isa.py), so the inline functions of the headers, compiled with
+    # each level's flags, never mix (one library built from objects of several levels could link an
+    # AVX-512 copy of a header's function into the code an AVX2 CPU runs). op_checks.cpp is in each.
+    # (In one compilation unit with the other kernels: csrc/cpu_kernels.cpp.)
+    # Two compilation units per level (csrc/cpu_kernels.cpp says why): the rest, and attention.cpp.
+    cpu_sources = [os.path.join("csrc", "cpu_kernels.cpp"), os.path.join("csrc", "cpu", "attention.cpp")]
+    cpu_modules = [
+        cpp_extension.CppExtension(
+            f"pagedgen._C_cpu_{level}", cpu_sources,
+            extra_compile_args={"cxx": base_flags + ["-fopenmp", f"-DPAGEDGEN_CPU_LEVEL={level}"] + flags},
+            extra_link_args=["-fopenmp"],
         )
+        for level, flags in cpu_levels().items()
+    ]
+    # The baseline module: schemas, the CPU feature check and, with CUDA, the CUDA kernels and their
+    # argument checks; compiled for any CPU of the architecture.
+    sources = [os.path.join("csrc", f) for f in ("ops.cpp", "op_checks.cpp", "cpu_features.cpp")]
+    if not use_cuda:
+        return [cpp_extension.CppExtension("pagedgen._C", sources, extra_compile_args={"cxx": base_flags})] + cpu_modules
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     include_dirs = []
@@ -128,20 +177,34 @@ def _extension():
         include_dirs += glob.glob(os.path.join(site, "nvidia", "cu*", "include"))
     # nvcc rejects -g0 ("Unknown option") and emits no debug info unless asked; no -std, as above.
     nvcc_flags = ["-O3", "--use_fast_math"]
-    return cpp_extension.CUDAExtension(
+    cuda_module = cpp_extension.CUDAExtension(
         "pagedgen._C",
         sources,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx_flags + ["-DPAGEDGEN_WITH_CUDA"], "nvcc": nvcc_flags},
-        extra_link_args=["-fopenmp"],
+        extra_compile_args={"cxx": base_flags + ["-DPAGEDGEN_WITH_CUDA"], "nvcc": nvcc_flags},
     )
+    return [cuda_module] + cpu_modules
 
 
 def _build_ext():
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(use_ninja=True)
+    class Build(BuildExtension):
+        """cpp_extension's build, each module's objects in a folder of its own: the CPU modules compile the
+        same sources with other flags, and one folder would make each module's build overwrite the last's
+        objects (and rebuild them all every time)."""
+
+        def build_extension(self, ext):
+            base = self.build_temp
+            self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = base
+
+    return Build.with_options(use_ninja=True)
 
 
 if __name__ == "__main__":  # pip's build backend runs this file as __main__; tests import find_cuda_home
-    setup(ext_modules=[_extension()], cmdclass={"build_ext": _build_ext()})
+    skip = os.environ.get("PAGEDGEN_SKIP_EXT", "0") == "1"
+    setup(ext_modules=[] if skip else _extensions(), cmdclass={} if skip else {"build_ext": _build_ext()})

@@ -57,19 +57,27 @@ TORCH_LIBRARY(pagedgen, m) {
   m.def("packed_linear_bf16(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
   // The same product with AMX tiles (tdpbf16ps; csrc/cpu/linear_amx.cpp), same weight layout and
   // checks; raises on a CPU without AMX. Batch-invariant by construction (its bits need not be
-  // packed_linear_bf16's). Opt-in: never executed on AMX hardware yet.
+  // packed_linear_bf16's). Opt-in (PAGEDGEN_CPU_MATMUL=amx); in the amx level only (setup.py).
   m.def("packed_linear_bf16_amx(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
   // Its tile loop on an emulation of the AMX tiles in plain C++ (any CPU; slow): tests the packing.
   m.def("packed_linear_bf16_amx_emulated(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
   // True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (cpuid, xgetbv).
   m.def("cpu_has_amx() -> bool");
+  // The levels of CPU kernels this CPU and OS can run, lowest first: a prefix of ["avx2", "avx512_bf16",
+  // "amx"] (csrc/cpu_features.cpp, in this baseline module).
+  m.def("cpu_supported_isa() -> str[]");
+  // What the CPU kernels loaded were compiled for: [level, instruction sets...] (csrc/cpu/module.cpp,
+  // one per build pagedgen._C_cpu_<level>; pagedgen/ops/isa.py loads one).
+  m.def("cpu_kernel_isa() -> str[]");
 
   // The sampler's greedy tokens: out [num_rows] int64 = logits.max(dim=-1).indices of logits
   // [num_rows, vocab] (the first maximal index; NaN counts as the maximum). A CPU kernel only.
   m.def("argmax(Tensor(a!) out, Tensor logits) -> ()");
 }
 
-// A bare module init so that `import pagedgen._C` loads the library (and runs the registrations).
+// A bare module init so that `import pagedgen._C` loads the library (and runs the registrations). This
+// baseline module holds the schemas, csrc/cpu_features.cpp and the CUDA kernels, compiled without
+// -march; the CPU kernels are in the modules pagedgen._C_cpu_<level> (setup.py, pagedgen/ops/isa.py).
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);

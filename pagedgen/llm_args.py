@@ -72,6 +72,7 @@ def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.de
             "kv_cache_memory_bytes (--num-kv-blocks / --kv-cache-memory-bytes): the KV cache cannot be sized "
             "by a profiling run, which needs the model in the driver; or pass distributed_executor_backend=None"
         )
+    ops.isa.check_request(os.environ.get(ops.isa.ENV))  # a typo must not quietly run the reference ops
     if args.enforce_extension and not ops.extension_available(device.type):
         raise RuntimeError(ops.extension_error(device.type))
     return spec_config, device

@@ -2,7 +2,9 @@
 # One prepared run on a GPU machine (the H200 one: Python 3.12, torch 2.11.0+cu130, transformers 5.17,
 # nvcc 13.0, no internet, only this checkout), the run issues 31 and 35 need, in at most 540 s:
 #   env         the GPU, torch, nvcc
-#   build       pagedgen._C for sm_90 (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=nproc; 57 s on 2026-12-04);
+#   build       pagedgen._C for sm_90 (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=nproc; 57 s on 2026-12-04) and
+#               the CPU kernels of the avx2 level only (PAGEDGEN_CPU_LEVELS=avx2: every x86-64 host runs
+#               it, and a level's two compilation units cannot use 16 cores; the CPU side is not measured here);
 #               then random-1b's checkpoint is built in the background (39 s; nice), ready for the
 #               profile and end-to-end stages
 #   tests       tests/ops/test_ops_cuda.py, tests/project/test_gpu_engine.py and tests/sample/test_sampler_device.py, resumed after a crash (below)
@@ -77,7 +79,7 @@ THROUGHPUT_CMD="benchmarks/throughput.py $WORKLOAD --systems pagedgen,static,gen
 # not failed). The caps add up to 540 s (tests/project/test_gpu_check.py checks it): one device call of 9 minutes.
 STAGES=(
   "env|15|nvidia-smi; \$PYTHON -c 'import sys, torch, transformers; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0), \"transformers\", transformers.__version__)'; nvcc --version | tail -n 2"
-  "build|85|TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"
+  "build|85|TORCH_CUDA_ARCH_LIST=9.0 PAGEDGEN_CPU_LEVELS=avx2 MAX_JOBS=\$(nproc) \$PYTHON setup.py build_ext --inplace && \$PYTHON -c 'import pagedgen.ops as o; assert o.extension_available(\"cuda\"), o.extension_error(\"cuda\"); print(\"pagedgen._C has CUDA kernels\")'"
   "tests|75|run_tests $RAW/tests.txt $GPU_TESTS"
   "kernels|40|\$PYTHON benchmarks/kernels.py --out $RAW"
   "profile|60|run_profile"

@@ -20,7 +20,6 @@
 namespace pagedgen::cpu {
 namespace {
 
-constexpr int W = kLanes;
 // Elements per parallel chunk, at least. An element costs an exp and a division (~4 cycles here,
 // about four times a norm's), so a second thread pays from ~8K elements: on the AVX2 EPYC a
 // [256, 2 x 172] input (stories260K's decode batch) took 59-73 us on one thread and 35-47 us on two,

@@ -27,7 +27,6 @@
 namespace pagedgen::cpu {
 namespace {
 
-constexpr int W = kLanes;
 constexpr int kUnroll = 4;            // vectors per block (update() below is written for 4)
 constexpr int kBlock = kUnroll * W;  // elements per block
 static_assert(kUnroll == 4);

@@ -3,16 +3,13 @@
 // (tdpbf16ps), batch-invariant by construction. The tile loop and its packing are in
 // csrc/cpu/linear_amx_loop.h, shared with the emulation tested on every CPU (linear_amx_emulated.cpp).
 //
-// Only this file holds AMX instructions. The build's flags are the same for every source (setup.py;
-// cpp_extension has one list), so the AMX code is enabled here by `#pragma GCC target("amx-tile,amx-bf16")`
-// (what -mamx-tile -mamx-bf16 do), placed after every shared header, and everything defined under it has
-// internal linkage: no inline function compiled with AMX enabled can be merged into code other CPUs run.
-// (The tile loads, products and stores are GCC's inline-assembly intrinsics and need no target option;
-// only ldtilecfg / tilerelease are under the pragma.)
-// The op is registered on every x86-64 build; it raises (RuntimeError) on a CPU without AMX or where the
-// OS refuses the tile state, before any tile instruction. Status: written and tested through the
-// emulation on CPUs without AMX; never executed on AMX hardware yet (benchmarks/results/history.md), so it is
-// opt-in only (PAGEDGEN_CPU_MATMUL=amx, pagedgen/layers/matmul/choice.py; amx_check.py self-checks it first).
+// Only this file holds AMX instructions, and only in the builds whose flags enable AMX (setup.py's amx
+// level, or -march=native on a CPU with AMX): there the compiler defines __AMX_TILE__ and __AMX_BF16__.
+// The op is registered in every build of the CPU kernels; it checks its arguments, then raises
+// (RuntimeError) on a CPU without AMX, in a build without AMX (a lower level forced by PAGEDGEN_CPU_ISA)
+// or where the OS refuses the tile state, before any tile instruction. Status: measured on a Xeon with
+// AMX (benchmarks/results/history.md); opt-in (PAGEDGEN_CPU_MATMUL=amx, pagedgen/layers/matmul/choice.py;
+// amx_check.py self-checks it first).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -22,7 +19,7 @@
 #include "linear_amx_loop.h"
 #include "linear_bf16_checks.h"
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#if defined(__x86_64__) && defined(__linux__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAGEDGEN_AMX_BUILD 1
 #define PAGEDGEN_AMX_INLINE inline __attribute__((always_inline))
 #include <sys/syscall.h>
@@ -33,7 +30,6 @@ namespace pagedgen::cpu {
 namespace {
 
 #ifdef PAGEDGEN_AMX_BUILD
-bool cpu_has_amx_here();  // below, without the AMX pragma's help
 
 // Linux: the process asks once for the tile data state (XFEATURE_XTILEDATA = 18) before the first tile
 // instruction; true when granted.
@@ -59,9 +55,7 @@ namespace {
 
 // The 8 tiles of palette 1 as the loop uses them: tmm0-3 C [16 rows, 64 bytes], tmm4-5 A, tmm6-7 B.
 // The tile intrinsics take the register number as a literal, hence the switches (constants once
-// inlined). GCC's tileloadd / tdpbf16ps / tilestored / tilezero intrinsics are inline assembly, so
-// these are defined without the AMX target and inline into the loop; ldtilecfg and tilerelease are
-// builtins that need it: configure() and release() are defined under the pragma below.
+// inlined into the loop).
 // GCC 12's _tile_loadd asm names neither the memory it reads nor a "memory" clobber, so the compiler
 // may sink or drop the stores that fill the A and B buffers (pack_a, b_tile's tail) past it; the
 // loads here are the same instruction with a "memory" clobber, and ldtilecfg takes the whole config
@@ -101,8 +95,6 @@ struct AmxTiles {
   }
 };
 
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
 void AmxTiles::configure() {
   Config cfg{};
   cfg.palette_id = 1;
@@ -113,7 +105,6 @@ void AmxTiles::configure() {
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");  // the whole 64 bytes as the operand
 }
 void AmxTiles::release() { _tile_release(); }
-#pragma GCC pop_options
 
 void run_amx(const amx::Problem& g) { amx::run<AmxTiles>(g); }
 
@@ -124,19 +115,21 @@ void run_amx(const amx::Problem& g) { amx::run<AmxTiles>(g); }
 namespace pagedgen::cpu {
 namespace {
 
-#ifdef PAGEDGEN_AMX_BUILD
+// The answer of pagedgen::cpu_has_amx (csrc/cpu_features.cpp, in pagedgen._C), asked once per process.
 bool cpu_has_amx_here() {
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("pagedgen::cpu_has_amx", "").typed<bool()>();
-  return op.call();
+  static const bool has = [] {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("pagedgen::cpu_has_amx", "").typed<bool()>();
+    return op.call();
+  }();
+  return has;
 }
-#endif
 
 void packed_linear_bf16_amx_cpu(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                 const c10::optional<at::Tensor>& bias) {
   const at::Tensor b = check_packed_linear_bf16("packed_linear_bf16_amx", out, input, weight, bias);
-#ifdef PAGEDGEN_AMX_BUILD
   TORCH_CHECK(cpu_has_amx_here(), "packed_linear_bf16_amx: this CPU (or its OS) has no AMX-TILE and AMX-BF16 "
               "(pagedgen::cpu_has_amx() is False)");
+#ifdef PAGEDGEN_AMX_BUILD
   TORCH_CHECK(request_tile_permission(), "packed_linear_bf16_amx: Linux refused the AMX tile state "
               "(arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed)");
   const int64_t M = input.size(0), K = input.size(1), N = out.size(1);
@@ -146,7 +139,8 @@ void packed_linear_bf16_amx_cpu(const at::Tensor& out, const at::Tensor& input, 
                        out.stride(0)};
   run_amx(g);
 #else
-  TORCH_CHECK(false, "packed_linear_bf16_amx: this build has no AMX kernel (x86-64 Linux with GCC >= 11 or clang only)");
+  TORCH_CHECK(false, "packed_linear_bf16_amx: the CPU kernels loaded were built without AMX (a lower level forced by "
+              "PAGEDGEN_CPU_ISA, or a build without the amx level; pagedgen.ops.cpu_isa() names the level)");
 #endif
 }
 

@@ -1,5 +1,6 @@
 // pagedgen::packed_linear_bf16_amx_emulated: the AMX GEMM's tile loop (csrc/cpu/linear_amx_loop.h) run
-// on a plain C++ emulation of the tiles, on any CPU; and pagedgen::cpu_has_amx, the runtime detection.
+// on a plain C++ emulation of the tiles, on any CPU (the runtime detection, pagedgen::cpu_has_amx, is in
+// csrc/cpu_features.cpp).
 // The emulation exists to test the packing and indexing the AMX kernel shares with it on CPUs without
 // AMX: its arithmetic follows Intel's pseudocode of TDPBF16PS (per row m, pair k in order, column n:
 // C += A[m, 2k + 1] B[k, 2n + 1], then C += A[m, 2k] B[k, 2n], each a float32 add; products of bf16 are
@@ -66,30 +67,9 @@ void packed_linear_bf16_amx_emulated_cpu(const at::Tensor& out, const at::Tensor
   amx::run<EmulatedTiles>(g);
 }
 
-// True when the CPU has AMX-TILE and AMX-BF16 (cpuid leaf 7, sub-leaf 0: EDX bits 24 and 22) and the OS
-// enables the tile state (OSXSAVE, and XCR0 bits 17 XTILECFG and 18 XTILEDATA). Linux still requires
-// each process to ask for the tile data (arch_prctl, done by packed_linear_bf16_amx at its first call).
-bool cpu_has_amx() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  uint32_t a, b, c, d;
-  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-  if (a < 7) return false;
-  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
-  if (!(c & (1u << 27))) return false;  // OSXSAVE: xgetbv is available
-  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;
-  uint32_t lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (lo & (3u << 17)) == (3u << 17);
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 }  // namespace pagedgen::cpu
 
 TORCH_LIBRARY_IMPL(pagedgen, CPU, m) {
   m.impl("packed_linear_bf16_amx_emulated", &pagedgen::cpu::packed_linear_bf16_amx_emulated_cpu);
 }
-TORCH_LIBRARY_IMPL(pagedgen, CompositeExplicitAutograd, m) { m.impl("cpu_has_amx", &pagedgen::cpu::cpu_has_amx); }

@@ -48,7 +48,9 @@
 #include "linear_bf16_checks.h"
 #include "vec.h"
 
-namespace pagedgen::cpu {
+// Its own namespace: csrc/cpu_kernels.cpp compiles this file in one unit with linear.cpp, whose tile
+// constants have the same names.
+namespace pagedgen::cpu::bf16_pairs {
 namespace {
 
 constexpr int kPanel = 16;                      // outputs per panel: the float32 lanes of a 512-bit register
@@ -286,10 +288,10 @@ void packed_linear_bf16_cpu(const at::Tensor& out,      // [M, N] bfloat16
 }
 
 }  // namespace
-}  // namespace pagedgen::cpu
+}  // namespace pagedgen::cpu::bf16_pairs
 
 // Registered only where the build has AVX512-BF16 (-march of setup.py); elsewhere the op has no CPU
 // kernel and pagedgen.layers.linear does not choose it (ops.has_kernel("packed_linear_bf16")).
-TORCH_LIBRARY_IMPL(pagedgen, CPU, m) { m.impl("packed_linear_bf16", &pagedgen::cpu::packed_linear_bf16_cpu); }
+TORCH_LIBRARY_IMPL(pagedgen, CPU, m) { m.impl("packed_linear_bf16", &pagedgen::cpu::bf16_pairs::packed_linear_bf16_cpu); }
 
 #endif  // __AVX512F__ && __AVX512BF16__

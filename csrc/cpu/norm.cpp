@@ -28,7 +28,6 @@ namespace pagedgen::cpu {
 namespace {
 
 constexpr int64_t kRowsGrain = 1 << 16;  // elements per parallel chunk, at least (decode batches: one thread)
-constexpr int W = kLanes;
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, " (CPU kernel): tensors must be on the CPU");

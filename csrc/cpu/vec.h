@@ -45,6 +45,7 @@ constexpr int kLanes = 8;
 #else
 constexpr int kLanes = 4;
 #endif
+constexpr int W = kLanes;  // the kernels' name for it (a template's own parameter W hides this one)
 
 template <int W>
 struct VecOf;

@@ -1,6 +1,8 @@
 """The one door to pagedgen's ops: torch.ops.pagedgen.* from the compiled extension when it is built
 and has a kernel for the tensors' device, otherwise the PyTorch reference in ``reference.py``
-(with one warning). See csrc/ops.cpp for the schemas and layouts.
+(with one warning). See csrc/ops.cpp for the schemas and layouts. The CPU kernels come from one of
+several builds, one per instruction-set level, chosen at import (``isa.py``: ``cpu_isa()`` names it,
+``PAGEDGEN_CPU_ISA`` caps it).
 
 The model's fused small layers (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
 ``silu_and_mul``) and the sampler's greedy ``argmax`` have CPU kernels only; elsewhere their reference,
@@ -16,7 +18,7 @@ import warnings
 
 import torch
 
-from pagedgen.ops import fake, reference
+from pagedgen.ops import fake, isa, reference
 from pagedgen.ops.metadata import AttentionMetadata
 
 try:
@@ -26,12 +28,13 @@ try:
 except ImportError as exc:  # the extension was not built
     _IMPORT_ERROR = exc
 if _IMPORT_ERROR is None:
+    isa.load()  # the CPU kernels of the best level this CPU runs (PAGEDGEN_CPU_ISA caps it)
     fake.register_fakes()  # FakeTensor / torch.compile / opcheck support of the ops just loaded
 
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-    "argmax", "packed_linear", "packed_linear_bf16", "has_kernel",
+    "argmax", "packed_linear", "packed_linear_bf16", "has_kernel", "cpu_isa", "cpu_isa_features",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -48,9 +51,23 @@ def extension_error(device: str = "cpu") -> str:
     """Why the extension cannot serve ``device`` (empty string when it can)."""
     if _IMPORT_ERROR is not None:
         return f"pagedgen._C could not be imported ({_IMPORT_ERROR}); build it with scripts/setup.sh"
+    if not str(device).startswith("cuda") and isa.loaded() is None:
+        return f"pagedgen's CPU kernels are not loaded: {isa.why_not()}"
     if not extension_available(device):
         return f"pagedgen._C was built without kernels for {device!r}"
     return ""
+
+
+def cpu_isa() -> str | None:
+    """The instruction-set level of the CPU kernels loaded ("avx2", "avx512_bf16", "amx", "native" or
+    "generic"; see ``isa.py``), or None when none are (not built, no level this CPU runs, or
+    ``PAGEDGEN_CPU_ISA=none``: ``extension_error("cpu")`` says which)."""
+    return isa.loaded()
+
+
+def cpu_isa_features() -> frozenset:
+    """The instruction sets the loaded CPU kernels were compiled with, e.g. {"avx2", "fma", "f16c"}."""
+    return isa.loaded_features()
 
 
 @functools.lru_cache(maxsize=None)

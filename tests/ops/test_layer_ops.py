@@ -8,12 +8,11 @@ Exactness: rotary_embedding rounds where torch rounds (the extension is built wi
 contraction), so it must match bitwise in every dtype; the residual add of fused_add_rms_norm too.
 RMSNorm sums its squares in the order of torch's own CPU sum for the build's vector width, so it is
 bitwise too when torch reduces with that width (its default on the machine that built the extension;
-an ATEN_CPU_CAPABILITY or PAGEDGEN_CPU_ARCH override can change either side, and then the two agree to
+an ATEN_CPU_CAPABILITY or PAGEDGEN_CPU_ISA override can change either side, and then the two agree to
 an ulp or two). silu_and_mul uses a polynomial exp where torch uses SLEEF's, so in float32 it may
 differ in the last place or two (1e-6 relative); in bf16/fp16 it is within one unit in the last place
 of the output dtype (`ulps` below; measured bitwise on 10M random elements).
 """
-import os
 
 import pytest
 import torch
@@ -44,8 +43,11 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
 
 
-# torch reduces with the vector width this build assumes (csrc/cpu/norm.cpp, torch_order_sum_of_squares)
-SAME_SUM_ORDER = "ATEN_CPU_CAPABILITY" not in os.environ and os.environ.get("PAGEDGEN_CPU_ARCH", "native") == "native"
+# torch reduces with the vector width the loaded CPU kernels assume (csrc/cpu/norm.cpp,
+# torch_order_sum_of_squares): 16 floats where both use AVX-512, 8 where both use AVX2
+_WIDE = "avx512f" in pagedgen.ops.cpu_isa_features()
+SAME_SUM_ORDER = (torch.backends.cpu.get_cpu_capability() == "AVX512") == _WIDE and (
+    _WIDE or torch.backends.cpu.get_cpu_capability() == "AVX2")
 
 
 def assert_bitwise(out, expected):

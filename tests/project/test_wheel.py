@@ -1,10 +1,13 @@
 """The wheel, as a user gets it: built from a clean copy of the checkout, installed on its own,
-imported from outside the checkout, generating.
+imported from outside the checkout, generating, and passing the op tests with each instruction-set
+level of the CPU kernels this CPU runs forced (``PAGEDGEN_CPU_ISA``).
 
 The suite otherwise runs on the checkout itself (an editable install or PYTHONPATH), which cannot see a
 package that pyproject.toml leaves out of the wheel. The wheel is built with the CPU kernels only
 (``PAGEDGEN_NO_CUDA=1``: the CUDA kernels are compiled by scripts/setup.sh's build and
-tests/project/test_setup_toolkit.py checks how setup.py finds the toolkit).
+tests/project/test_setup_toolkit.py checks how setup.py finds the toolkit), and with the levels this
+CPU runs only (``PAGEDGEN_CPU_LEVELS``): a level it cannot run could not be tested here, and the
+checkout's own build (scripts/setup.sh) compiles every level, so each level's sources compile.
 """
 import json
 import os
@@ -16,9 +19,12 @@ import zipfile
 import pytest
 
 from conftest import ROOT
+from outside_checkout import pytest_argv, python_c
+from pagedgen import ops
+from pagedgen.ops import isa
 
-# Building the wheel compiles the CPU kernels: ~80 s on a quiet 2-core machine (MAX_JOBS=2; 150-340 s
-# on one shared with other builds). "slow" is a label only: the README's test command runs every test
+# Building the wheel compiles the CPU kernels once per level this CPU runs: about 70 s a level on a
+# quiet 2-core machine (MAX_JOBS=2; two or three times that on one shared with other builds). "slow" is a label only: the README's test command runs every test
 # of tests/, these included.
 pytestmark = pytest.mark.slow
 
@@ -74,7 +80,9 @@ def installed(tmp_path_factory):
     src, wheels, target = str(tmp / "src"), str(tmp / "dist"), str(tmp / "site")
     _clean_copy(src)
     assert not os.path.exists(os.path.join(src, "build")) and not any(f.startswith("_C") for f in os.listdir(os.path.join(src, "pagedgen")))
-    env = dict(os.environ, PAGEDGEN_NO_CUDA="1", MAX_JOBS=os.environ.get("MAX_JOBS", "2"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    levels = ",".join(isa.supported_levels()) if ops._IMPORT_ERROR is None else ""
+    env = dict(os.environ, PAGEDGEN_NO_CUDA="1", MAX_JOBS=os.environ.get("MAX_JOBS", "2"), PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PAGEDGEN_CPU_LEVELS=levels or "generic")
     env.pop("PYTHONPATH", None)
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir", "-w", wheels, src],
@@ -137,3 +145,35 @@ def test_installed_console_script_runs(installed, tmp_path):
         env=dict(os.environ, PYTHONPATH=target), timeout=300,
     )
     assert proc.returncode == 0 and "--model" in proc.stdout, proc.stderr[-3000:]
+
+
+#: The op test files: every CPU kernel against its reference (tests/ops/).
+OP_TESTS = ["tests/ops/test_ops.py", "tests/ops/test_ops_checks.py", "tests/ops/test_ops_attention.py",
+            "tests/ops/test_layer_ops.py", "tests/ops/test_ops_argmax.py", "tests/ops/test_packed_linear.py",
+            "tests/ops/test_packed_linear_amx.py", "tests/ops/test_ops_batch_invariance.py"]
+
+
+@pytest.mark.parametrize("level", isa.LEVELS)
+def test_installed_wheel_passes_the_op_tests_with_each_level_forced(installed, level):
+    """Each level this CPU runs, forced, from the installed wheel: the op test files in full for the
+    levels below the best one; for the best one (which the rest of the suite runs, from the same
+    sources) the quick check of every kernel in tests/ops/test_isa.py."""
+    if ops._IMPORT_ERROR is not None or level not in isa.supported_levels():
+        pytest.skip(f"this CPU (or its OS) does not run the {level} level")
+    target, wheel = installed
+    assert any(n == f"pagedgen/_C_cpu_{level}" for n in (p.split(".")[0] for p in zipfile.ZipFile(wheel).namelist()))
+    # The working directory (the checkout) is not first on sys.path, and PYTHONPATH puts the wheel's
+    # pagedgen ahead of the checkout's editable install.
+    env = dict(os.environ, PYTHONPATH=target, PAGEDGEN_CPU_ISA=level)
+    where = subprocess.run(python_c("import json, pagedgen, pagedgen.ops as o; "
+                                    "print(json.dumps([pagedgen.__file__, o.cpu_isa(), o.extension_error('cpu')]))"),
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert where.returncode == 0, where.stderr[-3000:]
+    file, loaded, error = json.loads(where.stdout.strip().splitlines()[-1])
+    assert file.startswith(target + os.sep) and loaded == level and error == "", (file, loaded, error)
+    best = isa.supported_levels()[-1]
+    files = OP_TESTS if level != best else ["tests/ops/test_isa.py::test_every_level_this_cpu_runs_matches_the_reference"]
+    res = subprocess.run(pytest_argv("-q", "-x", "-p", "no:cacheprovider", *files),
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = res.stdout[-4000:] + res.stderr[-2000:]
+    assert res.returncode == 0 and " passed" in res.stdout and " failed" not in res.stdout, tail
