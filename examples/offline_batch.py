@@ -33,7 +33,8 @@ def story_openings(path: str, num_prompts: int, seed: int) -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)  # --max-token is an error, not --max-tokens
     ap.add_argument("--model", default=os.path.join(SHARED, "models", "stories260K"), help="checkpoint folder")
     ap.add_argument(
         "--data",

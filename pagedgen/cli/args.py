@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
 
 from pagedgen.cli import structured
@@ -28,7 +29,19 @@ ENGINE_TRUNCATES = "truncate_prompt_tokens" in {f.name for f in dataclasses.fiel
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``pagedgen: error:`` line (exit code 2)."""
+    """argparse, but a usage error is one ``pagedgen: error:`` line (exit code 2), and a flag is never
+    abbreviated: argparse would take ``--max-token 10`` as ``--max-tokens`` (a prefix of one flag), so a
+    typo would pass unnoticed and a flag added later could change what an old command means. An unknown
+    flag is an error naming the closest real one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        ns, rest = self.parse_known_args(args, namespace)
+        if rest:
+            self.error(unknown_arguments_message(rest, list(self._option_string_actions)))
+        return ns
 
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
@@ -40,6 +53,21 @@ class _Parser(argparse.ArgumentParser):
         if why:
             self.error(why)
         return ns, rest
+
+
+def unknown_arguments_message(rest: list, flags: list) -> str:
+    """The error for the arguments ``rest`` that no flag took: each unknown flag with the closest of
+    ``flags`` (difflib's ratio >= 0.6), e.g. "unrecognized argument --max-token (did you mean
+    --max-tokens?)"."""
+    unknown = [tok for tok in rest if tok.startswith("-") and len(tok) > 1]
+    if not unknown:
+        return f"unrecognized arguments: {' '.join(rest)}"
+    parts = []
+    for tok in unknown:
+        name = tok.split("=", 1)[0]
+        close = difflib.get_close_matches(name, [f for f in flags if f.startswith("--")], n=1, cutoff=0.6)
+        parts.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return f"unrecognized argument{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
 
 
 def field_names_problem(ns: argparse.Namespace) -> str | None:

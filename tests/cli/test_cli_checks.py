@@ -193,3 +193,25 @@ def test_row_messages_name_the_row_and_the_element(stories_path, tmp_path, capsy
     assert errors == ["prompt[1] must be an int token id, got bool True",
                       "row 2's prompt has token id -5 outside the vocabulary [0, 512)",
                       'prompt[1] must be an int token id, got str \'x\'']
+
+
+@pytest.mark.parametrize("typo, closest", [("--max-token", "--max-tokens"), ("--temperatur", "--temperature"),
+                                           ("--max-num-seq", "--max-num-seqs"), ("--engine-see", "--engine-seed")])
+def test_a_flag_is_never_abbreviated_and_a_typo_names_the_closest_flag(typo, closest, stories_path, tmp_path, capsys):
+    """argparse would take a prefix of one flag as that flag (--max-token 10 as --max-tokens 10); here it
+    is an error before any work, naming the flag meant, and nothing is written."""
+    src = _input(tmp_path, {"prompt": "a"})
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / "o.jsonl", typo, "1")
+    lines = error_lines(err)
+    assert rc == 2 and len(lines) == 1, err
+    assert f"unrecognized argument {typo} (did you mean {closest}?)" in lines[0]
+    assert _files(tmp_path) == ["in.jsonl"]
+
+
+def test_unknown_flag_without_a_close_one_and_stray_values(stories_path, tmp_path, capsys):
+    src = _input(tmp_path, {"prompt": "a"})
+    base = ["--model", stories_path, "--input", src, "--output", tmp_path / "o.jsonl"]
+    rc, err = run_cli(capsys, *base, "--zzzzqqq", "3")
+    assert rc == 2 and "unrecognized argument --zzzzqqq" in error_lines(err)[0] and "did you mean" not in err
+    rc, err = run_cli(capsys, *base, "stray")
+    assert rc == 2 and "unrecognized arguments: stray" in error_lines(err)[0]
