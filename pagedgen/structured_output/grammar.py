@@ -58,7 +58,9 @@ logger = logging.getLogger("pagedgen")
 MAX_CACHED_GRAMMARS = 4096  # distinct constraints kept compiled (a per-row schema column may hold many)
 #: fill each step's bitmask on one helper thread while the model runs the step (PAGEDGEN_MASK_OVERLAP=0: before it, serially)
 MASK_OVERLAP = os.environ.get("PAGEDGEN_MASK_OVERLAP", "1") != "0"
-PARALLEL_ROWS = 16  # masks of this many rows or more are filled on llguidance's thread pool (fewer: one by one is faster)
+#: masks of rows x vocabulary_size >= this are filled on llguidance's thread pool (fewer: one by one is
+#: faster): 16 rows of a 32k vocabulary; stories260K's 512 tokens cost 1-4 us a row, less than the pool's hand-off
+PARALLEL_WORK = 16 * 32768
 
 
 def _llguidance():
@@ -365,13 +367,13 @@ class StructuredOutputManager:
         """Rows of ``bitmask`` [R, W] int32: each grammar's mask, ANDed with its number guard's
         where the guard's may differ (``Grammar.needs_guard_mask``); then the dead ends."""
         start = time.perf_counter()
-        executor = self.compiler.executor() if len(grammars) >= PARALLEL_ROWS else None
+        executor = self.compiler.executor() if len(grammars) * self.compiler.vocab_size >= PARALLEL_WORK else None
         fill_bitmask_rows([(g.matcher, row) for row, g in enumerate(grammars)], bitmask, executor)
         guarded = [row for row, g in enumerate(grammars) if g.needs_guard_mask()]
         if guarded:
             guard = torch.empty(len(guarded), bitmask.shape[1], dtype=torch.int32)
             fill_bitmask_rows([(grammars[row].guard, i) for i, row in enumerate(guarded)], guard,
-                              executor if len(guarded) >= PARALLEL_ROWS else None)
+                              executor if len(guarded) * self.compiler.vocab_size >= PARALLEL_WORK else None)
             bitmask[guarded] &= guard
         self._check_dead_ends(sampling, grammars, bitmask)
         self.mask_seconds += time.perf_counter() - start

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pagedgen.structured_output.json_bounds import guard_unsafe_tokens
 
+MEMO_SIZE = 65536  # byte strings whose token ids Vocabulary.__call__ keeps
+
 
 class Vocabulary:
     """The token table llguidance matches against: the model's ``vocab_size`` ids, each the bytes of
@@ -33,13 +35,25 @@ class Vocabulary:
         self._full = full
         self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens))) if t and t[:1] != b"\xff"}  # bytes -> lowest id
         self._longest = max(map(len, self._ids), default=1)
+        self._memo: dict[bytes, list[int]] = {}  # __call__'s answers: the same forced bytes come back row after row
         self.ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(self), n_vocab=vocab_size, eos_token=eos)
 
     def __call__(self, text) -> list[int]:
         """Token ids of ``text`` (str or UTF-8 bytes), which llguidance asks for when a grammar
-        forces some bytes: the tokenizer's own ids (without the space a SentencePiece tokenizer puts
-        first), or, where those fall outside this table, the longest tokens of the table, greedily."""
+        forces some bytes (every mask of a forced state: a JSON key, the punctuation around it):
+        the tokenizer's own ids (without the space a SentencePiece tokenizer puts first), or, where
+        those fall outside this table, the longest tokens of the table, greedily. Memoized (up to
+        ``MEMO_SIZE`` byte strings): the call comes from llguidance's Rust code through the GIL, and
+        the same keys are forced in every row of a batch."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        ids = self._memo.get(data)
+        if ids is None:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            ids = self._memo[data] = self._tokenize(data)
+        return list(ids)
+
+    def _tokenize(self, data: bytes) -> list[int]:
         ids = self._full.tokenize_bytes(data)
         if all(i < len(self.tokens) and self.tokens[i][:1] != b"\xff" for i in ids):
             return ids
