@@ -22,10 +22,7 @@ Pieces:
                       sequence gets a copy. ``check`` is the validation of ``add_request``.
     Grammar           one sequence's matcher: accept, validate, rollback, fill_bitmask, is_terminated
                       (the interface of STYLE.md's structured-outputs pattern).
-    StructuredOutputManager  the engine's grammars by seq id: ``add`` when a request is queued,
-                      ``bitmask(batch)`` when the step is scheduled (the rows are filled on one
-                      helper thread while the forward runs; the sampler's read waits for them),
-                      ``accept`` after sampling, ``clear`` on rollback.
+    (manager.py: ``StructuredOutputManager``, the engine's grammars by seq id and the step's mask.)
 
 The matcher state follows the sequence's output tokens, not its KV cache: preemption (recompute or
 swap), prefix-cache hits and chunked prefill change which tokens are computed, never which are
@@ -38,10 +35,7 @@ alone with EOS and a warning naming the request (as vLLM's llguidance backend), 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import json
-import logging
-import os
 import threading
 import time
 from typing import Optional
@@ -50,17 +44,9 @@ import torch
 
 from pagedgen.structured_output import json_bounds
 from pagedgen.structured_output.params import StructuredOutputsParams
-from pagedgen.structured_output.token_bitmask import GrammarBitmask
 from pagedgen.structured_output.vocabulary import Vocabulary
 
-logger = logging.getLogger("pagedgen")
-
 MAX_CACHED_GRAMMARS = 4096  # distinct constraints kept compiled (a per-row schema column may hold many)
-#: fill each step's bitmask on one helper thread while the model runs the step (PAGEDGEN_MASK_OVERLAP=0: before it, serially)
-MASK_OVERLAP = os.environ.get("PAGEDGEN_MASK_OVERLAP", "1") != "0"
-#: masks of rows x vocabulary_size >= this are filled on llguidance's thread pool (fewer: one by one is
-#: faster): 16 rows of a 32k vocabulary; stories260K's 512 tokens cost 1-4 us a row, less than the pool's hand-off
-PARALLEL_WORK = 16 * 32768
 
 
 def _llguidance():
@@ -140,7 +126,9 @@ class GrammarCompiler:
         eos = frozenset(eos_token_ids)
         template, guarded = self._template(spec, eos), self._guarded(spec)
         vocab = self._vocabulary(eos)
-        return Grammar(template.deep_copy(), self._guard(vocab).deep_copy() if guarded else None, vocab)
+        grammar = Grammar(template.deep_copy(), self._guard(vocab).deep_copy() if guarded else None, vocab)
+        grammar.forcing = spec.kind != "grammar" or "no_forcing" not in spec.grammar
+        return grammar
 
     @staticmethod
     def _guarded(spec: StructuredOutputsParams) -> bool:
@@ -225,6 +213,7 @@ class Grammar:
     def __init__(self, matcher, guard=None, vocab: Optional[Vocabulary] = None) -> None:
         self.matcher, self.guard, self.vocab = matcher, guard, vocab
         self.token_ids: list[int] = []  # accepted so far (the guard's mask is needed only inside a number)
+        self.forcing = True  # llguidance forces bytes in this grammar (False: no jump-forward; see forced_token)
 
     def accept(self, token_ids: list[int]) -> bool:
         """Advance over ``token_ids``; False (and an error state) if the grammar refuses one."""
@@ -266,6 +255,19 @@ class Grammar:
         """True once the grammar has ended (EOS accepted, or no further token possible)."""
         return self.matcher.is_stopped()
 
+    def forced_token(self) -> Optional[int]:
+        """The token this state's mask would allow alone, or None. llguidance masks a state whose
+        next bytes are forced with the first of ``compute_ff_tokens()`` alone (tokenparser.rs,
+        ``compute_mask_inner``), the same call made here; the number guard must allow it too
+        (else the step's mask is a dead end, left to the step). Kinds whose grammar may turn
+        forcing off (a user's Lark ``no_forcing``) never jump (``forcing``)."""
+        if not self.forcing or self.matcher.is_stopped():
+            return None
+        forced = self.matcher.compute_ff_tokens()
+        if not forced or (self.guard is not None and self.guard.validate_tokens(forced[:1]) != 1):
+            return None
+        return forced[0]
+
     def is_error(self) -> bool:
         """True when the matcher or the guard is in an error state (a parser limit, a refused token)."""
         return self.matcher.is_error() or (self.guard is not None and self.guard.is_error())
@@ -281,154 +283,5 @@ class Grammar:
     def fork(self) -> "Grammar":
         """An independent copy in the same state (a parallel sample forked from this sequence)."""
         twin = Grammar(self.matcher.deep_copy(), None if self.guard is None else self.guard.deep_copy(), self.vocab)
-        twin.token_ids = list(self.token_ids)
+        twin.token_ids, twin.forcing = list(self.token_ids), self.forcing
         return twin
-
-
-class StructuredOutputManager:
-    """The grammars of the engine's constrained sequences, by seq id.
-
-    Nothing here runs for a step while no queued request is constrained: ``bitmask`` returns None
-    at once and ``accept`` returns at once.
-    """
-
-    def __init__(self, compiler: GrammarCompiler, overlap: bool = MASK_OVERLAP) -> None:
-        self.compiler = compiler
-        self.overlap = overlap  # fill masks on the helper thread during the forward (see ``bitmask``)
-        self._grammars: dict[int, tuple] = {}  # seq_id -> (Sequence, Grammar)
-        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # one helper thread, made on first use
-        self._pending: Optional[GrammarBitmask] = None  # the step's mask while its fill may still run
-        self._dead: set[int] = set()  # seq ids given EOS alone in this step (dead ends: see _check_dead_ends)
-        self.mask_seconds = 0.0  # time spent filling bitmasks (benchmarks/structured.py reports it)
-        self.mask_wait_seconds = 0.0  # time the step waited for them (all of mask_seconds when serial)
-        self.num_masks = 0
-
-    def __len__(self) -> int:
-        return len(self._grammars)
-
-    def add(self, seq) -> None:
-        """Give a newly queued sequence its matcher if its request is constrained."""
-        spec = seq.sampling_params.structured_outputs
-        if spec is not None:
-            self._grammars[seq.seq_id] = (seq, self.compiler.grammar(spec, seq.eos_token_ids))
-
-    def clear(self) -> None:
-        """Forget every matcher (the engine aborted every request), after any fill still running."""
-        self._join(raise_errors=False)
-        self._grammars.clear()
-        self._dead.clear()
-
-    def _join(self, raise_errors: bool = True) -> None:
-        """Wait for the last step's fill (the sampler has waited for it already unless the step failed)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending.wait()
-            except Exception:
-                if raise_errors:
-                    raise
-
-    def bitmask(self, batch) -> Optional[GrammarBitmask]:
-        """The bitmask rows of the constrained sequences that sample in ``batch`` (a ScheduledBatch
-        whose parallel samples are forked already), or None when there are none. Matchers of
-        finished or aborted sequences are dropped here; forked children get a copy of their parent's.
-
-        With ``overlap`` the rows are filled on the helper thread (llguidance drops the GIL) and
-        the returned mask is pending: the sampler's read of ``bitmask`` waits for it, after the
-        forward. No matcher changes until then: ``accept`` runs after the step's sampling."""
-        self._join()
-        grammars = self._grammars
-        if not grammars:
-            return None
-        for seq_id in [i for i, (s, _) in grammars.items() if s.is_finished]:
-            del grammars[seq_id]
-        for child, parent in batch.forked:
-            if parent.seq_id in grammars:
-                grammars[child.seq_id] = (child, grammars[parent.seq_id][1].fork())
-        sampling = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                    if seq.seq_id in grammars and seq.num_computed_tokens + n == seq.num_tokens and seq.beam_group is None]
-        sampling += [child for child, _ in batch.forked if child.seq_id in grammars]
-        if not sampling:
-            return None
-        bitmask = torch.empty(len(sampling), self.compiler.num_words, dtype=torch.int32)
-        matchers = [grammars[seq.seq_id][1] for seq in sampling]
-        seq_ids = [seq.seq_id for seq in sampling]
-        if not self.overlap:
-            start = time.perf_counter()
-            self._fill(sampling, matchers, bitmask)
-            self.mask_wait_seconds += time.perf_counter() - start
-            return GrammarBitmask(seq_ids, bitmask)
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedgen-mask")
-        self._pending = GrammarBitmask(seq_ids, bitmask, _TimedFuture(self._thread.submit(self._fill, sampling, matchers, bitmask), self))
-        return self._pending
-
-    def _fill(self, sampling: list, grammars: list, bitmask: torch.Tensor) -> None:
-        """Rows of ``bitmask`` [R, W] int32: each grammar's mask, ANDed with its number guard's
-        where the guard's may differ (``Grammar.needs_guard_mask``); then the dead ends."""
-        start = time.perf_counter()
-        executor = self.compiler.executor() if len(grammars) * self.compiler.vocab_size >= PARALLEL_WORK else None
-        fill_bitmask_rows([(g.matcher, row) for row, g in enumerate(grammars)], bitmask, executor)
-        guarded = [row for row, g in enumerate(grammars) if g.needs_guard_mask()]
-        if guarded:
-            guard = torch.empty(len(guarded), bitmask.shape[1], dtype=torch.int32)
-            fill_bitmask_rows([(grammars[row].guard, i) for i, row in enumerate(guarded)], guard,
-                              executor if len(guarded) * self.compiler.vocab_size >= PARALLEL_WORK else None)
-            bitmask[guarded] &= guard
-        self._check_dead_ends(sampling, grammars, bitmask)
-        self.mask_seconds += time.perf_counter() - start
-        self.num_masks += len(sampling)
-
-    def _check_dead_ends(self, sampling: list, grammars: list, bitmask: torch.Tensor) -> None:
-        """A sequence whose grammar is in error, or can only stop while incomplete, gets the mask of
-        EOS alone and a warning: it finishes in this step (finish_reason "stop", as vLLM's llguidance
-        backend ends it), the others run on."""
-        eos = self.compiler._vocabulary(frozenset(sampling[0].eos_token_ids)).eos_token_id
-        # only rows that allow EOS can be dead ends (llguidance allows EOS alone there, and errors end in EOS too),
-        # and rows that allow nothing (the number guard and the schema agreeing on no token: a schema's bound
-        # met by a number at the guard's digit limit, e.g. exclusiveMinimum 0.5 after "0.50000000000000000")
-        suspects = ((((bitmask[:, eos // 32] >> (eos % 32)) & 1) != 0) | ~bitmask.any(1)).nonzero().flatten().tolist()
-        for row in suspects:
-            seq, grammar = sampling[row], grammars[row]
-            if grammar.is_error() or (not grammar.is_accepting() and _only_eos(bitmask[row], eos)):
-                bitmask[row] = 0
-                bitmask[row, eos // 32] = _int32(1 << (eos % 32))
-                self._dead.add(seq.seq_id)
-                text = self.compiler.tokenizer.decode(seq.output_token_ids)
-                why = (f"llguidance failed on its {seq.sampling_params.structured_outputs.kind} constraint ({grammar.error_message()})"
-                       if grammar.is_error() else f"no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
-                       "constraint (it cannot be completed with this tokenizer)")
-                logger.warning("request %r: %s after %d generated tokens (%r); the completion ends here, incomplete (finish_reason 'stop')",
-                               seq.request_id, why, seq.num_output_tokens, text[-60:])
-
-    def accept(self, seqs: list, token_ids: list[int]) -> None:
-        """Advance the matchers of the constrained ``seqs`` over their new tokens (before the
-        engine appends them)."""
-        self._join()
-        grammars = self._grammars
-        if not grammars:
-            return
-        for seq, token in zip(seqs, token_ids):
-            if seq.seq_id in self._dead:  # a dead end: it sampled EOS, its only allowed token, and ends
-                self._dead.discard(seq.seq_id)
-                del grammars[seq.seq_id]
-                continue
-            entry = grammars.get(seq.seq_id)
-            if entry is None or (token in seq.eos_token_ids and entry[1].is_terminated()):
-                continue  # not constrained, or EOS after a grammar that ended by itself (NoExtension)
-            entry[1].accept([token])  # refused (a parser limit such as max_items_in_row met mid-generation):
-            # the matcher is in error, and the next mask (``_check_dead_ends``) ends the request with a warning
-
-
-class _TimedFuture:
-    """A fill's future whose ``result`` adds the time the caller waited to ``manager.mask_wait_seconds``."""
-
-    def __init__(self, future: concurrent.futures.Future, manager: StructuredOutputManager) -> None:
-        self.future, self.manager = future, manager
-
-    def result(self):
-        start = time.perf_counter()
-        try:
-            return self.future.result()
-        finally:
-            self.manager.mask_wait_seconds += time.perf_counter() - start

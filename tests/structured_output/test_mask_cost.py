@@ -8,7 +8,7 @@ pytest.importorskip("llguidance")
 from json_schemas import SCHEMAS
 
 from pagedgen import SamplingParams, StructuredOutputsParams
-from pagedgen.structured_output import grammar as grammar_mod
+from pagedgen.structured_output import manager as manager_mod
 from pagedgen.structured_output import vocabulary as vocabulary_mod
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -32,12 +32,12 @@ def test_masks_row_by_row_and_on_the_thread_pool_give_the_same_outputs(llm, monk
     specs = [StructuredOutputsParams(json=s) for s in SCHEMAS[:5]]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=specs[i % 5]) for i in range(20)]
     prompts = ["Once upon a time"] * len(params)
-    assert 20 * llm.model_config.vocab_size < grammar_mod.PARALLEL_WORK  # stories260K: row by row
+    assert 20 * llm.model_config.vocab_size < manager_mod.PARALLEL_WORK  # stories260K: row by row
     calls = []
     monkeypatch.setattr(llm.processor.grammars, "executor", lambda: calls.append(1) or llm.processor.grammars.__class__.executor(llm.processor.grammars))
     serial = llm.generate(prompts, params, use_tqdm=False)
     assert not calls
-    monkeypatch.setattr(grammar_mod, "PARALLEL_WORK", 1)
+    monkeypatch.setattr(manager_mod, "PARALLEL_WORK", 1)
     pooled = llm.generate(prompts, params, use_tqdm=False)
     assert calls
     assert [o.outputs[0].token_ids for o in serial] == [o.outputs[0].token_ids for o in pooled]
