@@ -35,6 +35,10 @@ SCHEMAS = {
                                                   "wind": {"type": "object", "properties": {"speed": {"type": "number"}},
                                                            "required": ["speed"]}},
                 "required": ["place", "temp", "wind"], "additionalProperties": False},
+    "box": {"type": "object", "properties": {"label": {"type": "string", "maxLength": 8},
+                                              "size": {"type": "object", "properties": {"w": {"type": "number"}, "h": {"type": "number", "minimum": 0}},
+                                                       "required": ["w", "h"], "additionalProperties": False}},
+            "required": ["label", "size"], "additionalProperties": False},
     "object": None,  # json_object=True: any JSON object
 }
 REGEX = r"[a-z]{1,8}-[0-9]{2,4}"
