@@ -108,6 +108,7 @@ class GrammarCompiler:
         self._vocabularies: dict[frozenset[int], Vocabulary] = {}
         self._templates: collections.OrderedDict = collections.OrderedDict()  # (key, eos) -> LLMatcher, LRU
         self._lock = threading.Lock()
+        self._guarded_keys: dict[tuple, bool] = {}  # constraint key -> number guard or not (``_guarded``)
         self._executor = None
         self.num_compiled = 0  # compilations so far (a cache hit compiles nothing)
         self.compile_seconds = 0.0  # their time, without the token table's (built once per EOS set)
@@ -130,10 +131,17 @@ class GrammarCompiler:
         grammar.forcing = spec.kind != "grammar" or "no_forcing" not in spec.grammar
         return grammar
 
-    @staticmethod
-    def _guarded(spec: StructuredOutputsParams) -> bool:
-        """A JSON constraint gets the number guard unless its schema asks for long numbers itself."""
-        return spec.kind == "json_object" or (spec.kind == "json" and not json_bounds.wants_big_numbers(spec.json))
+    def _guarded(self, spec: StructuredOutputsParams) -> bool:
+        """A JSON constraint gets the number guard unless its schema asks for long numbers itself
+        (decided once per distinct constraint: a schema walk)."""
+        key = spec.key
+        guarded = self._guarded_keys.get(key)
+        if guarded is None:
+            if len(self._guarded_keys) >= MAX_CACHED_GRAMMARS:
+                self._guarded_keys.clear()
+            guarded = self._guarded_keys[key] = spec.kind == "json_object" or (
+                spec.kind == "json" and not json_bounds.wants_big_numbers(spec.json))
+        return guarded
 
     def _guard(self, vocab: Vocabulary):
         """The number guard's matcher in its start state, compiled once per token table."""
