@@ -74,3 +74,35 @@ def test_jump_forward_behind_the_pickled_boundary_with_preemption(stories_path):
     _same(jumped, plain)
     reference, _, _ = _run(LLM(stories_path), params, False)
     _same(jumped, reference)
+
+
+def test_a_forced_token_is_the_one_token_its_state_s_mask_allows(llm):
+    """Random walks over the schemas (and a choice, a regex): wherever the grammar names a forced
+    token, llguidance's mask of that state (matcher and number guard) allows it alone; and where
+    it names none, the mask allows more than one token or EOS (no forced step is missed)."""
+    import random
+
+    import torch
+
+    compiler, eos = llm.processor.grammars, frozenset(llm.eos_token_ids)
+    rng, forced_states = random.Random(0), 0
+    for spec in SPECS:
+        g = compiler.grammar(spec, eos)
+        for _ in range(60):
+            if g.matcher.is_stopped():
+                break
+            probe = g.fork()  # the mask is computed on a copy: forced_token's call must not feed it
+            row = torch.zeros(1, compiler.num_words, dtype=torch.int32)
+            probe.fill_bitmask(row, 0)
+            allowed = [32 * w + b for w, word in enumerate(row[0].tolist()) for b in range(32) if (word >> b) & 1]
+            token = g.forced_token()
+            if token is not None:
+                assert allowed == [token], (spec, token, allowed)
+                forced_states += 1
+            else:
+                assert len(allowed) > 1 or set(allowed) <= eos, (spec, allowed)
+            choice = token if token is not None else rng.choice(allowed)
+            if choice in eos:
+                break
+            assert g.accept([choice])
+    assert forced_states > 50
