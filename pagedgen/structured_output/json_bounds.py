@@ -42,7 +42,8 @@ TEXT: (NUM? NONNUM)* NUM?
 #: the characters a JSON number is made of: a text ending in one of them may end inside a number
 NUMBER_BYTES = frozenset(b"0123456789.eE+-")
 #: a token holding one of these could break a bound by itself, from outside a number
-_LONG_NUMBER = re.compile(rb"[0-9.]{18}|[eE][+-]?[0-9]{4}")
+_NUMBER_RUN = re.compile(rb"[0-9.]+")
+_LONG_EXPONENT = re.compile(rb"[eE][+-]?[0-9]{4}")
 _BIG, _SMALL = 1e17, 1e-15
 
 
@@ -77,7 +78,8 @@ def wants_big_numbers(schema) -> bool:
 def guard_unsafe_tokens(tokens: list[bytes]) -> bool:
     """True when some token of the table (its bytes) could break a number bound on its own, so
     that the guard's mask must be computed at every step, not only inside numbers."""
-    return any(_LONG_NUMBER.search(t) for t in tokens)
+    return any(_LONG_EXPONENT.search(t) or any(sum(48 <= c <= 57 for c in run) >= 17 for run in _NUMBER_RUN.findall(t))
+               for t in tokens)
 
 
 def needs_guard_mask(last_token: bytes | None, every_step: bool) -> bool:

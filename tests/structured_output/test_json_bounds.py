@@ -114,3 +114,14 @@ def test_stories260k_at_temperature_one_finishes_valid_json(llm, monkeypatch):
     assert not vocab.guard_every_step  # stories260K: no token of 18 digits
     monkeypatch.setattr(vocab, "guard_every_step", True)
     assert [o.outputs[0].token_ids for o in _run(llm)] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_which_vocabularies_need_the_guard_mask_at_every_step():
+    """Only a token that could break a bound on its own (17 digits in one run of digits and points,
+    or a 4-digit exponent) makes the guard's mask an every-step cost; GPT-2's runs of dots do not."""
+    assert not json_bounds.guard_unsafe_tokens([b"." * 64, b"1999", b"3.14159", b"e+12", b"\xff<[5]>"])
+    assert json_bounds.guard_unsafe_tokens([b"x", b"12345678.123456789"])  # 17 digits
+    assert json_bounds.guard_unsafe_tokens([b"1e1000"])
+    assert json_bounds.needs_guard_mask(b":1", False) and json_bounds.needs_guard_mask(b"e", False)
+    assert not json_bounds.needs_guard_mask(b'",', False) and not json_bounds.needs_guard_mask(None, False)
+    assert json_bounds.needs_guard_mask(None, True)
