@@ -76,15 +76,28 @@ def test_jump_forward_behind_the_pickled_boundary_with_preemption(stories_path):
     _same(jumped, reference)
 
 
-def test_a_forced_token_is_the_one_token_its_state_s_mask_allows(llm):
-    """Random walks over the schemas (and a choice, a regex): wherever the grammar names a forced
-    token, llguidance's mask of that state (matcher and number guard) allows it alone; and where
-    it names none, the mask allows more than one token or EOS (no forced step is missed)."""
+@pytest.mark.parametrize("vocabulary", ["stories260K", "gpt2"])
+def test_a_forced_token_is_the_one_token_its_state_s_mask_allows(llm, vocabulary):
+    """Random walks over the schemas (and a choice, a regex), on stories260K's vocabulary and
+    GPT-2's: wherever the grammar names a forced token, llguidance's mask of that state (matcher
+    and number guard) allows it alone; and where it names none, the mask allows more than one token
+    or EOS (no forced step is missed)."""
+    import os
     import random
 
     import torch
 
-    compiler, eos = llm.processor.grammars, frozenset(llm.eos_token_ids)
+    from conftest import GPT2_TOKENIZER
+    from pagedgen.structured_output.grammar import GrammarCompiler
+
+    if vocabulary == "stories260K":
+        compiler, eos = llm.processor.grammars, frozenset(llm.eos_token_ids)
+    else:
+        if not os.path.isdir(GPT2_TOKENIZER):
+            pytest.skip(f"tokenizer not found at {GPT2_TOKENIZER}")
+        from transformers import AutoTokenizer
+
+        compiler, eos = GrammarCompiler(AutoTokenizer.from_pretrained(GPT2_TOKENIZER), 50257, frozenset([50256])), frozenset([50256])
     rng, forced_states = random.Random(0), 0
     for spec in SPECS:
         g = compiler.grammar(spec, eos)
