@@ -1,6 +1,8 @@
 """docs/structured_outputs.md's first example, run as written: every line of the form
 ``<expression>   # <Python string literal>`` must evaluate to that string, so the texts the page
-shows cannot go stale (they are the CPU build's, stories260K, seeded sampling)."""
+shows cannot go stale (they are the CPU build's, stories260K, seeded sampling, written on the
+AMD EPYC AVX2 kind; the failure message gives the text this machine draws, should another CPU
+kind's last bits ever move a draw across a boundary)."""
 import ast
 import os
 import re
