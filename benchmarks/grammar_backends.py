@@ -54,7 +54,8 @@ def main() -> None:
     from conftest import STORIES as STORIES_PATH
     from json_schemas import SCHEMAS
 
-    from pagedgen.structured_output.grammar import _Vocabulary, fill_bitmask_rows
+    from pagedgen.structured_output.grammar import fill_bitmask_rows
+    from pagedgen.structured_output.vocabulary import Vocabulary
 
     torch.set_num_threads(1)
     gpt2 = transformers.AutoTokenizer.from_pretrained(GPT2_TOKENIZER)
@@ -64,7 +65,7 @@ def main() -> None:
         words = (vocab + 31) // 32
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=eos)
         xcompiler = xgr.GrammarCompiler(info, max_threads=1)
-        table = _Vocabulary(tok, vocab, frozenset(eos))
+        table = Vocabulary(tok, vocab, frozenset(eos))
         for backend in ("xgrammar", "llguidance"):
             compile_s = mask_s = masks = 0
             results = []

@@ -9,7 +9,8 @@ each one's max_tokens set to that length, and the constrained requests again, so
 generate the same tokens per request and output tok/s compare one for one.
 Reported: output tok/s of each side and their ratio (the target is >= 0.9), the schema's compile
 time and the token table's (once per tokenizer), the mean per-step time of filling the bitmask (and
-per constrained row), and how many constrained outputs parse and validate (all must).
+per constrained row), the steps and the share of tokens jump-forward decoding appended
+(``--no-jump-forward`` to run without it), and how many constrained outputs parse and validate (all must).
 
 The model has no EOS of its own; the benchmark makes id 50 of its vocabulary the EOS (a byte-level
 BPE token like any other, which the grammar then never uses as text) for both sides.
@@ -61,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="fill each step's bitmask during the forward (default), before it, or both side by side (two timed constrained runs)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs of each side, interleaved (unconstrained, then each mask mode, then again); medians reported")
+    ap.add_argument("--jump-forward", action=argparse.BooleanOptionalAction, default=True,
+                    help="append the tokens a grammar forces without a decode step each (default on)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap.parse_args(argv)
@@ -99,6 +102,7 @@ def main(argv=None) -> dict:
                  use_tqdm=False)  # untimed: first-step costs, and the token table and the schema's compile (reported apart)
 
     compiler, grammars = llm.processor.grammars, llm.llm_engine.grammars
+    grammars.jump_forward = args.jump_forward
     constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, structured_outputs=spec) for i in range(len(prompts))]
     # untimed first pass: each request's length under the schema (and every KV page touched once)
     lengths = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, constrained, use_tqdm=False)]
@@ -113,17 +117,20 @@ def main(argv=None) -> dict:
 
     def constrained_run(overlap: bool, t_free: float, free_tokens: int):
         grammars.overlap = overlap
-        steps0, mask0, wait0, masks0 = llm.get_stats().num_steps, grammars.mask_seconds, grammars.mask_wait_seconds, grammars.num_masks
+        stats0 = llm.get_stats()
+        steps0, jump0, mask0, wait0, masks0 = stats0.num_steps, stats0.num_jump_forward_tokens, grammars.mask_seconds, grammars.mask_wait_seconds, grammars.num_masks
         start = time.perf_counter()
         outs = llm.generate(prompts, constrained, use_tqdm=False)
         seconds = time.perf_counter() - start
-        steps, rows = llm.get_stats().num_steps - steps0, max(1, grammars.num_masks - masks0)
+        stats1 = llm.get_stats()
+        steps, rows, jumped = stats1.num_steps - steps0, max(1, grammars.num_masks - masks0), stats1.num_jump_forward_tokens - jump0
         mask_s, wait_s = grammars.mask_seconds - mask0, grammars.mask_wait_seconds - wait0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)  # = free_tokens where runs are batch invariant (the CPU's default)
         return outs, tokens, seconds, {
             "output_tokens": tokens, "constrained_tok_s": tokens / seconds, "ratio": (tokens / seconds) / (free_tokens / t_free),
             "mask_ms_per_step": 1e3 * mask_s / max(1, steps), "mask_us_per_row": 1e6 * mask_s / rows,
             "mask_wait_ms_per_step": 1e3 * wait_s / max(1, steps), "mask_share_of_constrained_time": mask_s / seconds,
+            "steps": steps, "jump_forward_tokens": jumped, "jump_forward_share": jumped / max(1, tokens),
         }
 
     modes = {"overlap": [True], "serial": [False], "both": [False, True]}[args.mask]

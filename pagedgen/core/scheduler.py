@@ -146,6 +146,8 @@ class Scheduler:
         out.seq_ids = [seq.seq_id for seq in planned]
         out.num_computed_tokens = starts = [seq.num_computed_tokens for seq in planned]
         out.token_ids = [seq.token_ids[c : c + n] for seq, c, n in zip(planned, starts, out.num_new_tokens)]
+        out.partial_seq_ids = [seq.seq_id for seq, c, n in zip(planned, starts, out.num_new_tokens)
+                               if seq.num_prompt_tokens <= c + n < len(seq.token_ids)]
         self._table_updates(out, self._grown)
 
     def _table_updates(self, out: SchedulerOutput, grown: list[Sequence]) -> None:

@@ -42,6 +42,10 @@ class SchedulerOutput:
     ``forked``: (child, parent) seq ids of parallel samples forked in this step (by the engine, after
     scheduling): a child shares its parent's blocks and samples from its parent's logits row; its
     table reaches a mirror, whole, the first time it is scheduled.
+    ``partial_seq_ids``: scheduled sequences whose step stops short of their last known token after
+    the prompt (the tokens a grammar forced, appended by jump-forward decoding, in more than one
+    chunk): they do not sample, though a worker's mirror, which learns such tokens only as they are
+    scheduled, sees the step reach its end.
     """
 
     seq_ids: list[int] = field(default_factory=list)
@@ -55,6 +59,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
     forked: list[tuple[int, int]] = field(default_factory=list)
+    partial_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -81,7 +86,7 @@ class ScheduledBatch:
     plan: SchedulerOutput
     seqs: list[Any]
     forked: list[tuple[Any, Any]] = field(default_factory=list)
-    grammar_bitmask: Any = None  # structured outputs: the step's GrammarBitmask (structured_output/grammar.py), for the sampler
+    grammar_bitmask: Any = None  # structured outputs: the step's GrammarBitmask (structured_output/manager.py), for the sampler
     drafts: dict = field(default_factory=dict)  # speculative decoding: {seq_id: draft token ids} (pagedgen/spec_decode/)
 
     @property

@@ -42,7 +42,7 @@ from pagedgen.engine.step_log import StepLog
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams, as_int64
 from pagedgen.spec_decode.speculator import Speculator
-from pagedgen.structured_output.grammar import StructuredOutputManager
+from pagedgen.structured_output.manager import MAX_JUMP_TOKENS, StructuredOutputManager
 
 logger = logging.getLogger("pagedgen")
 
@@ -82,6 +82,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     acceptance_rate_per_position: tuple = ()
+    # structured outputs' jump-forward decoding (docs/structured_outputs.md): of num_generated_tokens,
+    # those a grammar forced and the engine appended without a decode step each
+    num_jump_forward_tokens: int = 0
 
     def __repr__(self) -> str:
         return _repr.render("EngineStats", _repr.engine_stats(self))
@@ -307,6 +310,8 @@ class LLMEngine:
         self.grammars.accept(out.seqs, out.token_ids)
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
         self.num_generated_tokens += len(out.token_ids)
+        if len(self.grammars) and self.speculator is None:
+            self._jump_forward(out.seqs, finished)
         if getattr(out, "spec", None):  # the verified sequences' tokens after their first
             self.num_generated_tokens += self.speculator.commit(out.spec, finished, self.scheduler)
         if self.step_log is not None:
@@ -322,6 +327,25 @@ class LLMEngine:
         for r in finished_requests:
             del requests[r.request_id]
         return outputs
+
+    def _jump_forward(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
+        """Structured outputs: append the tokens each constrained sequence's grammar forces after
+        its sampled one (a JSON key, punctuation, the rest of an enum value), with the usual stop
+        checks, instead of a decode step each; the scheduler computes them with the next position
+        as one chunk (docs/structured_outputs.md, "Jump-forward decoding")."""
+        done = {seq.seq_id for seq in finished}
+        forced_token = self.grammars.forced_token
+        for seq in seqs:
+            if seq.seq_id in done:
+                continue
+            for _ in range(MAX_JUMP_TOKENS):
+                token = forced_token(seq)
+                if token is None:
+                    break
+                self.num_generated_tokens += 1
+                if seq.append_token(token):
+                    finished.append(seq)
+                    break
 
     def _fork(self, parent: Sequence, index: int = 0, detokenizer=None) -> Sequence:
         """A new sequence sharing ``parent``'s tokens and KV blocks (copy-on-write), queued beside it."""
@@ -394,6 +418,7 @@ class LLMEngine:
             sharing_savings_mean=self._savings_sum / s.num_steps if s.num_steps else 0.0,
             peak_sharing_savings=self._peak_savings,
             num_copy_on_write=bm.num_copies,
+            num_jump_forward_tokens=self.grammars.num_jump_forward_tokens,
             **self._spec_stats(),
         )
 

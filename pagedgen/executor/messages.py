@@ -91,7 +91,7 @@ class StepRecord:
     scheduled sequences the worker does not hold yet; ``forked``: the children of ``plan.forked``
     (they sample from their parent's row in this step only; the worker forgets them after it and
     gets them as new sequences when they are first scheduled); ``grammar_bitmask``: the
-    structured-output rows of the step's constrained sequences (structured_output/grammar.py's
+    structured-output rows of the step's constrained sequences (structured_output/manager.py's
     ``GrammarBitmask``: seq ids and a [rows, ceil(vocab / 32)] int32 tensor), None when none is.
     """
 

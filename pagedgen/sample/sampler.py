@@ -176,7 +176,7 @@ class Sampler:
         seqs[i]. All the work runs on the logits' device; the sampled ids and the requested
         logprobs come back to the host in one copy (``_to_host``). The fast path takes the argmax
         in the logits' own dtype; every other path works in float32. ``grammar_bitmask``: the
-        structured-output rows of this step (structured_output/grammar.py), applied first, in place (vLLM's
+        structured-output rows of this step (structured_output/manager.py), applied first, in place (vLLM's
         order: logprobs are then those of the masked logits); a constrained row whose grammar allows
         at most ``token_bitmask.MAX_CANDIDATES`` tokens and that asks for no logprobs and no logits
         processing is sampled among those tokens alone (``_sample_candidates``).

@@ -22,10 +22,7 @@ Pieces:
                       sequence gets a copy. ``check`` is the validation of ``add_request``.
     Grammar           one sequence's matcher: accept, validate, rollback, fill_bitmask, is_terminated
                       (the interface of STYLE.md's structured-outputs pattern).
-    StructuredOutputManager  the engine's grammars by seq id: ``add`` when a request is queued,
-                      ``bitmask(batch)`` when the step is scheduled (the rows are filled on one
-                      helper thread while the forward runs; the sampler's read waits for them),
-                      ``accept`` after sampling, ``clear`` on rollback.
+    (manager.py: ``StructuredOutputManager``, the engine's grammars by seq id and the step's mask.)
 
 The matcher state follows the sequence's output tokens, not its KV cache: preemption (recompute or
 swap), prefix-cache hits and chunked prefill change which tokens are computed, never which are
@@ -38,25 +35,18 @@ alone with EOS and a warning naming the request (as vLLM's llguidance backend), 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import json
-import logging
-import os
 import threading
 import time
 from typing import Optional
 
 import torch
 
+from pagedgen.structured_output import json_bounds
 from pagedgen.structured_output.params import StructuredOutputsParams
-from pagedgen.structured_output.token_bitmask import GrammarBitmask
-
-logger = logging.getLogger("pagedgen")
+from pagedgen.structured_output.vocabulary import Vocabulary
 
 MAX_CACHED_GRAMMARS = 4096  # distinct constraints kept compiled (a per-row schema column may hold many)
-#: fill each step's bitmask on one helper thread while the model runs the step (PAGEDGEN_MASK_OVERLAP=0: before it, serially)
-MASK_OVERLAP = os.environ.get("PAGEDGEN_MASK_OVERLAP", "1") != "0"
-PARALLEL_ROWS = 16  # masks of this many rows or more are filled on llguidance's thread pool (fewer: one by one is faster)
 
 
 def _llguidance():
@@ -84,7 +74,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     kind, text, compact = spec.key
     if kind in ("json", "json_object"):
         schema = text if kind == "json" else '{"type":"object"}'
-        return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not compact})
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_bounds.json_defaults(compact, spec.json))
     if kind == "choice":
         return llg.LLMatcher.grammar_from_lark(choice_grammar(json.loads(text)))
     return llg.grammar_from({"regex": "regex", "grammar": "grammar"}[kind], text)
@@ -98,55 +88,6 @@ def choice_grammar(choices: list[str]) -> str:
     words = [json.dumps(c) for c in dict.fromkeys(choices) if c]  # a JSON string is a Lark string literal
     alternatives = (["CHOICE"] if words else []) + (['""'] if "" in choices else [])
     return "start: " + " | ".join(alternatives) + ("\nCHOICE: " + " | ".join(words) if words else "")
-
-
-class _Vocabulary:
-    """The token table llguidance matches against: the model's ``vocab_size`` ids, each the bytes of
-    its text, special tokens and the engine's EOS ids marked special (0xFF first: never text;
-    a tiny model may use a text token such as GPT-2's "!" as EOS), ids past the tokenizer's
-    vocabulary special too (padding of the model's head)."""
-
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        llg = _llguidance()
-        import llguidance.hf
-
-        full = llguidance.hf.from_tokenizer(tokenizer)
-        eos = sorted(t for t in eos_token_ids if t < vocab_size)
-        if not eos:  # the grammar could never end the completion
-            raise ValueError(f"structured outputs need an EOS token inside the vocabulary [0, {vocab_size}); the model's "
-                             f"EOS ids are {sorted(eos_token_ids)} (set LLM.eos_token_ids)")
-        self.eos_token_id = eos[0]
-        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        self.tokens = [
-            full.decode_bytes([i]) if i < full.vocab_size and i not in eos_token_ids and not full.is_special_token(i)
-            else b"\xff<[%d]>" % i
-            for i in range(vocab_size)
-        ]
-        self.special_token_ids = [i for i, t in enumerate(self.tokens) if t[:1] == b"\xff"]
-        self._full = full
-        self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens))) if t and t[:1] != b"\xff"}  # bytes -> lowest id
-        self._longest = max(map(len, self._ids), default=1)
-        self.ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(self), n_vocab=vocab_size, eos_token=eos)
-
-    def __call__(self, text) -> list[int]:
-        """Token ids of ``text`` (str or UTF-8 bytes), which llguidance asks for when a grammar
-        forces some bytes: the tokenizer's own ids (without the space a SentencePiece tokenizer puts
-        first), or, where those fall outside this table, the longest tokens of the table, greedily."""
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        ids = self._full.tokenize_bytes(data)
-        if all(i < len(self.tokens) and self.tokens[i][:1] != b"\xff" for i in ids):
-            return ids
-        out, pos = [], 0
-        while pos < len(data):
-            for size in range(min(self._longest, len(data) - pos), 0, -1):
-                token = self._ids.get(data[pos : pos + size])
-                if token is not None:
-                    out.append(token)
-                    pos += size
-                    break
-            else:  # a byte no token holds: the grammar cannot produce it (llguidance then reports an error)
-                raise ValueError(f"no token of the vocabulary holds the byte {data[pos:pos + 1]!r}")
-        return out
 
 
 class GrammarCompiler:
@@ -164,9 +105,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_words = (vocab_size + 31) // 32
-        self._vocabularies: dict[frozenset[int], _Vocabulary] = {}
+        self._vocabularies: dict[frozenset[int], Vocabulary] = {}
         self._templates: collections.OrderedDict = collections.OrderedDict()  # (key, eos) -> LLMatcher, LRU
         self._lock = threading.Lock()
+        self._guarded_keys: dict[tuple, bool] = {}  # constraint key -> number guard or not (``_guarded``)
         self._executor = None
         self.num_compiled = 0  # compilations so far (a cache hit compiles nothing)
         self.compile_seconds = 0.0  # their time, without the token table's (built once per EOS set)
@@ -181,8 +123,35 @@ class GrammarCompiler:
             raise ValueError(f"{where}: {exc}") from None
 
     def grammar(self, spec: StructuredOutputsParams, eos_token_ids: frozenset[int]) -> "Grammar":
-        """A new matcher for ``spec`` in its start state."""
-        return Grammar(self._template(spec, frozenset(eos_token_ids)).deep_copy())
+        """A new matcher for ``spec`` in its start state (with the number guard of a JSON constraint)."""
+        eos = frozenset(eos_token_ids)
+        template, guarded = self._template(spec, eos), self._guarded(spec)
+        vocab = self._vocabulary(eos)
+        grammar = Grammar(template.deep_copy(), self._guard(vocab).deep_copy() if guarded else None, vocab)
+        grammar.forcing = spec.kind != "grammar" or "no_forcing" not in spec.grammar
+        return grammar
+
+    def _guarded(self, spec: StructuredOutputsParams) -> bool:
+        """A JSON constraint gets the number guard unless its schema asks for long numbers itself
+        (decided once per distinct constraint: a schema walk)."""
+        key = spec.key
+        guarded = self._guarded_keys.get(key)
+        if guarded is None:
+            if len(self._guarded_keys) >= MAX_CACHED_GRAMMARS:
+                self._guarded_keys.clear()
+            guarded = self._guarded_keys[key] = spec.kind == "json_object" or (
+                spec.kind == "json" and not json_bounds.wants_big_numbers(spec.json))
+        return guarded
+
+    def _guard(self, vocab: Vocabulary):
+        """The number guard's matcher in its start state, compiled once per token table."""
+        with self._lock:
+            if vocab.guard is None:
+                llg = _llguidance()
+                vocab.guard = llg.LLMatcher(vocab.ll_tokenizer, llg.LLMatcher.grammar_from_lark(json_bounds.GUARD_LARK), log_level=0)
+                if vocab.guard.is_error():  # a bug of json_bounds.GUARD_LARK, never the user's
+                    raise RuntimeError(f"the JSON number guard does not compile: {_message(vocab.guard)}")
+            return vocab.guard
 
     def executor(self):
         """llguidance's thread pool, which fills many rows of a bitmask at once outside the GIL."""
@@ -190,11 +159,11 @@ class GrammarCompiler:
             self._executor = _llguidance().LLExecutor()
         return self._executor
 
-    def _vocabulary(self, eos: frozenset[int]) -> _Vocabulary:
+    def _vocabulary(self, eos: frozenset[int]) -> Vocabulary:
         vocab = self._vocabularies.get(eos)
         if vocab is None:
             start = time.perf_counter()
-            vocab = self._vocabularies[eos] = _Vocabulary(self.tokenizer, self.vocab_size, eos)
+            vocab = self._vocabularies[eos] = Vocabulary(self.tokenizer, self.vocab_size, eos)
             self.vocabulary_seconds += time.perf_counter() - start
         return vocab
 
@@ -245,170 +214,82 @@ def _only_eos(row: torch.Tensor, eos: int) -> bool:
 
 
 class Grammar:
-    """One sequence's matcher (an ``llguidance.LLMatcher``) over the tokens it has generated."""
+    """One sequence's matcher (an ``llguidance.LLMatcher``) over the tokens it has generated, with
+    the number guard of a JSON constraint beside it (``json_bounds``; None for other kinds): a
+    token is allowed where both allow it."""
 
-    def __init__(self, matcher) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher, guard=None, vocab: Optional[Vocabulary] = None) -> None:
+        self.matcher, self.guard, self.vocab = matcher, guard, vocab
+        self.token_ids: list[int] = []  # accepted so far (the guard's mask is needed only inside a number)
+        self.forcing = True  # llguidance forces bytes in this grammar (False: no jump-forward; see forced_token)
 
     def accept(self, token_ids: list[int]) -> bool:
         """Advance over ``token_ids``; False (and an error state) if the grammar refuses one."""
-        return self.matcher.consume_tokens(token_ids)
+        ok = self.matcher.consume_tokens(token_ids)
+        if ok and self.guard is not None:
+            ok = self.guard.consume_tokens(token_ids)
+        if ok:
+            self.token_ids.extend(token_ids)
+        return ok
 
     def validate(self, token_ids: list[int]) -> int:
         """How many of ``token_ids`` (a prefix) the grammar would accept, without advancing."""
-        return self.matcher.validate_tokens(token_ids)
+        n = self.matcher.validate_tokens(token_ids)
+        return n if self.guard is None else min(n, self.guard.validate_tokens(token_ids))
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
-        if not self.matcher.rollback(num_tokens):
-            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {_message(self.matcher)}")
+        for m in (self.matcher, self.guard):
+            if m is not None and not m.rollback(num_tokens):
+                raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {_message(m)}")
+        del self.token_ids[len(self.token_ids) - num_tokens:]
+
+    def needs_guard_mask(self) -> bool:
+        """True when the number guard's mask may forbid a token the schema allows at this step."""
+        if self.guard is None:
+            return False
+        last = self.vocab.tokens[self.token_ids[-1]] if self.token_ids else None
+        return json_bounds.needs_guard_mask(last, self.vocab.guard_every_step)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` ([R, W] int32, CPU)."""
         fill_bitmask_rows([(self.matcher, row)], bitmask)
+        if self.needs_guard_mask():
+            guard = torch.empty(1, bitmask.shape[1], dtype=torch.int32)
+            fill_bitmask_rows([(self.guard, 0)], guard)
+            bitmask[row] &= guard[0]
 
     def is_terminated(self) -> bool:
         """True once the grammar has ended (EOS accepted, or no further token possible)."""
         return self.matcher.is_stopped()
 
+    def forced_token(self) -> Optional[int]:
+        """The token this state's mask would allow alone, or None. llguidance masks a state whose
+        next bytes are forced with the first of ``compute_ff_tokens()`` alone (tokenparser.rs,
+        ``compute_mask_inner``), the same call made here; the number guard must allow it too
+        (else the step's mask is a dead end, left to the step). Kinds whose grammar may turn
+        forcing off (a user's Lark ``no_forcing``) never jump (``forcing``)."""
+        if not self.forcing or self.matcher.is_stopped():
+            return None
+        forced = self.matcher.compute_ff_tokens()
+        if not forced or (self.guard is not None and self.guard.validate_tokens(forced[:1]) != 1):
+            return None
+        return forced[0]
+
+    def is_error(self) -> bool:
+        """True when the matcher or the guard is in an error state (a parser limit, a refused token)."""
+        return self.matcher.is_error() or (self.guard is not None and self.guard.is_error())
+
+    def is_accepting(self) -> bool:
+        """True where the completion may end (EOS allowed by both)."""
+        return self.matcher.is_accepting() and (self.guard is None or self.guard.is_accepting())
+
+    def error_message(self) -> str:
+        """The backend's message of the matcher (or guard) in error."""
+        return _message(self.matcher if self.matcher.is_error() else self.guard)
+
     def fork(self) -> "Grammar":
         """An independent copy in the same state (a parallel sample forked from this sequence)."""
-        return Grammar(self.matcher.deep_copy())
-
-
-class StructuredOutputManager:
-    """The grammars of the engine's constrained sequences, by seq id.
-
-    Nothing here runs for a step while no queued request is constrained: ``bitmask`` returns None
-    at once and ``accept`` returns at once.
-    """
-
-    def __init__(self, compiler: GrammarCompiler, overlap: bool = MASK_OVERLAP) -> None:
-        self.compiler = compiler
-        self.overlap = overlap  # fill masks on the helper thread during the forward (see ``bitmask``)
-        self._grammars: dict[int, tuple] = {}  # seq_id -> (Sequence, Grammar)
-        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # one helper thread, made on first use
-        self._pending: Optional[GrammarBitmask] = None  # the step's mask while its fill may still run
-        self._dead: set[int] = set()  # seq ids given EOS alone in this step (dead ends: see _check_dead_ends)
-        self.mask_seconds = 0.0  # time spent filling bitmasks (benchmarks/structured.py reports it)
-        self.mask_wait_seconds = 0.0  # time the step waited for them (all of mask_seconds when serial)
-        self.num_masks = 0
-
-    def __len__(self) -> int:
-        return len(self._grammars)
-
-    def add(self, seq) -> None:
-        """Give a newly queued sequence its matcher if its request is constrained."""
-        spec = seq.sampling_params.structured_outputs
-        if spec is not None:
-            self._grammars[seq.seq_id] = (seq, self.compiler.grammar(spec, seq.eos_token_ids))
-
-    def clear(self) -> None:
-        """Forget every matcher (the engine aborted every request), after any fill still running."""
-        self._join(raise_errors=False)
-        self._grammars.clear()
-        self._dead.clear()
-
-    def _join(self, raise_errors: bool = True) -> None:
-        """Wait for the last step's fill (the sampler has waited for it already unless the step failed)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending.wait()
-            except Exception:
-                if raise_errors:
-                    raise
-
-    def bitmask(self, batch) -> Optional[GrammarBitmask]:
-        """The bitmask rows of the constrained sequences that sample in ``batch`` (a ScheduledBatch
-        whose parallel samples are forked already), or None when there are none. Matchers of
-        finished or aborted sequences are dropped here; forked children get a copy of their parent's.
-
-        With ``overlap`` the rows are filled on the helper thread (llguidance drops the GIL) and
-        the returned mask is pending: the sampler's read of ``bitmask`` waits for it, after the
-        forward. No matcher changes until then: ``accept`` runs after the step's sampling."""
-        self._join()
-        grammars = self._grammars
-        if not grammars:
-            return None
-        for seq_id in [i for i, (s, _) in grammars.items() if s.is_finished]:
-            del grammars[seq_id]
-        for child, parent in batch.forked:
-            if parent.seq_id in grammars:
-                grammars[child.seq_id] = (child, grammars[parent.seq_id][1].fork())
-        sampling = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                    if seq.seq_id in grammars and seq.num_computed_tokens + n == seq.num_tokens and seq.beam_group is None]
-        sampling += [child for child, _ in batch.forked if child.seq_id in grammars]
-        if not sampling:
-            return None
-        bitmask = torch.empty(len(sampling), self.compiler.num_words, dtype=torch.int32)
-        matchers = [(grammars[seq.seq_id][1].matcher, row) for row, seq in enumerate(sampling)]
-        seq_ids = [seq.seq_id for seq in sampling]
-        if not self.overlap:
-            start = time.perf_counter()
-            self._fill(sampling, matchers, bitmask)
-            self.mask_wait_seconds += time.perf_counter() - start
-            return GrammarBitmask(seq_ids, bitmask)
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedgen-mask")
-        self._pending = GrammarBitmask(seq_ids, bitmask, _TimedFuture(self._thread.submit(self._fill, sampling, matchers, bitmask), self))
-        return self._pending
-
-    def _fill(self, sampling: list, matchers: list, bitmask: torch.Tensor) -> None:
-        start = time.perf_counter()
-        fill_bitmask_rows(matchers, bitmask, self.compiler.executor() if len(matchers) >= PARALLEL_ROWS else None)
-        self._check_dead_ends(sampling, [m for m, _ in matchers], bitmask)
-        self.mask_seconds += time.perf_counter() - start
-        self.num_masks += len(sampling)
-
-    def _check_dead_ends(self, sampling: list, matchers: list, bitmask: torch.Tensor) -> None:
-        """A sequence whose grammar is in error, or can only stop while incomplete, gets the mask of
-        EOS alone and a warning: it finishes in this step (finish_reason "stop", as vLLM's llguidance
-        backend ends it), the others run on."""
-        eos = self.compiler._vocabulary(frozenset(sampling[0].eos_token_ids)).eos_token_id
-        # only rows that allow EOS can be dead ends (llguidance allows EOS alone there, and errors end in EOS too)
-        suspects = ((bitmask[:, eos // 32] >> (eos % 32)) & 1).nonzero().flatten().tolist()
-        for row in suspects:
-            seq, matcher = sampling[row], matchers[row]
-            if matcher.is_error() or (not matcher.is_accepting() and _only_eos(bitmask[row], eos)):
-                bitmask[row] = 0
-                bitmask[row, eos // 32] = _int32(1 << (eos % 32))
-                self._dead.add(seq.seq_id)
-                text = self.compiler.tokenizer.decode(seq.output_token_ids)
-                why = (f"llguidance failed on its {seq.sampling_params.structured_outputs.kind} constraint ({_message(matcher)})"
-                       if matcher.is_error() else f"no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
-                       "constraint (it cannot be completed with this tokenizer)")
-                logger.warning("request %r: %s after %d generated tokens (%r); the completion ends here, incomplete (finish_reason 'stop')",
-                               seq.request_id, why, seq.num_output_tokens, text[-60:])
-
-    def accept(self, seqs: list, token_ids: list[int]) -> None:
-        """Advance the matchers of the constrained ``seqs`` over their new tokens (before the
-        engine appends them)."""
-        self._join()
-        grammars = self._grammars
-        if not grammars:
-            return
-        for seq, token in zip(seqs, token_ids):
-            if seq.seq_id in self._dead:  # a dead end: it sampled EOS, its only allowed token, and ends
-                self._dead.discard(seq.seq_id)
-                del grammars[seq.seq_id]
-                continue
-            entry = grammars.get(seq.seq_id)
-            if entry is None or (token in seq.eos_token_ids and entry[1].is_terminated()):
-                continue  # not constrained, or EOS after a grammar that ended by itself (NoExtension)
-            entry[1].accept([token])  # refused (a parser limit such as max_items_in_row met mid-generation):
-            # the matcher is in error, and the next mask (``_check_dead_ends``) ends the request with a warning
-
-
-class _TimedFuture:
-    """A fill's future whose ``result`` adds the time the caller waited to ``manager.mask_wait_seconds``."""
-
-    def __init__(self, future: concurrent.futures.Future, manager: StructuredOutputManager) -> None:
-        self.future, self.manager = future, manager
-
-    def result(self):
-        start = time.perf_counter()
-        try:
-            return self.future.result()
-        finally:
-            self.manager.mask_wait_seconds += time.perf_counter() - start
+        twin = Grammar(self.matcher.deep_copy(), None if self.guard is None else self.guard.deep_copy(), self.vocab)
+        twin.token_ids, twin.forcing = list(self.token_ids), self.forcing
+        return twin

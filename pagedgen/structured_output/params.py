@@ -36,7 +36,9 @@ class StructuredOutputsParams:
         grammar: a Lark grammar (llguidance's dialect, rule ``start``) or a GBNF grammar (rule ``root``).
         json_object: True: any JSON object.
         disable_any_whitespace: JSON without whitespace between tokens (compact); default False,
-            as vLLM: the JSON may hold whitespace where the syntax allows it.
+            as vLLM: the JSON may hold whitespace where the syntax allows it, at most one space
+            or tab, or a newline and at most 8 spaces or tabs, at each place (``json_bounds``).
+            JSON numbers are bounded either way (int64 / float64 digits; ``json_bounds``).
 
     Raises:
         ValueError: no constraint or more than one, an empty choice list, a json str that is

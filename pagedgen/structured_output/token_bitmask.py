@@ -137,7 +137,7 @@ class GrammarBitmask:
     sampler finds each one's logits row (vLLM's ``GrammarOutput``: request ids and their rows).
 
     ``pending``: a ``concurrent.futures.Future`` still filling ``bitmask`` on a helper thread while
-    the model runs the step (structured_output/grammar.py); reading ``bitmask`` (or pickling this, for a
+    the model runs the step (structured_output/manager.py); reading ``bitmask`` (or pickling this, for a
     worker behind a pickled boundary) waits for it first and re-raises what the fill raised.
     """
 

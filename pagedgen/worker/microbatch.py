@@ -51,6 +51,7 @@ def split(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
             block_table_updates=plan.block_table_updates if first else {},  # (the runner applies the whole step's before the split)
             freed_seq_ids=plan.freed_seq_ids if first else [],
             forked=[(c, p) for c, p in plan.forked if p in ids],
+            partial_seq_ids=[s for s in plan.partial_seq_ids if s in ids],
         )
         mask = batch.grammar_bitmask
         if mask is not None and not ids.union(c for c, _ in sub.forked).intersection(mask.seq_ids):

@@ -239,9 +239,9 @@ class ModelRunner:
         those sequences, the beams, the beams' rows, the prompt-logprobs plan). A sequence samples
         when its computed tokens reach its end; a forked parallel sample repeats its parent's row; a
         sequence with drafts (speculative decoding, ``batch.drafts``) gets k + 1 rows (spec_decode/verify.py)."""
-        seqs, drafts = batch.seqs, batch.drafts
+        seqs, drafts, partial = batch.seqs, batch.drafts, batch.plan.partial_seq_ids
         prompt_plan = PromptLogprobsPlan()
-        if not drafts and all(end == len(seq.token_ids) and seq.beam_group is None and seq.prompt_logprobs is None
+        if not drafts and not partial and all(end == len(seq.token_ids) and seq.beam_group is None and seq.prompt_logprobs is None
                for seq, end in zip(seqs, ends)):  # the common step: every sequence samples from its last row
             logits_indices, sampling, beams, beam_rows = [r - 1 for r in query_start_loc[1:]], list(seqs), [], []
         else:
@@ -254,7 +254,7 @@ class ModelRunner:
                     continue
                 if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                     prompt_plan.add(seq, start, end, row_end - (end - start))
-                if end == len(seq.token_ids):
+                if end == len(seq.token_ids) and seq.seq_id not in partial:  # (partial: forced tokens still to come)
                     if seq.beam_group is not None:
                         beam_rows.append(row_end - 1)
                         beams.append(seq)

@@ -188,3 +188,25 @@ def test_mirror_follows_a_sequence_preempted_and_readmitted_in_one_step():
     next one (which made a worker forget the fresh table: 125 of 3,000 such random runs before)."""
     bad = [seed for seed in range(400) if _mirror_case(seed) is not None]
     assert bad == []
+
+
+def test_forced_tokens_in_chunks_mark_the_sequence_partial():
+    """Tokens appended after the prompt without being sampled (jump-forward decoding's forced
+    tokens) are computed as chunks; a step that stops short of them lists the sequence in
+    ``partial_seq_ids`` (a worker's mirror, which learns them only as they are scheduled, must not
+    sample it); prompt chunks are not listed (mirrors hold the whole prompt)."""
+    sched, _ = _make(budget=4)
+    seq = _seq(0, 6)
+    sched.add(seq)
+    out = sched.schedule()
+    assert out.num_new_tokens == [4] and out.partial_seq_ids == []  # a prompt chunk
+    _advance(sched, out)
+    out = sched.schedule()
+    assert out.num_new_tokens == [2] and out.partial_seq_ids == []  # the prompt's end: it samples
+    _advance(sched, out)  # a sampled token...
+    seq.token_ids.extend([8, 9, 10, 11, 12])  # ...and five forced ones
+    out = sched.schedule()
+    assert out.num_new_tokens == [4] and out.partial_seq_ids == [0] and out.token_ids == [[7, 8, 9, 10]]
+    _advance(sched, out)
+    out = sched.schedule()
+    assert out.num_new_tokens == [2] and out.partial_seq_ids == [] and out.token_ids == [[11, 12]]

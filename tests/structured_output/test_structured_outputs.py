@@ -17,7 +17,7 @@ from conftest import story_openings
 from json_schemas import SCHEMAS
 
 from pagedgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from pagedgen.structured_output import grammar as grammar_mod
+from pagedgen.structured_output import manager as manager_mod
 from pagedgen.structured_output.token_bitmask import GrammarBitmask, apply_token_bitmask, apply_token_bitmask_reference
 
 
@@ -378,7 +378,7 @@ def test_unconstrained_steps_do_no_grammar_work(llm, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a grammar bitmask was filled for an unconstrained batch")
 
-    monkeypatch.setattr(grammar_mod, "fill_bitmask_rows", forbidden)
+    monkeypatch.setattr(manager_mod, "fill_bitmask_rows", forbidden)
     outs = llm.generate(story_openings(8), SamplingParams(temperature=0.8, seed=1, max_tokens=8), use_tqdm=False)
     assert len(outs) == 8 and len(llm.llm_engine.grammars) == 0
 
@@ -424,13 +424,13 @@ def test_mask_overlap_is_exact_and_runs_on_the_helper_thread(stories_path, monke
     prefill) give the same tokens with the masks filled before the forward and during it, in
     process and behind the pickled boundary; with overlap every fill runs on the one helper thread."""
     prompts, params = _mixed_requests(24)
-    threads, fill = [], grammar_mod.StructuredOutputManager._fill
+    threads, fill = [], manager_mod.StructuredOutputManager._fill
 
     def recorded(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return fill(*args, **kwargs)
 
-    monkeypatch.setattr(grammar_mod.StructuredOutputManager, "_fill", recorded)
+    monkeypatch.setattr(manager_mod.StructuredOutputManager, "_fill", recorded)
     results = {}
     for backend in (None, "pickle"):
         for overlap in (False, True):
