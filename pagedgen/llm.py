@@ -18,7 +18,7 @@ from pagedgen.engine import offline
 from pagedgen.engine.build import build_engine
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
 from pagedgen.engine.step_log import StepLog
-from pagedgen.llm_args import LLMArgs, check_use_tqdm
+from pagedgen.llm_args import LLMArgs, check_use_tqdm, with_plain_numbers
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
@@ -159,6 +159,7 @@ class LLM:
         )
         # the argument checks first (llm_args.py: errors before anything is loaded), then the configs,
         # the tokenizer, the model, the KV cache's size, the executor and the engine (engine/build.py)
+        args = with_plain_numbers(args)  # numpy ints (a value read from an array) as Python ints
         built = build_engine(args)
         self.llm_engine = built.engine
         self.processor = built.engine.processor
@@ -170,7 +171,7 @@ class LLM:
         self.model = built.models.model  # None when the model lives in worker processes
         self.draft_model = built.models.draft_model  # speculative decoding's draft model (method "draft_model"), beside the model
         self.device = built.device
-        self.seed = seed  # the draw key of requests without their own seed
+        self.seed = args.seed  # the draw key of requests without their own seed
         self._lock = CallLock()  # one call at a time (call_lock.py)
 
     def shutdown(self) -> None:

@@ -20,6 +20,7 @@ as on a fresh engine. The caller (``LLM``) holds its lock around each call (``ca
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import Iterable, Iterator, Optional
 
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -98,10 +99,11 @@ def stream(engine: LLMEngine, prompts: Iterable, sampling_params: Optional[Sampl
     default = engine.processor.check_params(sampling_params, "sampling_params")
     if max_in_flight is None:
         max_in_flight = 4 * engine.scheduler_config.max_num_seqs
-    elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
+    elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, numbers.Integral):
         raise TypeError(f"max_in_flight must be an int, got {type(max_in_flight).__name__}")
     elif max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    max_in_flight = int(max_in_flight)  # numpy's ints too
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     total = len(prompts) if hasattr(prompts, "__len__") else None
