@@ -107,6 +107,11 @@ def check_errors_file_not_shared(output: str) -> None:
                        f"{errors_sidecar!r} exists): choose another output name (another run's files are never written to)")
 
 
+def _set(params) -> Optional[dict]:
+    """``params`` without its None values: a key an older sidecar lacks reads as unset."""
+    return {k: v for k, v in params.items() if v is not None} if isinstance(params, dict) else params
+
+
 def _recorded_output(path: str) -> Optional[str]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -258,7 +263,7 @@ class Sidecar:
     def check(self, model: dict, params: dict, output: str) -> None:
         """Raise CLIError naming what differs from the run that started ``output``."""
         again = f"rerun with the same input, model and flags to resume {output!r}, or pass --overwrite to start it again"
-        if self.data.get("params") != params:
+        if _set(self.data.get("params")) != _set(params):  # a flag a newer pagedgen added, left unset: the same run
             old = self.data.get("params") or {}
             diffs = [f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)]
             raise CLIError(f"the parameters differ from the run that started {output!r} ({'; '.join(diffs)}); {again}")

@@ -35,7 +35,7 @@ from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.core.block_manager import BlockManager
 from pagedgen.core.scheduler import Scheduler
 from pagedgen.core.scheduler_output import ScheduledBatch
-from pagedgen.core.sequence import Sequence, SequenceStatus
+from pagedgen.core.sequence import Sequence, SequenceStatus, first_prompt_logprobs
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.processor import Params, Request, RequestProcessor
 from pagedgen.engine.step_log import StepLog
@@ -271,7 +271,7 @@ class LLMEngine:
             detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            prompt_logprobs=None if params.prompt_logprobs is None else first_prompt_logprobs(params, len(request.prompt_token_ids)),
         )
 
     def _step(self) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ VLLM_DEFAULTS = dict(
     min_tokens=0,
     logprobs=None,
     prompt_logprobs=None,
+    prompt_logprob_start=None,  # vLLM's (its CPU worker reads it; None: the whole prompt)
     detokenize=True,
     skip_special_tokens=True,
     spaces_between_special_tokens=True,
