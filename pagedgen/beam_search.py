@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -40,8 +41,10 @@ class BeamSearchParams:
                              "supported (vLLM does not offer it either); use SamplingParams(n=..., structured_outputs=...)")
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"BeamSearchParams.{name} must be an int, got {type(value).__name__}")
+            value = int(value)  # numpy's ints too (a value read from an array)
+            object.__setattr__(self, name, value)  # frozen
             if value < 1:
                 raise ValueError(f"BeamSearchParams.{name} must be at least 1, got {value}")
         if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):

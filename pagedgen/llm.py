@@ -18,7 +18,7 @@ from pagedgen.engine import offline
 from pagedgen.engine.build import build_engine
 from pagedgen.engine.llm_engine import EngineStats, LLMEngine
 from pagedgen.engine.step_log import StepLog
-from pagedgen.llm_args import LLMArgs, check_use_tqdm
+from pagedgen.llm_args import LLMArgs, check_use_tqdm, with_plain_numbers
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
@@ -159,6 +159,7 @@ class LLM:
         )
         # the argument checks first (llm_args.py: errors before anything is loaded), then the configs,
         # the tokenizer, the model, the KV cache's size, the executor and the engine (engine/build.py)
+        args = with_plain_numbers(args)  # numpy ints (a value read from an array) as Python ints
         built = build_engine(args)
         self.llm_engine = built.engine
         self.processor = built.engine.processor
@@ -170,7 +171,7 @@ class LLM:
         self.model = built.models.model  # None when the model lives in worker processes
         self.draft_model = built.models.draft_model  # speculative decoding's draft model (method "draft_model"), beside the model
         self.device = built.device
-        self.seed = seed  # the draw key of requests without their own seed
+        self.seed = args.seed  # the draw key of requests without their own seed
         self._lock = CallLock()  # one call at a time (call_lock.py)
 
     def shutdown(self) -> None:
@@ -206,7 +207,8 @@ class LLM:
         self.processor.grammars.eos_token_ids = frozenset(ids)  # structured outputs end on these
 
     # ----- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True,
+                 on_error: Optional[str] = None) -> list[RequestOutput]:
         """Generate completions for every prompt; results in the order of ``prompts``.
 
         Args:
@@ -215,6 +217,11 @@ class LLM:
             sampling_params: one SamplingParams for all prompts, or one per prompt (default: vLLM's
                 defaults, i.e. temperature 1.0 and max_tokens 16).
             use_tqdm: show a progress bar of finished requests (all n completions) with output tok/s.
+            on_error: a completion that fails alone mid-generation (a structured-output grammar at
+                a dead end, or over llguidance's parser limits) while the others run on. None
+                (vLLM's behaviour): it finishes "stop" at that point, with a warning. "return": it
+                finishes "error", its output's ``error`` says why, the other requests complete.
+                "raise": RuntimeError naming the prompt and why, the call's other requests aborted.
 
         Returns:
             one RequestOutput per prompt (``request_id`` and ``index`` its position), holding its
@@ -224,11 +231,12 @@ class LLM:
             TypeError / ValueError: bad prompts or parameters (naming the index and the allowed
                 range), raised before any work starts; the LLM stays usable.
             RuntimeError: requests added with ``llm_engine.add_request`` are still unfinished, or
-                this thread is inside a ``generate_stream`` of this LLM.
+                this thread is inside a ``generate_stream`` of this LLM; a request that failed
+                with ``on_error="raise"`` (the LLM stays usable, as after any failed call).
         """
         check_use_tqdm(use_tqdm)
         with self._lock.held("generate"):
-            return offline.generate(self.llm_engine, prompts, sampling_params, use_tqdm)
+            return offline.generate(self.llm_engine, prompts, sampling_params, use_tqdm, on_error)
 
     def chat(
         self,
@@ -239,6 +247,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         use_tqdm: bool = True,
+        on_error: Optional[str] = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template.
 
@@ -250,6 +259,7 @@ class LLM:
             continue_final_message: let the reply continue the last message (no end-of-turn after
                 it); not together with ``add_generation_prompt``.
             use_tqdm: show a progress bar.
+            on_error: as in ``generate``.
 
         Returns:
             one RequestOutput per conversation; ``prompt`` is the rendered text. The rendered text
@@ -264,7 +274,8 @@ class LLM:
         """
         check_use_tqdm(use_tqdm)
         with self._lock.held("chat"):
-            return offline.chat(self.llm_engine, messages, sampling_params, chat_template, add_generation_prompt, continue_final_message, use_tqdm)
+            return offline.chat(self.llm_engine, messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
+                                use_tqdm, on_error)
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search for each prompt; beams of one prompt share their common history's KV blocks.
@@ -302,6 +313,7 @@ class LLM:
         *,
         max_in_flight: Optional[int] = None,
         use_tqdm: bool = False,
+        on_error: Optional[str] = None,
     ) -> Iterator[RequestOutput]:
         """Generate for prompts pulled lazily from any iterable, yielding results as they finish.
 
@@ -316,6 +328,7 @@ class LLM:
             sampling_params: for the items without their own (default: vLLM's defaults).
             max_in_flight: most requests in flight (default: 4 * max_num_seqs).
             use_tqdm: show a progress bar of finished requests.
+            on_error: as in ``generate`` ("raise": after the outputs finished before it are yielded).
 
         Yields:
             RequestOutputs in the order they finish, each with ``index`` (and ``request_id``, as
@@ -331,7 +344,7 @@ class LLM:
         KeyboardInterrupt (from the source too), aborts the requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
         """
         check_use_tqdm(use_tqdm)
-        outputs = offline.stream(self.llm_engine, prompts, sampling_params, max_in_flight, use_tqdm)  # checks now, runs when pulled
+        outputs = offline.stream(self.llm_engine, prompts, sampling_params, max_in_flight, use_tqdm, on_error)  # checks now, runs when pulled
         return self._lock.held_over("generate_stream", outputs)
 
     def get_stats(self) -> EngineStats:

@@ -9,6 +9,8 @@ built (``engine/build.py``).
 """
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -47,6 +49,24 @@ class LLMArgs:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     speculative_config: Any
+
+
+INT_ARGS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+            "max_model_len", "seed", "swap_space_bytes", "tensor_parallel_size", "pipeline_parallel_size")
+
+
+def with_plain_numbers(args: LLMArgs) -> LLMArgs:
+    """``args`` with numpy's (or any ``numbers.Integral``'s) ints of the int arguments made Python
+    ints, and a ``numbers.Real`` ``gpu_memory_utilization`` a float (a value read from an array or
+    a data frame); bools and other types are left for ``check_arg_types`` to refuse."""
+    changes = {
+        name: int(value) for name in INT_ARGS
+        if isinstance(value := getattr(args, name), numbers.Integral) and not isinstance(value, (bool, int))
+    }
+    gmu = args.gpu_memory_utilization
+    if isinstance(gmu, numbers.Real) and not isinstance(gmu, (bool, int, float)):
+        changes["gpu_memory_utilization"] = float(gmu)
+    return dataclasses.replace(args, **changes) if changes else args
 
 
 def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.device]:
@@ -100,16 +120,9 @@ def check_arg_types(args: LLMArgs) -> None:
     if distributed_executor_backend not in BACKENDS:
         raise ValueError(f"LLM distributed_executor_backend must be one of {BACKENDS}, got {distributed_executor_backend!r}")
     world = tensor_parallel_size * pipeline_parallel_size
-    if world > 1:
-        sizes = (
-            f"tensor_parallel_size={tensor_parallel_size}" if pipeline_parallel_size == 1
-            else f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} = {world} ranks"
-        )
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if world > cores and os.environ.get("PAGEDGEN_TP_OVERSUBSCRIBE", "") in ("", "0"):  # tests on small machines set it
-            raise ValueError(f"LLM {sizes} must be <= the CPU cores this process may use ({cores})")
-        if distributed_executor_backend == "pickle":
-            raise ValueError(f"LLM {sizes} needs distributed_executor_backend='mp' (or None), got 'pickle'")
+    if world > 1 and distributed_executor_backend == "pickle":
+        raise ValueError(f"LLM {parallel_sizes(tensor_parallel_size, pipeline_parallel_size)} needs "
+                         f"distributed_executor_backend='mp' (or None), got 'pickle'")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"LLM seed must be an int, got {type(seed).__name__}")
     if not -(2**63) <= seed < 2**64:
@@ -132,6 +145,26 @@ def check_arg_types(args: LLMArgs) -> None:
         raise ValueError(f"LLM preemption_mode must be 'recompute' or 'swap', got {args.preemption_mode!r}")
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+
+
+def parallel_sizes(tensor_parallel_size: int, pipeline_parallel_size: int) -> str:
+    """The parallel sizes as a message names them: ``tensor_parallel_size=2`` or
+    ``tensor_parallel_size=2 x pipeline_parallel_size=2 = 4 ranks``."""
+    if pipeline_parallel_size == 1:
+        return f"tensor_parallel_size={tensor_parallel_size}"
+    world = tensor_parallel_size * pipeline_parallel_size
+    return f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} = {world} ranks"
+
+
+def cores_problem(tensor_parallel_size: int, pipeline_parallel_size: int) -> Optional[str]:
+    """Why the ranks do not fit the CPU cores this process may use (one worker process a rank), or
+    None; ``PAGEDGEN_TP_OVERSUBSCRIBE=1`` lifts the limit (tests on small machines set it). The
+    engine reports it with the sizes' other problems (``loader.check_parallel``)."""
+    world = tensor_parallel_size * pipeline_parallel_size
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if world > cores and os.environ.get("PAGEDGEN_TP_OVERSUBSCRIBE", "") in ("", "0"):
+        return f"{parallel_sizes(tensor_parallel_size, pipeline_parallel_size)} must be <= the CPU cores this process may use ({cores})"
+    return None
 
 
 def check_use_tqdm(use_tqdm) -> None:

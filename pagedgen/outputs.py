@@ -43,7 +43,8 @@ class CompletionOutput:
         logprobs: per generated token, {token id: Logprob} (sampled token + top-k); None unless
             ``logprobs`` was set.
         finish_reason: "stop" (EOS, a stop token or a stop string) or "length" (max_tokens or
-            max_model_len reached).
+            max_model_len reached); "error" (vLLM v1's name) when it failed alone mid-generation
+            and the call asked to be told (``on_error``: see ``RequestOutput.error``).
         stop_reason: the stop token id or stop string that ended it; None for EOS or length.
     """
 
@@ -93,6 +94,10 @@ class RequestOutput:
         num_cached_tokens: prompt tokens found in the prefix cache (not recomputed).
         index: the prompt's position in the ``generate`` / ``chat`` / ``generate_stream`` input
             (None for requests added with ``LLMEngine.add_request``).
+        error: why a completion failed mid-generation (a structured-output grammar at a dead end
+            or over a parser limit: llguidance's message), when the call passed
+            ``on_error="return"`` (or ``"raise"``, which raises it instead); that completion's
+            ``finish_reason`` is then "error", its tokens those generated before. None otherwise.
     """
 
     request_id: str
@@ -103,6 +108,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     index: Optional[int] = None
+    error: Optional[str] = None
 
     def _fields(self) -> _repr.Fields:
         fields: _repr.Fields = [("request_id", repr(self.request_id))]
@@ -114,6 +120,8 @@ class RequestOutput:
         fields += [("outputs", list(self.outputs)), ("finished", self.finished)]
         if self.num_cached_tokens:
             fields.append(("num_cached_tokens", self.num_cached_tokens))
+        if self.error is not None:
+            fields.append(("error", repr(self.error)))
         return fields
 
     def __repr__(self) -> str:

@@ -74,6 +74,13 @@ class SamplingParams:
         logprobs: None, or k >= 0: return, for each generated token, the log-probabilities of the
             k most likely tokens and of the sampled one (raw model distribution, see docs/sampling.md).
         prompt_logprobs: None, or k >= 0: the same for each prompt token (the first is None).
+        prompt_logprob_start: None (the whole prompt, vLLM's default), or the position p >= 0 of
+            the first prompt token whose logprobs are wanted (vLLM's ``prompt_logprob_start``,
+            SGLang's ``logprob_start_len``): the entries before p are None (``prompt_logprobs``
+            keeps one entry per prompt token), the positions before p - 1 may come from the
+            prefix cache (a shared context computed once), and only the rows from p - 1 on are
+            computed with logprobs; a p at or past the prompt's end leaves every entry None.
+            Needs ``prompt_logprobs``.
         detokenize: produce ``text`` (and ``Logprob.decoded_token``); False leaves them empty.
         skip_special_tokens: drop special tokens from the text. Default True.
         spaces_between_special_tokens: passed to the tokenizer's decode (slow tokenizers put a
@@ -110,6 +117,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    prompt_logprob_start: Optional[int] = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -124,7 +132,7 @@ class SamplingParams:
             if not _is_number(value):
                 raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
             setattr(self, name, float(value))
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "prompt_logprob_start"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__}")
@@ -155,9 +163,12 @@ class SamplingParams:
         _check(self.min_tokens >= 0, "min_tokens", "in [0, max_tokens]", self.min_tokens)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs", "prompt_logprob_start"):
             value = getattr(self, name)
             _check(value is None or value >= 0, name, "None or an int >= 0", value)
+        if self.prompt_logprob_start is not None and self.prompt_logprobs is None:
+            raise ValueError(f"SamplingParams.prompt_logprob_start={self.prompt_logprob_start} needs prompt_logprobs "
+                             "(None or >= 0 top tokens per prompt token), got prompt_logprobs=None")
 
         self.stop = self._stop_list(self.stop)
         if self.stop and not self.detokenize:

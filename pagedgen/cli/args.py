@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
-        why = field_names_problem(ns)
+        why = field_names_problem(ns) or seed_problem(ns)
         if why:
             self.error(why)
         return ns, rest
@@ -88,6 +88,18 @@ def field_names_problem(ns: argparse.Namespace) -> str | None:
             if name == other:
                 return (f"{flag} and {other_flag} name the same field {name!r} (an output row holds both); "
                         f"give them different names")
+    return None
+
+
+def seed_problem(ns: argparse.Namespace) -> str | None:
+    """Why ``--seed`` cannot work, else None: -1, which vLLM's API reads as "no seed" and a user of the
+    command line reads as "a random seed", while an unseeded row's draws come from the
+    ``--engine-seed`` key (not fresh randomness on each run): refused, naming both ways to say what
+    was meant."""
+    if getattr(ns, "seed", None) == -1:
+        return ("--seed -1 is ambiguous: leave --seed out (or --seed none) for unseeded rows, whose draws come from "
+                "the --engine-seed key (not fresh randomness on each run: pass another --engine-seed for other draws), "
+                "or give a seed >= 0")
     return None
 
 

@@ -99,6 +99,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
     if speculative is not None:
         fingerprint["speculative_config"] = speculative
     sidecar.check_owner(args.output, args.overwrite)
+    sidecar.check_errors_file_not_shared(args.output)
     state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
 
     try:

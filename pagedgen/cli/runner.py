@@ -7,7 +7,8 @@ buffer has room; they are read and made into requests up to ``READ_AHEAD`` (at m
 then added one by one. Each row is validated
 on its own (``add_request`` raises for a bad one and leaves the engine as it was), so a bad row is
 caught where it is and the rest go on (``--on-error skip``) or the run stops after the rows before
-it finish (``stop``; rows read ahead after it are not added). SIGINT/SIGTERM stop the admission;
+it finish (``stop``; rows read ahead after it are not added). With ``skip`` a row that fails
+mid-generation (its structured-output grammar at a dead end) goes to the errors file too. SIGINT/SIGTERM stop the admission;
 the rows running get ``drain_seconds`` to finish (a second signal stops at once), then the rest
 are aborted and what is finished is written. An input that cannot be read on (a JSON array's broken
 syntax, an I/O error) stops the admission too; the rows already read finish and are written.
@@ -105,7 +106,7 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
                 if not pending:
                     break
             row, built = pending.popleft()
-            reason = built if isinstance(built, str) else _admit(engine, row, built, in_flight)
+            reason = built if isinstance(built, str) else _admit(engine, row, built, in_flight, settings.on_error == "skip")
             if reason is None:
                 writer.admit(row.index)
             elif settings.on_error == "skip":
@@ -126,6 +127,10 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
             break
         for out in engine.step():
             row, request = in_flight.pop(int(out.request_id))
+            if out.error is not None:  # failed alone mid-generation (--on-error skip asked the engine to say so)
+                writer.finish(row.index, records.error_line(row, f"row {row.index}: {out.error}", spec), error=True)
+                stats.bad += 1
+                continue
             writer.finish(row.index, records.output_line(row, request, out, spec, settings.created, settings.model_name))
             stats.generated += 1
             stats.prompt_tokens += len(out.prompt_token_ids)
@@ -134,15 +139,19 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
         progress.update()
 
 
-def _admit(engine, row: Row, request: Request, in_flight: dict) -> Optional[str]:
-    """Add ``row``'s request to the engine; None when added, else why the row cannot run."""
+def _admit(engine, row: Row, request: Request, in_flight: dict, skip: bool) -> Optional[str]:
+    """Add ``row``'s request to the engine; None when added, else why the row cannot run. With
+    ``skip`` (``--on-error skip``) a row that fails mid-generation comes back with its ``error``
+    (``on_error="return"``) and goes to the errors file, its text kept for it; otherwise it ends as
+    vLLM ends it (``LLM.generate``'s ``on_error``)."""
     try:
-        engine.add_request(str(row.index), request.prompt, request.params)
+        engine.add_request(str(row.index), request.prompt, request.params, on_error="return" if skip else None)
     except (ValueError, TypeError) as exc:  # the engine's validation of the request
         reason = one_line(exc).replace(f"request {str(row.index)!r} ", f"row {row.index}'s ", 1)  # the CLI's term
         if "max_model_len" in reason and "prompt" in reason:
             reason += " (pass --truncate-prompt-tokens N to keep its last N tokens)"
         return reason
     in_flight[row.index] = (row, request)
-    row.span = b""  # hashed already; only a bad row's text is kept (for the errors file)
+    if not skip:
+        row.span = b""  # hashed already; only a bad row's text is kept (for the errors file)
     return None

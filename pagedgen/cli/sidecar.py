@@ -82,6 +82,36 @@ def check_owner(output: str, overwrite: bool) -> None:
                        f"another output name")
 
 
+def check_errors_file_not_shared(output: str) -> None:
+    """Refuse an output that is another run's errors file, or whose errors file is another run's
+    output (even with ``--overwrite``: the other run's rows would be mixed with this run's, or
+    replaced).
+
+    ``out.errors.jsonl`` is the errors file of ``out.jsonl`` (and ``out``) when the sidecar
+    ``out.pagedgen.json`` exists; it is an output of its own when ``out.errors.pagedgen.json`` exists.
+
+    Raises:
+        CLIError: naming both outputs and the sidecar that ties them.
+    """
+    if output.endswith(".errors.jsonl"):
+        base = output[: -len(".errors.jsonl")]
+        owner_sidecar = base + ".pagedgen.json"
+        if os.path.exists(owner_sidecar):
+            owner = os.path.join(os.path.dirname(output), _recorded_output(owner_sidecar) or os.path.basename(base + ".jsonl"))
+            raise CLIError(f"--output {output!r} is the errors file of --output {owner!r} (its sidecar {owner_sidecar!r} "
+                           f"exists): choose another output name (another run's files are never written to)")
+    errors = paths_for(output)[1]
+    errors_sidecar = paths_for(errors)[0]
+    if os.path.exists(errors_sidecar):
+        raise CLIError(f"--output {output!r}: its errors file {errors!r} is the output of another run (its sidecar "
+                       f"{errors_sidecar!r} exists): choose another output name (another run's files are never written to)")
+
+
+def _set(params) -> Optional[dict]:
+    """``params`` without its None values: a key an older sidecar lacks reads as unset."""
+    return {k: v for k, v in params.items() if v is not None} if isinstance(params, dict) else params
+
+
 def _recorded_output(path: str) -> Optional[str]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -233,7 +263,7 @@ class Sidecar:
     def check(self, model: dict, params: dict, output: str) -> None:
         """Raise CLIError naming what differs from the run that started ``output``."""
         again = f"rerun with the same input, model and flags to resume {output!r}, or pass --overwrite to start it again"
-        if self.data.get("params") != params:
+        if _set(self.data.get("params")) != _set(params):  # a flag a newer pagedgen added, left unset: the same run
             old = self.data.get("params") or {}
             diffs = [f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)]
             raise CLIError(f"the parameters differ from the run that started {output!r} ({'; '.join(diffs)}); {again}")

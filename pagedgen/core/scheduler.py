@@ -232,9 +232,11 @@ class Scheduler:
                 budget -= n
         while self.waiting and not self.swapped and budget > 0 and len(self._planned) + 1 + len(self.waiting[0].pending_forks) <= limit:
             seq = self.waiting[0]
-            # prompt logprobs need the logits of every prompt position: no prefix-cache hits then
-            wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
-            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 and not wants_prompt_logprobs else []
+            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            if prefix and seq.prompt_logprobs is not None:
+                # prompt logprobs need the logits from position len(prompt_logprobs) - 1 on (all of
+                # them unless prompt_logprob_start says otherwise): cached blocks only before it
+                prefix = prefix[: (len(seq.prompt_logprobs) - 1) // bm.block_size]
             cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - max(cached, seq.num_computed_tokens), budget)
             if not bm.can_allocate(seq.seq_id, max(cached, seq.num_computed_tokens) + n, prefix):

@@ -44,8 +44,9 @@ class Sequence:
             the text is decoded once at the end).
         logprobs, cumulative_logprob: per generated token {token id: Logprob}, and the sum of the
             sampled tokens' logprobs; None unless the request asks for logprobs.
-        prompt_logprobs: per prompt token {token id: Logprob}, the first None; filled as prefill
-            chunks are computed. None unless the request asks (and for completions other than 0).
+        prompt_logprobs: per prompt token {token id: Logprob}, the first None (and those before
+            ``prompt_logprob_start``: ``first_prompt_logprobs``); filled as prefill chunks are
+            computed. None unless the request asks (and for completions other than 0).
         stop_reason: the stop token id or stop string that ended it.
     """
 
@@ -154,8 +155,17 @@ class Sequence:
 
     def add_prompt_logprobs(self, position: int, entries: list) -> None:
         """Record the logprobs of prompt tokens ``position + 1 ..`` (predicted from ``position ..``).
-        Positions skipped (none today; a prefix-cache hit would skip some) are left None."""
+        Positions skipped are left None."""
         missing = position + 1 - len(self.prompt_logprobs)
         if missing > 0:
             self.prompt_logprobs.extend([None] * missing)
         self.prompt_logprobs.extend(entries)
+
+
+def first_prompt_logprobs(params, num_prompt_tokens: int) -> list:
+    """A new sequence's ``prompt_logprobs`` before any is computed: a None for each prompt position
+    before ``params.prompt_logprob_start`` (at least the first token's, which has no logprob; at
+    most one per prompt token). Its length - 1 is the first position whose logits are needed: the
+    scheduler takes prefix-cache hits only before it, and the model runner computes logprob rows
+    from it on."""
+    return [None] * max(1, min(params.prompt_logprob_start or 0, num_prompt_tokens))

@@ -2,7 +2,7 @@
 raised before the steps after it run):
 
     check_llm_args                 types, ranges, device, extension (llm_args.py): nothing loaded yet
-    ModelConfig                    config.json (model/loader.py), the parallel sizes against it
+    ModelConfig                    config.json (model/loader.py), the parallel sizes against it and the CPU cores (one message)
     MatmulConfig, max_model_len    the draft's config.json against the target's (spec_decode/draft_checks.py)
     tokenizer, EOS token ids       the draft's tokenizer against the target's
     load_models                    executor/factory.py: in process, the model (and draft) here
@@ -30,7 +30,7 @@ from pagedgen.engine.llm_engine import LLMEngine
 from pagedgen.engine.processor import RequestProcessor
 from pagedgen.executor.factory import ExecutorConfig, LoadedModels, load_models, make_executor, profile_kv_cache_bytes
 from pagedgen.layers.matmul import MatmulConfig, choose_matmul
-from pagedgen.llm_args import LLMArgs, check_llm_args
+from pagedgen.llm_args import LLMArgs, check_llm_args, cores_problem
 from pagedgen.model import loader
 from pagedgen.spec_decode.draft_checks import check_draft_tokenizer, check_speculative_model, naming_the_draft
 from pagedgen.structured_output.grammar import GrammarCompiler
@@ -66,7 +66,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(args.dtype, hf_config))
     backend, tp, pp = args.distributed_executor_backend, args.tensor_parallel_size, args.pipeline_parallel_size
     if tp * pp > 1:
-        loader.check_parallel(hf_config, model_config, tp, pp)  # ValueError before any process
+        loader.check_parallel(hf_config, model_config, tp, pp, (cores_problem(tp, pp),))  # ValueError before any process
         backend = "mp"
     batch_invariant = device.type == "cpu" if args.batch_invariant is None else args.batch_invariant
     matmul_config = choose_matmul(model_config.dtype, device, batch_invariant)  # ValueError before loading

@@ -35,7 +35,7 @@ from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.core.block_manager import BlockManager
 from pagedgen.core.scheduler import Scheduler
 from pagedgen.core.scheduler_output import ScheduledBatch
-from pagedgen.core.sequence import Sequence, SequenceStatus
+from pagedgen.core.sequence import Sequence, SequenceStatus, first_prompt_logprobs
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.processor import Params, Request, RequestProcessor
 from pagedgen.engine.step_log import StepLog
@@ -141,7 +141,7 @@ class LLMEngine:
         self.speculator = None if speculative_config is None else Speculator(speculative_config)
 
     # ----- the request API -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None) -> None:
+    def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None, *, on_error: Optional[str] = None) -> None:
         """Queue a request; it runs in the next ``step`` calls.
 
         Args:
@@ -150,6 +150,9 @@ class LLMEngine:
                 [...]}`` (vLLM's TextPrompt / TokensPrompt).
             sampling_params: a SamplingParams (default: vLLM's defaults), or a BeamSearchParams for
                 beam search (its RequestOutput holds the finished beams, best first).
+            on_error: None (vLLM's behaviour) or "return": a completion that fails alone
+                mid-generation finishes "error", why in its output's ``error`` (see
+                ``LLM.generate``; the engine itself never raises for it).
 
         Raises:
             TypeError / ValueError: a bad id, prompt or parameter, naming the request id and the
@@ -160,7 +163,11 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already queued and unfinished: request ids must be unique")
-        self.enqueue(self.processor.process(request_id, prompt, sampling_params))
+        if on_error not in (None, "return"):
+            raise ValueError(f"request {request_id!r} on_error must be None (vLLM's behaviour) or 'return', got {on_error!r}")
+        request = self.processor.process(request_id, prompt, sampling_params)
+        request.on_error = on_error
+        self.enqueue(request)
 
     def enqueue(self, request: Request) -> None:
         """Queue a request already checked by ``processor`` (``add_request`` does both).
@@ -274,7 +281,7 @@ class LLMEngine:
             detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            prompt_logprobs=None if params.prompt_logprobs is None else first_prompt_logprobs(params, len(request.prompt_token_ids)),
         )
 
     def _step(self) -> list[RequestOutput]:
@@ -307,8 +314,10 @@ class LLMEngine:
             for seq, tok, entry in zip(out.seqs, out.token_ids, out.logprobs):
                 if entry is not None:
                     seq.add_logprobs(entry, tok)
-        self.grammars.accept(out.seqs, out.token_ids)
+        failed = self.grammars.accept(out.seqs, out.token_ids)  # {seq id: why}: ended by their grammar
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
+        if failed:
+            self._record_failures(finished, failed)
         self.num_generated_tokens += len(out.token_ids)
         if len(self.grammars) and self.speculator is None:
             self._jump_forward(out.seqs, finished)
@@ -346,6 +355,17 @@ class LLMEngine:
                 if seq.append_token(token):
                     finished.append(seq)
                     break
+
+    def _record_failures(self, finished: list[Sequence], failed: dict[int, str]) -> None:
+        """Completions that failed alone (their grammar ended them: ``failed``, seq id -> why):
+        kept in their request's ``errors`` when it asks (``Request.on_error``), so that its output
+        says "error" and why; otherwise vLLM's behaviour stands (finish_reason "stop", the
+        grammar manager's warning)."""
+        for seq in finished:
+            why = failed.get(seq.seq_id)
+            request = self._requests[seq.request_id]
+            if why is not None and request.on_error is not None:
+                request.errors[seq.index] = f"completion {seq.index}: {why}" if getattr(request.params, "n", 1) > 1 else why
 
     def _fork(self, parent: Sequence, index: int = 0, detokenizer=None) -> Sequence:
         """A new sequence sharing ``parent``'s tokens and KV blocks (copy-on-write), queued beside it."""

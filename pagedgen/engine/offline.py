@@ -20,6 +20,7 @@ as on a fresh engine. The caller (``LLM``) holds its lock around each call (``ca
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import Iterable, Iterator, Optional
 
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -31,17 +32,28 @@ from pagedgen.progress import Progress
 from pagedgen.sampling_params import SamplingParams
 
 
-def generate(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+ON_ERROR = (None, "return", "raise")
+
+
+def check_on_error(on_error) -> None:
+    """``on_error`` of a call must be one of ``ON_ERROR`` (ValueError naming them)."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be None (vLLM's behaviour), 'return' or 'raise', got {on_error!r}")
+
+
+def generate(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool, on_error: Optional[str] = None) -> list[RequestOutput]:
     """``LLM.generate``: the prompts checked and tokenized, run to the end; one RequestOutput per
     prompt, in input order."""
-    return run(engine, engine.processor.process_batch(prompts, sampling_params), use_tqdm)
+    check_on_error(on_error)
+    return run(engine, engine.processor.process_batch(prompts, sampling_params), use_tqdm, on_error=on_error)
 
 
 def chat(engine: LLMEngine, messages, sampling_params, chat_template: Optional[str], add_generation_prompt: bool,
-         continue_final_message: bool, use_tqdm: bool) -> list[RequestOutput]:
+         continue_final_message: bool, use_tqdm: bool, on_error: Optional[str] = None) -> list[RequestOutput]:
     """``LLM.chat``: the conversations rendered, tokenized and run to the end, in input order."""
+    check_on_error(on_error)
     requests = engine.processor.process_chats(messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
-    return run(engine, requests, use_tqdm)
+    return run(engine, requests, use_tqdm, on_error=on_error)
 
 
 def beam_search(engine: LLMEngine, prompts, params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
@@ -64,10 +76,12 @@ def beam_search(engine: LLMEngine, prompts, params: BeamSearchParams, use_tqdm: 
     ]
 
 
-def run(engine: LLMEngine, requests: list[Request], use_tqdm: bool, desc: str = "Processed prompts") -> list[RequestOutput]:
+def run(engine: LLMEngine, requests: list[Request], use_tqdm: bool, desc: str = "Processed prompts",
+        on_error: Optional[str] = None) -> list[RequestOutput]:
     """Queue every request, step until all have finished; results in input order (by
     ``Request.index``). Any error or interrupt aborts them all (the engine repairs the block pool)
-    before it propagates."""
+    before it propagates; with ``on_error="raise"``, so does the first request that fails alone
+    (``raise_failed``)."""
     if not requests:
         return []
     check_idle(engine)
@@ -75,10 +89,12 @@ def run(engine: LLMEngine, requests: list[Request], use_tqdm: bool, desc: str = 
     progress = Progress(use_tqdm, len(requests), desc, engine.num_generated_tokens)
     try:
         for request in requests:
+            request.on_error = on_error
             engine.enqueue(request)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             for out in outputs:
+                raise_failed(out, on_error)
                 results[out.index] = out
             progress.update(len(outputs), engine.num_generated_tokens)
     except BaseException:
@@ -89,27 +105,36 @@ def run(engine: LLMEngine, requests: list[Request], use_tqdm: bool, desc: str = 
     return results
 
 
+def raise_failed(out: RequestOutput, on_error: Optional[str]) -> None:
+    """With ``on_error="raise"``, RuntimeError naming the request that failed alone and why."""
+    if on_error == "raise" and out.error is not None:
+        raise RuntimeError(f"prompts[{out.index}] failed mid-generation: {out.error} (on_error='raise'; "
+                           "on_error='return' returns it as finish_reason 'error' while the others complete)")
+
+
 def stream(engine: LLMEngine, prompts: Iterable, sampling_params: Optional[SamplingParams], max_in_flight: Optional[int],
-           use_tqdm: bool) -> Iterator[RequestOutput]:
+           use_tqdm: bool, on_error: Optional[str] = None) -> Iterator[RequestOutput]:
     """``LLM.generate_stream``: the arguments checked now (TypeError / ValueError), the prompts run
     as the returned generator is pulled (see ``LLM.generate_stream`` for its contract)."""
+    check_on_error(on_error)
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
     default = engine.processor.check_params(sampling_params, "sampling_params")
     if max_in_flight is None:
         max_in_flight = 4 * engine.scheduler_config.max_num_seqs
-    elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
+    elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, numbers.Integral):
         raise TypeError(f"max_in_flight must be an int, got {type(max_in_flight).__name__}")
     elif max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    max_in_flight = int(max_in_flight)  # numpy's ints too
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     total = len(prompts) if hasattr(prompts, "__len__") else None
-    return _stream(engine, iter(prompts), default, max_in_flight, use_tqdm, total)
+    return _stream(engine, iter(prompts), default, max_in_flight, use_tqdm, total, on_error)
 
 
 def _stream(engine: LLMEngine, items: Iterator, default: SamplingParams, max_in_flight: int, use_tqdm: bool,
-            total: Optional[int]) -> Iterator[RequestOutput]:
+            total: Optional[int], on_error: Optional[str] = None) -> Iterator[RequestOutput]:
     """Keep up to ``max_in_flight`` requests queued or running, pulling the next items as requests
     finish; yield each RequestOutput as it finishes. A bad item's error (naming ``prompts[i]``) or
     the source's exception is raised after the items before it have finished and been yielded."""
@@ -125,13 +150,16 @@ def _stream(engine: LLMEngine, items: Iterator, default: SamplingParams, max_in_
                 if error is None:  # a bad item comes before the source's failure
                     error = source_error
                 for request in requests:  # those before a bad item; its error is raised at the end
+                    request.on_error = on_error
                     engine.enqueue(request)
                 index += len(batch)
             if not engine.has_unfinished_requests():
                 break
             outputs = engine.step()
             progress.update(len(outputs), engine.num_generated_tokens)
-            yield from outputs
+            for out in outputs:
+                raise_failed(out, on_error)
+                yield out
         if error is not None:
             raise error
     except BaseException:  # an error, an interrupt, or close() at a yield: abort what is in flight

@@ -40,6 +40,9 @@ class Request:
         num_finished: completions finished. ``beam_group``: the search of a beam-search request.
         detokenizers: one incremental detokenizer per completion when the request has stop
             strings (completion j's is ``detokenizers[j]``), else Nones; [] for beam search.
+        on_error: None (vLLM's behaviour: a completion its grammar ends mid-generation finishes
+            "stop", with a warning), or "return" / "raise": it finishes "error", its reason in
+            ``errors`` (completion index -> why) and the output's ``error`` (``on_error`` of ``LLM.generate``).
     """
 
     request_id: str
@@ -51,6 +54,8 @@ class Request:
     num_finished: int = 0
     beam_group: Optional[BeamGroup] = None
     detokenizers: list = field(default_factory=list)
+    on_error: Optional[str] = None
+    errors: dict = field(default_factory=dict)
 
     @property
     def is_finished(self) -> bool:
@@ -223,7 +228,7 @@ class RequestProcessor:
             ]
             prompt_logprobs = None
         else:
-            outputs = [self._completion(seq) for seq in request.seqs]
+            outputs = [self._completion(seq, request.errors) for seq in request.seqs]
             prompt_logprobs = self._decoded(first.prompt_logprobs, request.params)
         return RequestOutput(
             request_id=request.request_id,
@@ -234,9 +239,10 @@ class RequestProcessor:
             finished=True,
             num_cached_tokens=first.num_cached_tokens or 0,
             index=request.index,
+            error=next(iter(request.errors.values()), None),
         )
 
-    def _completion(self, seq: Sequence) -> CompletionOutput:
+    def _completion(self, seq: Sequence, errors: dict) -> CompletionOutput:
         sp = seq.sampling_params
         if not sp.detokenize:
             text = ""
@@ -250,8 +256,8 @@ class RequestProcessor:
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=self._decoded(seq.logprobs, sp),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            finish_reason="error" if seq.index in errors else seq.finish_reason,
+            stop_reason=None if seq.index in errors else seq.stop_reason,
         )
 
     def _decoded(self, logprobs: Optional[list], sp: SamplingParams) -> Optional[list]:

@@ -367,13 +367,23 @@ class MultiprocExecutor:
         return proc.exitcode
 
     def _fail(self, rank: int, what: str, how: str) -> None:
+        """Stop every worker (no orphan waits in a collective for the dead one) and raise
+        RuntimeError naming ``rank``, its pid and ``how`` it failed during ``what``. A rank that
+        dies during a call is restarted for the next call, as a rank that raises is (the engine
+        rolls the step back: the next call equals a fresh LLM's); one that fails ``"starting"``
+        leaves the executor refusing calls (starting again would fail the same way)."""
         pid = self._procs[rank].pid
-        self._dead = f"pagedgen worker rank {rank} (pid {pid}) {how} during {what}; the workers were stopped: make a new LLM"
-        if what == "starting" and how == _describe_exit(1):  # died before worker_main could report anything
-            self._dead += (" (its traceback is above; the usual cause: a script that makes the LLM at its top level, which each "
-                           'spawned worker runs again as it starts: put that code under `if __name__ == "__main__":`)')
+        why = f"pagedgen worker rank {rank} (pid {pid}) {how} during {what}; the workers were stopped"
+        if what == "starting":
+            self._dead = why + ": make a new LLM"
+            if how == _describe_exit(1):  # died before worker_main could report anything
+                self._dead += (" (its traceback is above; the usual cause: a script that makes the LLM at its top level, which each "
+                               'spawned worker runs again as it starts: put that code under `if __name__ == "__main__":`)')
         for other in self._procs:  # the others may wait in a collective for the dead one
             if other.is_alive() and self.world_size > 1:
                 other.terminate()
         self._finalizer()  # no orphans: stop the other workers too
-        raise RuntimeError(self._dead)
+        if what == "starting":
+            raise RuntimeError(self._dead)
+        self._desynced = True  # the next call starts fresh workers (_ready)
+        raise RuntimeError(why + " (the next call starts fresh ones)")

@@ -105,13 +105,21 @@ class CausalLM(Module):
         kv_caches: list[KVCache],  # one per layer of this stage
         logits_indices: torch.Tensor,  # [S] int64, rows of the tokens whose next token is wanted
         intermediate: Optional[IntermediateTensors] = None,  # from the previous pipeline stage
+        hidden_only: bool = False,
     ):
         """Logits [S, vocab] (model dtype; see ``ParallelLMHead``) for the tokens at
         ``logits_indices``; on a pipeline stage other than the last, the activations for the next
         stage instead (``IntermediateTensors``, each [T, hidden]). ``intermediate``: what the
-        previous stage sent (None on the first stage, which embeds ``input_ids``)."""
+        previous stage sent (None on the first stage, which embeds ``input_ids``).
+        ``hidden_only``: the final hidden rows [S, hidden] instead of the logits, for the caller to
+        run ``compute_logits`` over them in parts (prompt logprobs: sample/logprobs.py)."""
         hidden = getattr(self, self.base_model_prefix)(input_ids, positions, attn, kv_caches, logits_indices, intermediate)  # [S, hidden]
-        if self.pp is not None and not self.pp.is_last:
-            return hidden  # IntermediateTensors for the next stage
-        return getattr(self, self.lm_head_name)(hidden)  # [S, vocab] model dtype
+        if self.pp is not None and not self.pp.is_last or hidden_only:
+            return hidden  # IntermediateTensors for the next stage, or the rows for compute_logits
+        return self.compute_logits(hidden)  # [S, vocab] model dtype
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head: final hidden rows [S, hidden] -> logits [S, vocab], model dtype (gathered
+        on every tensor-parallel rank: every rank calls it with the same rows)."""
+        return getattr(self, self.lm_head_name)(hidden)
 

@@ -125,19 +125,31 @@ def load_model(path: str, hf_config, config: ModelConfig, device: Union[str, tor
     return weights.load_model(cls, path, hf_config, config, torch.device(device), tp, pp)
 
 
-def check_parallel(hf_config, config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
-    """Build rank 0 of each pipeline stage on the meta device (no memory, no process): a ValueError
-    naming the limit a size breaks (``tensor_parallel_size`` must divide the heads, KV heads and MLP
-    width; ``pipeline_parallel_size`` must be at most the decoder layers: stages split them as
-    vLLM does, uneven counts allowed, ``distributed.group.stage_layers``)."""
+def check_parallel(hf_config, config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
+                   other_problems: tuple[str, ...] = ()) -> None:
+    """Check the parallel sizes against the model, then build rank 0 of each pipeline stage on the
+    meta device (no memory, no process).
+
+    Raises:
+        ValueError: one message listing every limit the sizes break (``tensor_parallel_size`` must
+            divide the heads and KV heads; ``pipeline_parallel_size`` must be at most the decoder
+            layers: stages split them as vLLM does, uneven counts allowed,
+            ``distributed.group.stage_layers``), after ``other_problems`` (the CPU cores,
+            ``llm_args.cores_problem``); or the first a layer's constructor finds (the MLP width).
+    """
     from pagedgen.distributed.group import PPGroup, TPGroup, stage_layers
 
     size, stages = tensor_parallel_size, pipeline_parallel_size
     _, cls = registry.resolve_architecture([config.architecture])
+    problems = [p for p in other_problems if p]
     for name, total in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)):
         if total % size:
-            raise ValueError(f"LLM tensor_parallel_size={size} must divide {name} ({total}) of the model")
-    ranges = [stage_layers(config.num_layers, stages, s) for s in range(stages)]  # ValueError: more stages than layers
+            problems.append(f"tensor_parallel_size={size} must divide {name} ({total}) of the model")
+    if stages > config.num_layers:
+        problems.append(f"pipeline_parallel_size={stages} must be <= num_hidden_layers ({config.num_layers}) of the model")
+    if problems:
+        raise ValueError("LLM " + "; ".join(problems))
+    ranges = [stage_layers(config.num_layers, stages, s) for s in range(stages)]
     groups = {} if size == 1 else {"tp": TPGroup(0, size)}
     try:
         with torch.device("meta"):

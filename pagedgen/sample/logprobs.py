@@ -5,42 +5,80 @@ logits, before penalties, logit bias, temperature and top-k/top-p/min-p. So logp
 with the sampling settings, and a prompt token's logprob at position i is log_softmax(logits at
 position i - 1)[token i] (the model's prediction from the tokens before it).
 
+At the cost of what is asked: a row's log-softmax is never materialised. One log-sum-exp per row
+(``lse``, [R, 1]) and the logits of the tokens asked for give ``logit - lse``: the chosen token's,
+and the top k's, found on the logits themselves (the log-softmax is the logits shifted by one number
+per row: the same order). Prompt logprobs run over their rows in chunks of
+``PROMPT_LOGPROB_CHUNK_ROWS`` (``chunked_logprob_tensors``): the lm_head's logits of a chunk, its
+numbers, the next chunk; so a long prompt never holds [prompt_len, vocab] floats at once
+(benchmarks/logprobs_cost.py measures it).
+
 Ranks follow vLLM: the chosen token's rank is the number of tokens at least as likely as it (1 for
-the most likely); the top-k tokens get ranks 1..k in order. Equal logprobs (frequent with bf16
-logits) are ordered by token id, lowest first: ``torch.topk`` leaves the order of ties to its
-algorithm, which may vary with the number of rows, and a row's logprobs must not depend on the
-other rows of its step (docs/determinism.md).
+the most likely), counted on the logits; the top-k tokens get ranks 1..k in order. Equal logits
+(frequent with bf16) are ordered by token id, lowest first: ``torch.topk`` leaves the order of ties
+to its algorithm, which may vary with the number of rows, and a row's logprobs must not depend on
+the other rows of its step (docs/determinism.md).
 """
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
 from pagedgen.outputs import Logprob
 
+#: prompt-logprob rows whose logits (and float32 copies) are held at once: for a vocabulary of
+#: 49,152, 256 rows are 48 MiB of float32 logits, whatever the prompt's length
+PROMPT_LOGPROB_CHUNK_ROWS = 256
+
 
 def logprob_dicts(
-    logprobs: torch.Tensor,  # [R, V] float32, log-softmax of the raw logits
+    logits: torch.Tensor,  # [R, V] any float dtype, the raw logits
     token_ids: torch.Tensor,  # [R] int64, the chosen token of each row
     num_logprobs: list[int],  # R entries: top-k size of each row (0: only the chosen token)
 ) -> list[dict[int, Logprob]]:
     """One {token id: Logprob} per row: the chosen token first, then the row's top k. The tensors
     may live on any device: the work stays there and one copy brings the results to the host."""
-    packed = logprob_tensors(logprobs, token_ids, max(num_logprobs, default=0))  # [R, 2 + 2k]
+    packed = logprob_tensors(logits, token_ids, max(num_logprobs, default=0))  # [R, 3 + 2k]
     return unpack_logprob_dicts(packed if packed.device.type == "cpu" else packed.cpu(), num_logprobs)
 
 
-def logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k_max: int) -> torch.Tensor:
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k_max: int) -> torch.Tensor:
     """The numbers of ``logprob_dicts`` packed on the logits' device, for one copy to the host:
     [R, 3 + 2 * k_max] float64 = (chosen id, its logprob, its rank, the top k_max logprobs, their
-    ids). float64 holds float32 values and token ids (< 2**53) exactly. ``logprobs``: [R, V]
-    float32; ``token_ids``: [R] int64."""
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
-    ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True)  # [R, 1]
-    parts = [token_ids.unsqueeze(1).double(), chosen.double(), ranks.double()]
+    ids). float64 holds float32 values and token ids (< 2**53) exactly. ``logits``: [R, V] raw
+    logits, any float dtype (float32 used as is, others converted: one [R, V] float32 copy);
+    ``token_ids``: [R] int64. Each logprob is ``logit - logsumexp(row)`` in float32; no [R, V]
+    log-softmax is made."""
+    x = logits.float()  # [R, V] float32 (no copy when it is already)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1]
+    chosen = x.gather(1, token_ids.unsqueeze(1))  # [R, 1] logits
+    ranks = (x >= chosen).sum(dim=-1, keepdim=True)  # [R, 1]: the same order as the logprobs
+    parts = [token_ids.unsqueeze(1).double(), (chosen - lse).double(), ranks.double()]
     if k_max:
-        top_lp, top_ids = top_logprobs(logprobs, k_max)  # [R, k_max], descending
-        parts += [top_lp.double(), top_ids.double()]
+        top_x, top_ids = top_logprobs(x, k_max)  # [R, k_max], descending
+        parts += [(top_x - lse).double(), top_ids.double()]
     return torch.cat(parts, dim=1)
+
+
+def chunked_logprob_tensors(
+    hidden: torch.Tensor,  # [R, hidden] model dtype: the final hidden rows (before the lm_head)
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],  # [n, hidden] -> [n, V] (the model's lm_head)
+    token_ids: torch.Tensor,  # [R] int64, the chosen token of each row
+    k_max: int,
+    chunk_rows: Optional[int] = None,  # None: PROMPT_LOGPROB_CHUNK_ROWS
+) -> torch.Tensor:
+    """``logprob_tensors`` of ``compute_logits(hidden)`` [R, 3 + 2 * k_max] float64, computed
+    ``chunk_rows`` rows at a time: at most [chunk_rows, V] logits (and their float32 copy) are held
+    at once. Every rank of a tensor-parallel group calls it with the same rows (``compute_logits``
+    may gather across ranks). A row's numbers do not depend on the chunk it falls in (the lm_head's
+    GEMM and the reductions are per row: docs/determinism.md)."""
+    chunk_rows = chunk_rows or PROMPT_LOGPROB_CHUNK_ROWS
+    parts = [
+        logprob_tensors(compute_logits(hidden[i : i + chunk_rows]), token_ids[i : i + chunk_rows], k_max)
+        for i in range(0, hidden.shape[0], chunk_rows)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def unpack_logprob_dicts(packed: torch.Tensor, num_logprobs: list[int]) -> list[dict[int, Logprob]]:
@@ -59,7 +97,7 @@ def unpack_logprob_dicts(packed: torch.Tensor, num_logprobs: list[int]) -> list[
 def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row: (values [R, k], token ids [R, k] int64), by value descending
     and, among equal values, by token id ascending (whatever the other rows). ``logprobs``: [R, V]
-    float32, 1 <= k <= V."""
+    float32 (logits or logprobs: the same order), 1 <= k <= V."""
     values = logprobs.topk(k, dim=-1).values  # [R, k]: the k largest values themselves are exact
     rows, ids = (logprobs >= values[:, -1:]).nonzero(as_tuple=True)  # candidates, row-major: ids ascending
     counts = torch.bincount(rows, minlength=logprobs.shape[0])  # [R], >= k unless a row holds NaN

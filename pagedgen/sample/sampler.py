@@ -5,7 +5,8 @@ Order of work, as vLLM v1's sampler (vllm/v1/sample/sampler.py):
    vLLM applies it just before its sampler); a constrained row allowing few tokens that asks for
    no logprobs and no logits processing skips it and runs steps 4-5 over those tokens alone
    (``_sample_candidates``);
-1. logprobs, if a row asks: log-softmax of the raw logits (see sample/logprobs.py);
+1. logprobs, if a row asks: of the raw logits, from one log-sum-exp per row once the token is
+   chosen (no [rows, vocab] log-softmax; see sample/logprobs.py);
 2. allowed_token_ids, logit bias and min_tokens (EOS / stop tokens banned while fewer than
    min_tokens are generated);
 3. repetition, frequency and presence penalties;
@@ -220,11 +221,11 @@ class Sampler:
         processed = any(p.changes_logits for p in kinds)
         logits = logits.float()  # [num_seqs, vocab] float32 (no copy when it is already)
 
-        raw_logprobs = None
-        if want_logprobs:
+        raw = None
+        if want_logprobs:  # the raw logits of the rows that ask: the processing below makes new tensors
             lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
             lp_index = None if len(lp_rows) == len(params) else _index(lp_rows, device)
-            raw_logprobs = (logits if lp_index is None else logits[lp_index]).log_softmax(dim=-1)  # [L, vocab]
+            raw = logits if lp_index is None else logits[lp_index]  # [L, vocab] float32
         if processed:
             logits = self._process(logits, seqs, params)
         sampled = self._sample(logits, seqs, params, all_greedy, resample)  # [num_seqs] int64, on the device
@@ -232,7 +233,7 @@ class Sampler:
             return sampled, None
         num_logprobs = [params[i].logprobs for i in lp_rows]
         chosen = sampled if lp_index is None else sampled[lp_index]
-        return sampled, (logprob_tensors(raw_logprobs, chosen, max(num_logprobs)), lp_rows, num_logprobs)
+        return sampled, (logprob_tensors(raw, chosen, max(num_logprobs)), lp_rows, num_logprobs)  # log-sum-exp per row
 
     def _sample_candidates(self, logits: torch.Tensor, seqs: Seq[Sequence], grammar_bitmask: GrammarBitmask, found):
         """The rows of ``found`` (a ``token_bitmask.Candidates``) sampled among their allowed tokens

@@ -30,7 +30,8 @@ generated, so they leave it alone. A step that raises aborts every request (``LL
 and ``clear`` drops every matcher with them. EOS is allowed only where the grammar may end; a
 state from which no token of the vocabulary leads on (llguidance then allows EOS alone while the
 grammar is not complete), or a matcher in error mid-generation (a parser limit), ends that sequence
-alone with EOS and a warning naming the request (as vLLM's llguidance backend), not a loop.
+alone with EOS and a warning naming the request (as vLLM's llguidance backend), not a loop; ``accept``
+returns why, and the engine reports it as the request's error when it asks (``on_error``).
 """
 from __future__ import annotations
 

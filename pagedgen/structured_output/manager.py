@@ -42,7 +42,7 @@ class StructuredOutputManager:
         self._grammars: dict[int, tuple] = {}  # seq_id -> (Sequence, Grammar)
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # one helper thread, made on first use
         self._pending: Optional[GrammarBitmask] = None  # the step's mask while its fill may still run
-        self._dead: set[int] = set()  # seq ids given EOS alone in this step (dead ends: see _check_dead_ends)
+        self._dead: dict[int, str] = {}  # seq id -> why, given EOS alone in this step (dead ends: see _check_dead_ends)
         self.mask_seconds = 0.0  # time spent filling bitmasks (benchmarks/structured.py reports it)
         self.mask_wait_seconds = 0.0  # time the step waited for them (all of mask_seconds when serial)
         self.num_masks = 0
@@ -126,7 +126,8 @@ class StructuredOutputManager:
     def _check_dead_ends(self, sampling: list, grammars: list, bitmask: torch.Tensor) -> None:
         """A sequence whose grammar is in error, or can only stop while incomplete, gets the mask of
         EOS alone and a warning: it finishes in this step (finish_reason "stop", as vLLM's llguidance
-        backend ends it), the others run on."""
+        backend ends it; "error" with the reason when its request asks: ``accept``'s return), the
+        others run on."""
         eos = self.compiler._vocabulary(frozenset(sampling[0].eos_token_ids)).eos_token_id
         # only rows that allow EOS can be dead ends (llguidance allows EOS alone there, and errors end in EOS too),
         # and rows that allow nothing (the number guard and the schema agreeing on no token: a schema's bound
@@ -137,12 +138,12 @@ class StructuredOutputManager:
             if grammar.is_error() or (not grammar.is_accepting() and _only_eos(bitmask[row], eos)):
                 bitmask[row] = 0
                 bitmask[row, eos // 32] = _int32(1 << (eos % 32))
-                self._dead.add(seq.seq_id)
                 text = self.compiler.tokenizer.decode(seq.output_token_ids)
                 why = (f"llguidance failed on its {seq.sampling_params.structured_outputs.kind} constraint ({grammar.error_message()})"
                        if grammar.is_error() else f"no token of the vocabulary continues its {seq.sampling_params.structured_outputs.kind} "
                        "constraint (it cannot be completed with this tokenizer)")
-                logger.warning("request %r: %s after %d generated tokens (%r); the completion ends here, incomplete (finish_reason 'stop')",
+                self._dead[seq.seq_id] = f"{why} after {seq.num_output_tokens} generated tokens"
+                logger.warning("request %r: %s after %d generated tokens (%r); the completion ends here, incomplete",
                                seq.request_id, why, seq.num_output_tokens, text[-60:])
 
     def forced_token(self, seq) -> Optional[int]:
@@ -162,16 +163,20 @@ class StructuredOutputManager:
         self.num_jump_forward_tokens += 1
         return token
 
-    def accept(self, seqs: list, token_ids: list[int]) -> None:
+    def accept(self, seqs: list, token_ids: list[int]) -> dict[int, str]:
         """Advance the matchers of the constrained ``seqs`` over their new tokens (before the
-        engine appends them)."""
+        engine appends them). Returns {seq id: why} of the sequences their grammar ends in this
+        step (a dead end or a matcher in error: they sampled EOS, their only allowed token), for
+        the engine to report (``LLMEngine``, a request's ``on_error``)."""
         self._join()
         grammars = self._grammars
+        failed: dict[int, str] = {}
         if not grammars:
-            return
+            return failed
         for seq, token in zip(seqs, token_ids):
-            if seq.seq_id in self._dead:  # a dead end: it sampled EOS, its only allowed token, and ends
-                self._dead.discard(seq.seq_id)
+            why = self._dead.pop(seq.seq_id, None)
+            if why is not None:  # a dead end: it sampled EOS, its only allowed token, and ends
+                failed[seq.seq_id] = why
                 del grammars[seq.seq_id]
                 continue
             entry = grammars.get(seq.seq_id)
@@ -179,6 +184,7 @@ class StructuredOutputManager:
                 continue  # not constrained, or EOS after a grammar that ended by itself (NoExtension)
             entry[1].accept([token])  # refused (a parser limit such as max_items_in_row met mid-generation):
             # the matcher is in error, and the next mask (``_check_dead_ends``) ends the request with a warning
+        return failed
 
 
 class _TimedFuture:

@@ -47,7 +47,7 @@ from pagedgen.core.sequence import Sequence
 from pagedgen.model.llama import LlamaForCausalLM
 from pagedgen.ops import AttentionMetadata
 from pagedgen.outputs import Logprob
-from pagedgen.sample.logprobs import logprob_dicts
+from pagedgen.sample.logprobs import chunked_logprob_tensors, unpack_logprob_dicts
 from pagedgen.sample.rejection_sampler import DraftGroup, resample_groups
 from pagedgen.sample.sampler import Sampler
 from pagedgen.spec_decode import verify
@@ -324,7 +324,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step
         else:
-            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices)  # [S + B + R, vocab], model dtype
+            # [S + B + R, vocab] model dtype; with prompt-logprob rows, the hidden rows [S + B + R, hidden]
+            # (their logits are made in chunks in _outputs: never [R, vocab] at once)
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices, hidden_only=bool(prompt_plan.rows))
         return self._outputs(batch, logits, sampling, beams, prompt_plan, groups)
 
     def _execute_stage(self, batch: ScheduledBatch) -> StepOutput:
@@ -334,7 +336,7 @@ class ModelRunner:
         for mb in microbatch.split(batch, pp.size):
             (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(mb)
             intermediate = None if pp.is_first else pp.prev.recv()  # ([T, hidden], ...) from the previous stage
-            out = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices, intermediate)
+            out = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices, intermediate, hidden_only=bool(prompt_plan.rows))
             if not pp.is_last:
                 pp.next.send(out)  # on to the next stage; this one goes on with the next micro-batch
                 continue
@@ -343,10 +345,17 @@ class ModelRunner:
 
     def _outputs(self, batch: ScheduledBatch, logits: torch.Tensor, sampling, beams, prompt_plan, groups=None) -> StepOutput:
         """Sample ``logits`` [S + B + R, vocab] (model dtype): the sampled tokens and logprobs,
-        the beams' log-softmax rows, the prompt logprobs. ``groups``: the draft model's proposals
-        of this step (``_propose_drafts``), verified by rejection sampling."""
+        the beams' log-softmax rows, the prompt logprobs. With prompt-logprob rows (R > 0),
+        ``logits`` are the final hidden rows [S + B + R, hidden] instead: the lm_head runs over
+        the S + B rows, then over the R rows in chunks (``chunked_logprob_tensors``). ``groups``:
+        the draft model's proposals of this step (``_propose_drafts``), verified by rejection sampling."""
         # the logits stay on the device: the sampler sends back only ids and requested logprobs
         num_sampling, num_beams = len(sampling), len(beams)
+        prompt_hidden = None
+        if prompt_plan.rows:
+            prompt_hidden = logits[num_sampling + num_beams :]  # [R, hidden]
+            head = logits[: num_sampling + num_beams]
+            logits = self.model.compute_logits(head) if num_sampling + num_beams else None  # [S + B, vocab]
         out = StepOutput(sampling, [])
         if sampling:
             resample = None
@@ -363,11 +372,9 @@ class ModelRunner:
             beam_logprobs = logits[num_sampling : num_sampling + num_beams].float().log_softmax(dim=-1).cpu()  # [B, vocab]
             out.beam_logprobs = list(zip(beams, beam_logprobs))
         if prompt_plan.rows:
-            dicts = logprob_dicts(
-                logits[num_sampling + num_beams :].float().log_softmax(dim=-1),
-                torch.tensor(prompt_plan.target_ids, dtype=torch.int64).to(logits.device),
-                prompt_plan.num_logprobs,
-            )
+            targets = torch.tensor(prompt_plan.target_ids, dtype=torch.int64).to(prompt_hidden.device)  # [R]
+            packed = chunked_logprob_tensors(prompt_hidden, self.model.compute_logits, targets, max(prompt_plan.num_logprobs))
+            dicts = unpack_logprob_dicts(packed.cpu(), prompt_plan.num_logprobs)  # the one copy back
             offset = 0
             for seq, first, count in zip(prompt_plan.seqs, prompt_plan.first_positions, prompt_plan.num_rows):
                 out.prompt_logprobs.append((seq, first, dicts[offset : offset + count]))

@@ -285,3 +285,29 @@ def test_token_id_prompts(llm, expected):
 def test_more_bad_llm_arguments(stories_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         LLM(stories_path, **kwargs)
+
+
+def test_numpy_ints_are_ints_for_llm_beam_search_and_streams(stories_path, llm, expected):
+    """A value read from an array or a data frame (numpy's ints and floats) is taken as the Python
+    number it is: LLM's int arguments (tensor_parallel_size among them), gpu_memory_utilization,
+    BeamSearchParams' ints, generate_stream's max_in_flight; a bool or a float is still refused."""
+    import numpy as np
+
+    from pagedgen import BeamSearchParams
+
+    other = LLM(stories_path, num_kv_blocks=np.int64(256), max_num_seqs=np.int32(8), block_size=np.int64(16), seed=np.uint64(0),
+                tensor_parallel_size=np.int64(1), pipeline_parallel_size=np.int8(1), max_model_len=np.int64(256),
+                gpu_memory_utilization=np.float32(0.5))
+    assert other.cache_config.num_blocks == 256 and type(other.cache_config.block_size) is int and type(other.scheduler_config.max_num_seqs) is int
+    assert type(other.seed) is int and other.scheduler_config.max_model_len == 256
+    assert other.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    params = BeamSearchParams(beam_width=np.int64(2), max_tokens=np.int32(4))
+    assert (type(params.beam_width), type(params.max_tokens)) == (int, int)
+    outs = list(other.generate_stream(["Once upon a time"] * 3, GREEDY, max_in_flight=np.int64(2)))
+    assert [o.outputs[0].token_ids for o in outs] == [expected] * 3
+    with pytest.raises(TypeError, match="LLM tensor_parallel_size must be an int, got float"):
+        LLM(stories_path, tensor_parallel_size=np.float64(1.0))
+    with pytest.raises(TypeError, match="LLM max_num_seqs must be an int, got bool"):
+        LLM(stories_path, max_num_seqs=np.bool_(True))
+    with pytest.raises(TypeError, match="BeamSearchParams.beam_width must be an int, got float"):
+        BeamSearchParams(beam_width=np.float32(2), max_tokens=4)

@@ -25,6 +25,7 @@ VLLM_DEFAULTS = dict(
     min_tokens=0,
     logprobs=None,
     prompt_logprobs=None,
+    prompt_logprob_start=None,  # vLLM's (its CPU worker reads it; None: the whole prompt)
     detokenize=True,
     skip_special_tokens=True,
     spaces_between_special_tokens=True,
@@ -164,7 +165,7 @@ def test_vocabulary_checks_before_any_work(llm, kwargs, match):
 
 
 def test_seed_minus_one_means_no_seed():
-    # as vLLM's SamplingParams (and so `--seed -1` on the command line): -1 is None, not the key -1
+    # as vLLM's SamplingParams: -1 is None, not the key -1 (the command line refuses `--seed -1`: cli/args.py)
     assert SamplingParams(temperature=1.0, seed=-1).seed is None
     assert SamplingParams(temperature=1.0, seed=-2).seed == -2
     assert SamplingParams(seed=5).clone(seed=-1).seed is None

@@ -215,3 +215,41 @@ def test_unknown_flag_without_a_close_one_and_stray_values(stories_path, tmp_pat
     assert rc == 2 and "unrecognized argument --zzzzqqq" in error_lines(err)[0] and "did you mean" not in err
     rc, err = run_cli(capsys, *base, "stray")
     assert rc == 2 and "unrecognized arguments: stray" in error_lines(err)[0]
+
+
+def test_seed_minus_one_is_refused_naming_both_meanings(tmp_path, capsys):
+    """``--seed -1`` reads as "random" on a command line, while vLLM's API reads -1 as no seed, and
+    unseeded rows draw from the --engine-seed key: refused at parsing, before any file is touched."""
+    rc, err = run_cli(capsys, "--model", "m", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "o.jsonl", "--seed", "-1")
+    assert rc == 2 and error_lines(err) == [
+        "pagedgen: error: --seed -1 is ambiguous: leave --seed out (or --seed none) for unseeded rows, whose draws come from "
+        "the --engine-seed key (not fresh randomness on each run: pass another --engine-seed for other draws), or give a "
+        "seed >= 0 (see pagedgen --help)"], err
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_output_that_is_another_runs_errors_file_is_refused(stories_path, tmp_path, capsys):
+    """``x.errors.jsonl`` is the errors file of ``x.jsonl`` once that run's sidecar exists, and an
+    output of its own once its own sidecar exists: neither run may write the other's file, even
+    with --overwrite (rows of two runs mixed, or one run's output replaced)."""
+    src = _input(tmp_path, {"prompt": "Once upon a time"}, {"text": "bad"})
+    out, errors = tmp_path / "x.jsonl", tmp_path / "x.errors.jsonl"
+    assert run_cli(capsys, *_base(stories_path, src, out, "--on-error", "skip"))[0] == 0
+    kept = {p: p.read_bytes() for p in (out, errors)}
+    for extra in ((), ("--overwrite",)):
+        rc, err = run_cli(capsys, *_base(stories_path, src, errors, *extra))
+        assert rc == 2 and error_lines(err) == [
+            f"pagedgen: error: --output {str(errors)!r} is the errors file of --output {str(out)!r} (its sidecar "
+            f"{str(tmp_path / 'x.pagedgen.json')!r} exists): choose another output name (another run's files are never "
+            "written to)"], err
+    assert {p: p.read_bytes() for p in kept} == kept and not (tmp_path / "x.errors.pagedgen.json").exists()
+    # the other way round: y.errors.jsonl written first as an output, then y.jsonl's run would append its bad rows to it
+    other, other_errors = tmp_path / "y.jsonl", tmp_path / "y.errors.jsonl"
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    assert run_cli(capsys, *_base(stories_path, good, other_errors))[0] == 0
+    written = other_errors.read_bytes()
+    for extra in ((), ("--overwrite",)):
+        rc, err = run_cli(capsys, *_base(stories_path, src, other, "--on-error", "skip", *extra))
+        assert rc == 2 and f"its errors file {str(other_errors)!r} is the output of another run" in err, err
+    assert other_errors.read_bytes() == written and not other.exists()

@@ -125,6 +125,10 @@ def test_sidecar_round_trip_and_checks(tmp_path):
         loaded.check(data["model"], {"temperature": 0.8, "max_tokens": 8}, "out.jsonl")
     with pytest.raises(CLIError, match=r"model differs .*changed: config.json"):
         loaded.check({"config.json": {"size": 3, "sha256": "cd"}}, data["params"], "out.jsonl")
+    # a flag a newer pagedgen added (prompt_logprob_start), left unset, is the same run; set, it differs
+    loaded.check(data["model"], {**data["params"], "prompt_logprob_start": None}, "out.jsonl")
+    with pytest.raises(CLIError, match=r"parameters differ .*prompt_logprob_start: None -> 3"):
+        loaded.check(data["model"], {**data["params"], "prompt_logprob_start": 3}, "out.jsonl")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(CLIError, match="cannot read the sidecar"):
         sidecar.Sidecar.load(str(tmp_path / "bad.json"))

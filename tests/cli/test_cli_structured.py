@@ -140,3 +140,31 @@ def test_a_schema_field_no_row_has_is_a_warning(stories_path, tmp_path, capsys, 
     rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / "ok.jsonl",
                       "--max-tokens", 4, "--schema-field", "schema")
     assert rc == 0 and "warning" not in err, err
+
+
+def test_a_row_that_fails_mid_generation_goes_to_the_errors_file_with_skip(stories_path, tmp_path, capsys, one_torch_thread):
+    """Rows without a schema get a Lark grammar that passes llguidance's parser row limit at its
+    second word (it compiles, then fails mid-generation): with --on-error skip they go to the
+    errors file with llguidance's reason (``on_error="return"``) and the rows with a schema are
+    written; with --on-error stop they end as vLLM ends them (finish_reason "stop", incomplete)."""
+    src = tmp_path / "in.jsonl"
+    rows = [{"prompt": p, **({"schema": SCHEMAS[0]} if i % 2 == 0 else {})} for i, p in enumerate(story_openings(4))]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    grammar = tmp_path / "g.lark"
+    grammar.write_text("start: x x\nx: " + " | ".join(f'"w{i}" y' for i in range(2500)) + '\ny: "a" | "b"\n')
+    base = ("--model", stories_path, "--input", src, "--schema-field", "schema", "--grammar", grammar, "--temperature", 1, "--seed", 1,
+            "--max-tokens", 60, "--disable-any-whitespace")
+    rc, err = run_cli(capsys, *base, "--output", tmp_path / "skip.jsonl", "--on-error", "skip")
+    assert rc == 0, err
+    assert [r["index"] for r in read_jsonl(tmp_path / "skip.jsonl")] == [0, 2]
+    errors = read_jsonl(tmp_path / "skip.errors.jsonl")
+    assert [e["index"] for e in errors] == [1, 3] and [e["line"] for e in errors] == [2, 4]
+    for e in errors:
+        assert re.fullmatch(rf"row {e['index']}: llguidance failed on its grammar constraint \(.*max is 2000.*\) after \d+ generated tokens",
+                            e["error"]), e
+        assert e["row"] == rows[e["index"]]
+    rc, err = run_cli(capsys, *base, "--output", tmp_path / "stop.jsonl")
+    assert rc == 0, err
+    written = read_jsonl(tmp_path / "stop.jsonl")
+    assert [r["index"] for r in written] == [0, 1, 2, 3] and not (tmp_path / "stop.errors.jsonl").exists()
+    assert all(written[i]["completions"][0]["finish_reason"] == "stop" for i in (1, 3))

@@ -116,6 +116,15 @@ def test_bad_size_is_refused_before_any_process(stories_path, monkeypatch):
     monkeypatch.delenv("PAGEDGEN_TP_OVERSUBSCRIBE")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=64 must be <= the CPU cores"):
         LLM(stories_path, tensor_parallel_size=64)
+    cores = len(os.sched_getaffinity(0))
+    if cores < 3:  # every problem of the size in one message: the cores and the heads
+        with pytest.raises(ValueError) as info:
+            LLM(stories_path, tensor_parallel_size=3)
+        assert str(info.value) == (f"LLM tensor_parallel_size=3 must be <= the CPU cores this process may use ({cores}); "
+                                   "tensor_parallel_size=3 must divide num_attention_heads (8) of the model; "
+                                   "tensor_parallel_size=3 must divide num_key_value_heads (4) of the model")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=64 must divide num_attention_heads \(8\)"):
+        LLM(stories_path, tensor_parallel_size=64)
     assert set(multiprocessing.active_children()) == before
 
 
@@ -152,7 +161,7 @@ def test_ctrl_c_in_the_driver_at_tp2_then_the_next_call_equals_a_fresh_llm(tp1, 
     assert _tokens(tp2.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
-def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prompts):
+def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prompts, tp1):
     llm = LLM(stories_path, tensor_parallel_size=2, **KW)
     pids = llm.llm_engine.executor.collective_rpc(slow_steps, (0.2,))
     timer = threading.Timer(0.8, os.kill, (pids[1], signal.SIGKILL))
@@ -164,6 +173,10 @@ def test_killed_rank_raises_within_10_s_and_leaves_no_process(stories_path, prom
     timer.cancel()
     assert _gone(pids)
     assert llm.llm_engine.block_manager.num_used_blocks == 0
+    # restarted for the next call, as a raising rank is: the LLM stays usable and equals TP = 1
+    assert _tokens(llm.generate(prompts[:8], GREEDY, use_tqdm=False)) == _tokens(tp1.generate(prompts[:8], GREEDY, use_tqdm=False))
+    assert not set(llm.llm_engine.executor.worker_pids) & set(pids)
+    llm.shutdown()
 
 
 def test_rank_killed_while_starting_fails_the_start_at_once(stories_path, monkeypatch):

@@ -133,6 +133,27 @@ def test_instance_requests_and_lm_passed_as_object(full_llm, task_dir):
     assert empty_ll < ll < 0  # an empty context is conditioned on the prefix (BOS) token
 
 
+def test_choices_share_their_context_through_the_prefix_cache(stories_path, hf_model):
+    """A multiple-choice question: the choices' prompt logprobs start at their continuation
+    (``prompt_logprob_start``), so the context's full blocks are computed once, by the first choice,
+    and the others find them in the same step; the scores equal transformers' log-softmax."""
+    from pagedgen import LLM
+
+    llm = LLM(stories_path, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
+    lm = PagedGenLM(pretrained=llm, max_length=256)  # no left truncation: the windows start alike
+    context = " ".join(["Once upon a time, there was a little girl named Lily who liked to play."] * 3)
+    choices = [" She went to the park with her mom.", " The dog ran fast.", " It was sunny and warm outside today."]
+    reqs = [Instance("loglikelihood", {}, (context, c), i) for i, c in enumerate(choices)]
+    scores = lm.loglikelihood(reqs, disable_tqdm=True)
+    stats = llm.get_stats()
+    assert stats.num_steps == 1 and stats.num_cached_tokens >= 2 * 32  # choices 2 and 3: at least 2 blocks each
+    for (ctx, cont), (ll, _) in zip(((r.args[0], r.args[1]) for r in reqs), scores):
+        ctx_ids, cont_ids = lm._encode_pair(ctx, cont)
+        ids = ctx_ids + cont_ids
+        ref = _hf_logprobs(hf_model, ids[:-1])[-len(cont_ids):]
+        assert ll == pytest.approx(sum(ref[j, t].item() for j, t in enumerate(cont_ids)), abs=1e-4)
+
+
 @pytest.mark.parametrize(
     "model_args, error",
     [

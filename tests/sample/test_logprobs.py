@@ -1,5 +1,7 @@
 """Logprobs and prompt logprobs equal the log-softmax of transformers' logits for the same tokens
-(stories260K, fp32, atol 1e-4), also when prompts are prefilled in chunks and sequences preempted."""
+(stories260K, fp32, atol 1e-4), also when prompts are prefilled in chunks and sequences preempted,
+and when a long prompt's logprob rows go through the lm_head in chunks; computed from a log-sum-exp
+per row, never a [rows, vocab] log-softmax."""
 import math
 
 import pytest
@@ -100,3 +102,55 @@ def test_logprobs_are_of_the_raw_distribution(llm, prompts):
     for a, b in zip(greedy.logprobs, other.logprobs):
         assert a.keys() == b.keys()
         assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-6) for t in a)
+
+
+def test_logprobs_from_the_logits_equal_the_log_softmax_and_rows_do_not_depend_on_the_chunk():
+    """``logprob_tensors`` takes the raw logits (float32 or bf16) and a log-sum-exp per row: the
+    values equal the log-softmax's to float32 rounding, ranks and the top k agree; the chunked form
+    over hidden rows gives every row the same bits whatever the chunk size."""
+    from pagedgen.sample.logprobs import chunked_logprob_tensors, logprob_tensors, unpack_logprob_dicts
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 1000, generator=g) * 4
+    ids = torch.randint(0, 1000, (37,), generator=g)
+    for x in (logits, logits.to(torch.bfloat16)):
+        ref = x.float().log_softmax(dim=-1)
+        dicts = unpack_logprob_dicts(logprob_tensors(x, ids, 5), [5] * 37)
+        for r, d in enumerate(dicts):
+            chosen = d[int(ids[r])]
+            assert chosen.logprob == pytest.approx(ref[r, ids[r]].item(), abs=1e-5)
+            assert chosen.rank == int((ref[r] >= ref[r, ids[r]]).sum())
+            top = sorted(((lp.rank, t) for t, lp in d.items() if lp.rank <= 5 and (t != int(ids[r]) or lp.rank <= 5)))
+            assert [t for _, t in top][:5] == sorted(range(1000), key=lambda j: (-ref[r, j].item(), j))[:5]
+    table = torch.randn(37, 1000, generator=g) * 4  # the "lm_head" looks a row's logits up (its GEMM's own
+    hidden = torch.arange(37, dtype=torch.float32)[:, None]  # batch invariance is tests/layers' business)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape[0])
+        return table[h[:, 0].long()]  # [n, 1000]
+
+    whole = logprob_tensors(head(hidden), ids, 3)
+    calls.clear()
+    for chunk in (1, 7, 16, 37, 256):
+        got = chunked_logprob_tensors(hidden, head, ids, 3, chunk_rows=chunk)
+        assert torch.equal(got, whole) and max(calls) <= chunk
+        calls.clear()
+
+
+def test_a_long_prompts_logprobs_are_computed_in_chunks(stories_path, hf_logprobs, monkeypatch):
+    """A 500-token prompt with prompt_logprobs in one step: the lm_head never runs over more than
+    PROMPT_LOGPROB_CHUNK_ROWS rows at once (so never [prompt_len, vocab] logits), and every entry
+    still equals transformers' log-softmax."""
+    from pagedgen.sample import logprobs as logprobs_module
+
+    monkeypatch.setattr(logprobs_module, "PROMPT_LOGPROB_CHUNK_ROWS", 128)
+    llm = LLM(stories_path, max_num_batched_tokens=1024)
+    rows = []
+    real = llm.model.compute_logits
+    monkeypatch.setattr(llm.model, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
+    prompt = [(11 * j) % 500 + 3 for j in range(500)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, logprobs=1),
+                       use_tqdm=False)[0]
+    assert llm.get_stats().num_steps == 2 and max(rows) <= 128 and sum(rows) >= 499  # 4 chunks of prompt rows + the sampled rows
+    _check_request(out, hf_logprobs, k_sample=1, k_prompt=1)

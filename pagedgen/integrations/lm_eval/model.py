@@ -39,7 +39,7 @@ logger = logging.getLogger("pagedgen")
 #: model_args of the backend itself (the rest are EngineArgs fields, i.e. LLM's keyword arguments).
 LM_ARGS = ("pretrained", "max_length", "batch_size", "max_batch_size", "max_gen_toks", "add_bos_token", "prefix_token_id", "chat_template")
 #: gen_kwargs set by the backend itself, not passed through to SamplingParams.
-_OWN_SAMPLING = ("max_tokens", "stop", "n", "logprobs", "prompt_logprobs", "detokenize")
+_OWN_SAMPLING = ("max_tokens", "stop", "n", "logprobs", "prompt_logprobs", "prompt_logprob_start", "detokenize")
 
 
 def _typed(name: str, value, tp):
@@ -229,7 +229,7 @@ class PagedGenLM(TemplateLM):
         """(logprob, is_greedy) per (cache key, context ids, continuation ids), in one generate call."""
         prompts = [scoring.scoring_prompt(i, ctx, cont, self.max_length) for i, (_, ctx, cont) in enumerate(requests)]
         conts = [cont for _, _, cont in requests]
-        outputs = self.llm.generate(prompts, scoring.scoring_params(conts), use_tqdm=not disable_tqdm)
+        outputs = self.llm.generate(prompts, scoring.scoring_params(prompts, conts), use_tqdm=not disable_tqdm)
         results = []
         for (key, _, cont), out in zip(requests, outputs):
             answer = scoring.continuation_score(out, cont)

@@ -8,7 +8,12 @@ continuation token counts as greedy when it is the argmax there. The same window
     window = (context + continuation)[-(max_length + 1):]      # left truncation
     prompt = window[:-1]                 # <= max_length = max_model_len tokens; a full one is allowed
     continuation[:-1]  = the last n - 1 prompt tokens -> prompt_logprobs=0 (each entry always holds
-                                                         the prompt token itself, with its rank)
+                                                         the prompt token itself, with its rank),
+                                                         prompt_logprob_start = len(prompt) - (n - 1):
+                                                         the context's full blocks come from the
+                                                         prefix cache (computed once for the choices
+                                                         that share it), only the continuation's
+                                                         rows are computed with logprobs
     continuation[-1]   = the one token sampled after the prompt, forced by allowed_token_ids=[it];
                          logprobs=0 returns its raw log-probability and rank
 
@@ -19,7 +24,7 @@ issue #2880): pagedgen accepts a prompt of exactly ``max_model_len`` tokens.
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import Optional, Sequence as Seq
 
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
@@ -47,21 +52,25 @@ def scoring_prompt(index: int, context: Seq[int], continuation: Seq[int], max_le
     return (list(context) + list(continuation))[-(max_length + 1):][:-1]
 
 
-def scoring_params(continuations: Seq[Seq[int]]) -> list[SamplingParams]:
-    """One SamplingParams per request: one greedy token forced to the continuation's last token,
-    its logprob, and prompt logprobs when the continuation has more than one token. Requests with
-    the same last token and kind share one object (``LLM.generate`` checks each distinct one once)."""
-    cache: dict[tuple[int, bool], SamplingParams] = {}
+def scoring_params(prompts: Seq[Seq[int]], continuations: Seq[Seq[int]]) -> list[SamplingParams]:
+    """One SamplingParams per request (``prompts[i]`` from ``scoring_prompt``): one greedy token
+    forced to the continuation's last token, its logprob, and, when the continuation has n > 1
+    tokens, the prompt logprobs of the prompt's last n - 1 tokens only (``prompt_logprob_start``),
+    so that the context before them can come from the prefix cache. Requests with the same last
+    token, kind and start share one object (``LLM.generate`` checks each distinct one once)."""
+    cache: dict[tuple[int, Optional[int]], SamplingParams] = {}
     out = []
-    for cont in continuations:
-        key = (cont[-1], len(cont) > 1)
+    for prompt, cont in zip(prompts, continuations):
+        start = len(prompt) - (len(cont) - 1) if len(cont) > 1 else None
+        key = (cont[-1], start)
         if key not in cache:
             cache[key] = SamplingParams(
                 temperature=0.0,
                 max_tokens=1,
                 allowed_token_ids=[cont[-1]],
                 logprobs=0,
-                prompt_logprobs=0 if key[1] else None,
+                prompt_logprobs=None if start is None else 0,
+                prompt_logprob_start=start,
                 detokenize=False,
             )
         out.append(cache[key])
