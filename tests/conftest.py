@@ -55,6 +55,22 @@ def llm(stories_path):
     return LLM(stories_path, enforce_extension=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory):
+    """A tiny random Llama with the GPT-2 tokenizer's first 4,096 ids; its EOS is id 0 ("!")."""
+    import tiny_checkpoints
+
+    folder = tmp_path_factory.mktemp("tiny-llama-gpt2")
+    tiny_checkpoints.build("llama", str(folder))
+    return str(folder)
+
+
+def tiny_prompts(n: int) -> list[list[int]]:
+    """``n`` token-id prompts of whole words of the GPT-2 tokenizer (ids 256..4095, so that no prompt
+    ends inside a UTF-8 character), for ``tiny_gpt2``."""
+    return [[256 + (i * 37) % 3800, 256 + (i * 101) % 3800, 256 + (i * 13) % 3800] for i in range(n)]
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module: the reference ops run many tiny kernels, and on a shared

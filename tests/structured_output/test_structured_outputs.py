@@ -13,7 +13,7 @@ import torch
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")  # a core dependency; absent only from a foreign image (the GPU machine's)
 
-from conftest import story_openings
+from conftest import story_openings, tiny_prompts
 from json_schemas import SCHEMAS
 
 from pagedgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -35,21 +35,6 @@ def _assert_valid_json(outs, schemas):
 
 def _ids(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory):
-    """A tiny random Llama with the GPT-2 tokenizer's first 4,096 ids; its EOS is id 0 ("!")."""
-    import tiny_checkpoints
-
-    folder = tmp_path_factory.mktemp("tiny-llama-gpt2")
-    tiny_checkpoints.build("llama", str(folder))
-    return str(folder)
-
-
-def _tiny_prompts(n):
-    """Token-id prompts of whole words (ids 256..4095), so that no prompt ends inside a UTF-8 character."""
-    return [[256 + (i * 37) % 3800, 256 + (i * 101) % 3800, 256 + (i * 13) % 3800] for i in range(n)]
 
 
 # ----- the op and the parameters -----------------------------------------------------------------
@@ -183,11 +168,11 @@ def test_json_schemas_gpt2_tokenizer(tiny_gpt2, batch_invariant):
     without batch invariance; the same seeds give the same outputs in a batch and alone."""
     llm = LLM(tiny_gpt2, max_num_seqs=64, batch_invariant=batch_invariant)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=200, structured_outputs=SPECS[i % 10]) for i in range(100)]
-    outs = llm.generate(_tiny_prompts(100), params, use_tqdm=False)
+    outs = llm.generate(tiny_prompts(100), params, use_tqdm=False)
     _assert_valid_json(outs, SCHEMAS)
     assert all(0 not in c.token_ids[:-1] for o in outs for c in o.outputs)  # "!" (EOS) only at the end
     if batch_invariant:
-        alone = llm.generate(_tiny_prompts(100)[7:8], params[7], use_tqdm=False)
+        alone = llm.generate(tiny_prompts(100)[7:8], params[7], use_tqdm=False)
         assert _ids(alone) == _ids(outs[7:8])
 
 
@@ -389,7 +374,7 @@ def test_eos_set_on_the_llm(tiny_gpt2):
     llm = LLM(tiny_gpt2, max_num_seqs=8)
     llm.eos_token_ids = frozenset([13])
     S = StructuredOutputsParams
-    outs = llm.generate(_tiny_prompts(4), SamplingParams(temperature=1.0, seed=3, max_tokens=8, structured_outputs=S(regex="[ab]!")), use_tqdm=False)
+    outs = llm.generate(tiny_prompts(4), SamplingParams(temperature=1.0, seed=3, max_tokens=8, structured_outputs=S(regex="[ab]!")), use_tqdm=False)
     for o in outs:
         c = o.outputs[0]
         assert c.finish_reason == "stop" and c.token_ids[-1] == 13 and c.text in ("a!", "b!")
@@ -405,9 +390,9 @@ def test_dead_end_is_reported_not_looped_on(tiny_gpt2, overlap, caplog):
     llm.llm_engine.grammars.overlap = overlap
     S = StructuredOutputsParams
     with pytest.raises(ValueError, match=r"sampling_params\.structured_outputs: no token sequence of this vocabulary satisfies the regex"):
-        llm.generate(_tiny_prompts(1), SamplingParams(structured_outputs=S(regex="a!b")), use_tqdm=False)
+        llm.generate(tiny_prompts(1), SamplingParams(structured_outputs=S(regex="a!b")), use_tqdm=False)
     with caplog.at_level("WARNING", logger="pagedgen"):
-        outs = llm.generate(_tiny_prompts(3), [SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])),
+        outs = llm.generate(tiny_prompts(3), [SamplingParams(max_tokens=8, structured_outputs=S(choice=["x", "y"])),
                                                SamplingParams(max_tokens=8, structured_outputs=S(regex="[ab]!")),
                                                SamplingParams(max_tokens=4)], use_tqdm=False)
     dead = outs[1].outputs[0]
@@ -453,7 +438,7 @@ def test_grammar_past_the_parser_row_limit_ends_that_request_alone(tiny_gpt2, ca
     words = " | ".join(f'"w{i}" y' for i in range(2500))
     spec = StructuredOutputsParams(grammar=f'start: x x\nx: {words}\ny: "a" | "b"')
     with caplog.at_level("WARNING", logger="pagedgen"):
-        outs = llm.generate(_tiny_prompts(2), [SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs=spec),
+        outs = llm.generate(tiny_prompts(2), [SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs=spec),
                                                SamplingParams(max_tokens=6)], use_tqdm=False)
     failed = outs[0].outputs[0]
     assert failed.finish_reason == "stop" and failed.token_ids[-1] == 0 and re.fullmatch(r"w\d*[ab]?", failed.text), failed.text
