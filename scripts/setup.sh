@@ -66,7 +66,12 @@ if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedge
   if [ -n "$native" ] && [ "$(cat "$VENV/.pagedgen-native" 2>/dev/null)" != "$(echo "$native" | sha256sum)" ]; then
     rm -rf build/temp.*/_C_cpu_native pagedgen/_C_cpu_native.*so   # same command line, another CPU
   fi
-  step "building the extension: pagedgen._C and the CPU kernels per instruction-set level (first time: 5-10 minutes)" \
+  if ls -d build/temp.* >/dev/null 2>&1; then
+    what="what changed since the last build"
+  else
+    what="from scratch: 4-6 minutes on a quiet 2-core machine, two or three times that on a busy one"
+  fi
+  step "building the extension: pagedgen._C and the CPU kernels of each instruction-set level ($what)" \
     "$PY" setup.py build_ext --inplace
   echo "$src_hash" > "$VENV/.pagedgen-ext"
   [ -z "$native" ] || echo "$native" | sha256sum > "$VENV/.pagedgen-native"
