@@ -11,11 +11,12 @@ What counts as a shown output, and how each is checked:
   below makes the command line print it, and the quote must equal one message printed. ``...`` in
   a quote stands for text left out (any text, with the spaces around it; the pid of another run for
   one); nothing else is masked.
-- **A JSON example output** carries a marker comment, ``<!-- doc-output: NAME -->``, on the line
-  before its block; the scenario NAME runs the command the page gives for it and the block must
-  equal what it writes, except ``"created"`` of the OpenAI format (the time the output was started).
-  A ``json`` block without a marker is refused, unless it is marked ``<!-- doc-input: NAME -->``
-  (the input a scenario reads from the page).
+- **An example output** (a ``json`` or ``text`` block) carries a marker comment,
+  ``<!-- doc-output: NAME -->``, on the line before its block; the scenario NAME runs the command the
+  page gives for it and the block must equal what it writes, except ``"created"`` of the OpenAI
+  format (the time the output was started) and a summary's seconds and tokens/s. Such a block
+  without a marker is refused, unless it is marked ``<!-- doc-input: NAME -->`` (the input a
+  scenario reads from the page).
 
 The texts depend on the model (stories260K, float32) and on the CPU kind's last bits only through
 greedy ties and seeded draws near a boundary: the examples are greedy or seeded, written on the
@@ -198,36 +199,60 @@ def _cli_row(capsys):
     _write("data.jsonl", '{"id": 7, "prompt": "Once upon a time"}\n')
     rc, err = _cli(capsys, "--input", "data.jsonl", "--temperature", 0, "--max-tokens", 5)
     assert rc == 0, err
-    return [json.loads(line) for line in open("out.jsonl", encoding="utf-8")]
+    return open("out.jsonl", encoding="utf-8").read(), err
 
 
 def _openai_batch(capsys):
     _write("batch.jsonl", _marked_block("docs/cli.md", "doc-input", "openai-batch"))
     rc, err = _cli(capsys, "--input", "batch.jsonl", "--temperature", 0, "--chat-template", TEMPLATE)
     assert rc == 0, err
-    return [json.loads(line) for line in open("out.jsonl", encoding="utf-8")][:1]  # the page shows r1's
+    return open("out.jsonl", encoding="utf-8").readline(), err  # the page shows r1's answer
 
 
-OUTPUT_SCENARIOS = {"cli-row": _cli_row, "openai-batch": _openai_batch}
+OUTPUT_SCENARIOS = {"cli-row": lambda capsys: _cli_row(capsys)[0],
+                    "cli-summary": lambda capsys: _cli_row(capsys)[1],
+                    "openai-batch": lambda capsys: _openai_batch(capsys)[0]}
+TIMING = re.compile(r"[\d.,]+(?= s \(| output tok/s| tok/s in all)")  # a summary's seconds and rates
+
+
+def _comparable(text: str, shown: str):
+    """The JSON lines of a json block; the lines of a text block with its timings masked."""
+    if shown.lstrip().startswith("{"):
+        rows = [json.loads(line) for line in text.splitlines()]
+        for row, want in zip(rows, [json.loads(line) for line in shown.splitlines()]):
+            if "response" in row:  # the OpenAI format's "created": the time the output was started
+                row["response"]["body"]["created"] = want["response"]["body"]["created"]
+        return rows
+    return TIMING.sub("N", text).splitlines()
 
 
 @pytest.mark.parametrize("name", sorted(OUTPUT_SCENARIOS))
-def test_json_example_outputs_are_what_the_cli_writes(name, stories_path, tmp_path, capsys, monkeypatch):
+def test_example_outputs_are_what_the_cli_writes(name, stories_path, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    shown = [json.loads(line) for line in _marked_block("docs/cli.md", "doc-output", name).splitlines()]
+    shown = _marked_block("docs/cli.md", "doc-output", name)
     got = OUTPUT_SCENARIOS[name](capsys)
-    for row, want in zip(got, shown):
-        if "response" in row:  # the OpenAI format's "created": the time the output was started
-            row["response"]["body"]["created"] = want["response"]["body"]["created"]
-    assert got == shown, f"docs/cli.md ({name}) shows\n{shown}\nthe command line writes\n{got}"
+    assert _comparable(got, shown) == _comparable(shown, shown), f"docs/cli.md ({name}) shows\n{shown}\nthe command line writes\n{got}"
+
+
+def test_the_summary_phrases_the_page_quotes_are_printed(stories_path, tmp_path, capsys, monkeypatch):
+    """docs/cli.md's "Summary" quotes two lines a run prints instead of its figures."""
+    monkeypatch.chdir(tmp_path)
+    text = " ".join(_text("docs/cli.md").split())
+    rc, err = _no_prompt_field(capsys)
+    assert rc == 2 and "`no row was written to OUTPUT`" in text and "pagedgen: no row was written to out.jsonl" in err, err
+    os.remove("data.jsonl")
+    _cli_row(capsys)
+    rc, err = _cli(capsys, "--input", "data.jsonl", "--temperature", 0, "--max-tokens", 5)
+    said = "nothing was left to generate (every row was done by an earlier run)"
+    assert rc == 0 and f"`{said}`" in text and said in err, err
 
 
 def test_every_json_example_is_marked():
-    """A ``json`` block is an output some scenario checks, or an input one reads."""
+    """A ``json`` or ``text`` block is an output some scenario checks, or an input one reads."""
     for page in PAGES:
         for lang, line, _, before in _blocks(page):
-            if lang == "json":
+            if lang in ("json", "text"):
                 marker = re.fullmatch(r"<!-- doc-(output|input): ([\w-]+) -->", before)
-                assert marker, f"{page}:{line}: a json block without <!-- doc-output: NAME --> or <!-- doc-input: NAME -->"
+                assert marker, f"{page}:{line}: a json or text block without <!-- doc-output: NAME --> or <!-- doc-input: NAME -->"
                 if marker.group(1) == "output":
                     assert marker.group(2) in OUTPUT_SCENARIOS, f"{page}:{line}: no scenario {marker.group(2)!r}"
