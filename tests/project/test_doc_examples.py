@@ -7,8 +7,8 @@ What counts as a shown output, and how each is checked:
   what the expression gives, and an ``assert`` states what holds. Such a block is run as written,
   statement by statement, from the repository root, and each shown value is compared exactly.
   Blocks with neither are illustrations (they read files the reader has) and are not run.
-- **A quoted error message** (``pagedgen: error: ...``, inline or on a line of its own): a scenario
-  below makes the command line print it, and the quote must equal one message printed. ``...`` in
+- **A quoted error message** (``pagedgen: error: ...``, inline or on a line of its own; and the
+  messages of the Python API that ``PY_MESSAGES`` lists): a scenario below makes the code print it, and the quote must equal one message printed. ``...`` in
   a quote stands for text left out (any text, with the spaces around it; the pid of another run for
   one); nothing else is masked.
 - **An example output** (a ``json`` or ``text`` block) carries a marker comment,
@@ -43,6 +43,11 @@ TEMPLATE = os.path.join(ROOT, "examples", "chat_template.jinja")
 def _text(page: str) -> str:
     with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         return f.read()
+
+
+def _prose(page: str) -> str:
+    """The page without its fenced blocks, whitespace collapsed (a quote may wrap across lines)."""
+    return " ".join(re.sub(r"^\s*```.*?^\s*```", "", _text(page), flags=re.S | re.M).split())
 
 
 def _blocks(page: str):
@@ -111,11 +116,9 @@ def _quoted_errors() -> list[tuple[str, str]]:
     """(page, message) for every ``pagedgen: error: <text>`` a page quotes, whitespace collapsed."""
     found = []
     for page in PAGES:
-        text = _text(page)
         for lang, _, body, _ in _blocks(page):
             found += [(page, ln.strip()) for ln in body.splitlines() if ln.startswith("pagedgen: error: ")]
-        for quote in re.findall(r"`(pagedgen: error: [^`]+)`", text):
-            found.append((page, " ".join(quote.split())))
+        found += [(page, quote) for quote in re.findall(r"`(pagedgen: error: [^`]+)`", _prose(page))]
     return found
 
 
@@ -237,7 +240,7 @@ def test_example_outputs_are_what_the_cli_writes(name, stories_path, tmp_path, c
 def test_the_summary_phrases_the_page_quotes_are_printed(stories_path, tmp_path, capsys, monkeypatch):
     """docs/cli.md's "Summary" quotes two lines a run prints instead of its figures."""
     monkeypatch.chdir(tmp_path)
-    text = " ".join(_text("docs/cli.md").split())
+    text = _prose("docs/cli.md")
     rc, err = _no_prompt_field(capsys)
     assert rc == 2 and "`no row was written to OUTPUT`" in text and "pagedgen: no row was written to out.jsonl" in err, err
     os.remove("data.jsonl")
@@ -256,3 +259,31 @@ def test_every_json_example_is_marked():
                 assert marker, f"{page}:{line}: a json or text block without <!-- doc-output: NAME --> or <!-- doc-input: NAME -->"
                 if marker.group(1) == "output":
                     assert marker.group(2) in OUTPUT_SCENARIOS, f"{page}:{line}: no scenario {marker.group(2)!r}"
+
+
+#: The messages of the Python API a page quotes (the page, how the quote starts): one scenario each below.
+PY_MESSAGES = [("docs/structured_outputs.md", "sampling_params[2].structured_outputs: "),
+               ("docs/structured_outputs.md", "request '1': ")]
+
+
+def test_quoted_python_messages_are_what_the_code_says(stories_path, tmp_path, caplog):
+    pytest.importorskip("llguidance")
+    import tiny_checkpoints
+    from pagedgen import LLM, SamplingParams, StructuredOutputsParams
+
+    quotes = [(page, q) for page, start in PY_MESSAGES
+              for q in re.findall(r"`([^`]+)`", _prose(page)) if q.startswith(start)]
+    assert len(quotes) == len(PY_MESSAGES), quotes
+    said = []
+    plain = SamplingParams(max_tokens=4)
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "foo"}))
+    with pytest.raises(ValueError) as refused:  # a schema the backend refuses, named by its request
+        LLM(stories_path).generate(["a", "b", "c"], [plain, plain, bad], use_tqdm=False)
+    said.append(str(refused.value))
+    tiny_checkpoints.build("llama", str(tmp_path))  # GPT-2's first 4,096 ids; EOS is "!", so no token writes "!"
+    dead_end = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]!"))
+    with caplog.at_level("WARNING", logger="pagedgen"):
+        LLM(str(tmp_path)).generate([[300, 400, 500], [301, 401, 501]], [plain, dead_end], use_tqdm=False)
+    said += [r.getMessage() for r in caplog.records if r.name == "pagedgen"]
+    for page, quote in quotes:
+        assert any(_matches(quote, m) for m in said), f"{page} quotes {quote!r}; the code says:\n" + "\n".join(said)
