@@ -178,7 +178,11 @@ def _deleted_row(capsys):
     return _cli(capsys, "--input", "data.jsonl", "--max-tokens", 1)
 
 
-ERROR_SCENARIOS = [_bad_json, _no_prompt_field, _repeated_custom_id, _locked_output, _deleted_row]
+def _mistyped_flag(capsys):
+    return _cli(capsys, "--input", "data.jsonl", "--max-token", 10)
+
+
+ERROR_SCENARIOS = [_mistyped_flag, _bad_json, _no_prompt_field, _repeated_custom_id, _locked_output, _deleted_row]
 
 
 def test_every_quoted_error_message_is_what_the_cli_prints(stories_path, tmp_path, capsys, monkeypatch):
