@@ -8,9 +8,10 @@ What counts as a shown output, and how each is checked:
   statement by statement, from the repository root, and each shown value is compared exactly.
   Blocks with neither are illustrations (they read files the reader has) and are not run.
 - **A quoted error message** (``pagedgen: error: ...``, inline or on a line of its own; and the
-  messages of the Python API that ``PY_MESSAGES`` lists): a scenario below makes the code print it, and the quote must equal one message printed. ``...`` in
-  a quote stands for text left out (any text, with the spaces around it; the pid of another run for
-  one); nothing else is masked.
+  messages of the Python API that ``PY_MESSAGES`` lists): a scenario below makes the code print it,
+  and the quote must equal one message printed. ``...`` in a quote stands for text left out (any
+  text, with the spaces around it; the pid of another run for one); nothing else is masked. Every
+  scenario's message must be quoted somewhere, so that none is left checking nothing.
 - **An example output** (a ``json`` or ``text`` block) carries a marker comment,
   ``<!-- doc-output: NAME -->``, on the line before its block; the scenario NAME runs the command the
   page gives for it and the block must equal what it writes, except ``"created"`` of the OpenAI
@@ -20,7 +21,8 @@ What counts as a shown output, and how each is checked:
 
 The texts depend on the model (stories260K, float32) and on the CPU kind's last bits only through
 greedy ties and seeded draws near a boundary: the examples are greedy or seeded, written on the
-AMD EPYC AVX2 kind; on a failure the message gives the text this machine produced.
+AMD EPYC AVX2 kind, and give the same texts there with the PyTorch reference ops
+(``PAGEDGEN_CPU_ISA=none``); on a failure the message gives the text this machine produced.
 """
 import ast
 import glob
