@@ -286,8 +286,10 @@ class Grammar:
         return self.matcher.is_accepting() and (self.guard is None or self.guard.is_accepting())
 
     def error_message(self) -> str:
-        """The backend's message of the matcher (or guard) in error."""
-        return _message(self.matcher if self.matcher.is_error() else self.guard)
+        """The backend's message of the matcher (or guard) in error, its first line: a panic's message
+        goes on with a Python traceback and a Rust backtrace, which a warning should not carry."""
+        lines = _message(self.matcher if self.matcher.is_error() else self.guard).splitlines()
+        return lines[0].strip() if lines else "(no message)"
 
     def fork(self) -> "Grammar":
         """An independent copy in the same state (a parallel sample forked from this sequence)."""
