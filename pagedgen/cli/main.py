@@ -110,6 +110,9 @@ def _run(args, held: contextlib.ExitStack) -> int:
         raise CLIError(f"out of memory while loading the model and allocating the KV cache ({one_line(exc)}): lower "
                        "--kv-cache-memory-bytes, --num-kv-blocks, --swap-space-bytes or --gpu-memory-utilization, "
                        "or pass a smaller --max-model-len") from exc
+    if llm.llm_engine.pooling is not None:  # the command line generates; --task embed|classify|... is to come
+        raise CLIError(f"{args.model} loads as a pooling model ({llm.llm_engine.pooling.architecture}): the command line "
+                       "generates only; use LLM.embed / classify / score / reward from Python (docs/pooling.md)")
     if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
         raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
     checks.check_params_fit_model(llm, params, args.model)

@@ -230,9 +230,10 @@ class Scheduler:
                 budget -= n
         while self.waiting and not self.swapped and budget > 0 and len(self._planned) + 1 + len(self.waiting[0].pending_forks) <= limit:
             seq = self.waiting[0]
-            # prompt logprobs need the logits of every prompt position: no prefix-cache hits then
-            wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
-            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 and not wants_prompt_logprobs else []
+            # prompt logprobs, and pooling other than LAST (MEAN, CLS, ALL, STEP), need every prompt
+            # position's logits or hidden state: no prefix-cache hits then
+            wants_every_row = seq.sampling_params.prompt_logprobs is not None or (seq.pooling is not None and seq.pooling.needs_all_rows)
+            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 and not wants_every_row else []
             cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - max(cached, seq.num_computed_tokens), budget)
             if not bm.can_allocate(seq.seq_id, max(cached, seq.num_computed_tokens) + n, prefix):

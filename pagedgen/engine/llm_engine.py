@@ -122,6 +122,7 @@ class LLMEngine:
         # worker processes); the engine itself reaches the model only through the executor
         self.model_runner = getattr(executor, "model_runner", None)
         self.processor = processor
+        self.pooling = None  # a pooling model's PoolingModelInfo (engine/pooling_checks.py), set by engine/build.py
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}  # unfinished requests, in arrival order
         self._clean = True  # False while a step or a change of the queues is under way
@@ -157,6 +158,8 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already queued and unfinished: request ids must be unique")
+        if self.pooling is not None:
+            raise ValueError(f"request {request_id!r}: this engine runs a pooling model; add_request generates (use LLM.embed / classify / encode)")
         self.enqueue(self.processor.process(request_id, prompt, sampling_params))
 
     def enqueue(self, request: Request) -> None:
@@ -247,6 +250,7 @@ class LLMEngine:
         if isinstance(params, SamplingParams):
             seed = None if params.seed is None else as_int64(params.seed)
             seq = self._sequence(request, params, seed, request.detokenizers[0])
+            seq.pooling = request.pooling  # a pooling request: prefilled, pooled, never decoded
             # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
             seq.pending_forks = [(j, request.detokenizers[j]) for j in range(1, params.n)]
             return seq
@@ -306,6 +310,9 @@ class LLMEngine:
                     seq.add_logprobs(entry, tok)
         self.grammars.accept(out.seqs, out.token_ids)
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
+        for seq, data in getattr(out, "pooled", ()):  # pooling requests end when their prompt is computed (in process only)
+            seq.pooled, seq.finish_reason = data, "stop"
+            finished.append(seq)
         self.num_generated_tokens += len(out.token_ids)
         if getattr(out, "spec", None):  # the verified sequences' tokens after their first
             self.num_generated_tokens += self.speculator.commit(out.spec, finished, self.scheduler)

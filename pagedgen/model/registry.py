@@ -18,6 +18,12 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel", "gpt2"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM", "opt"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox"),
+    # pooling models (LLM(runner="pooling"): embed / classify / score / reward): a score head on the decoder stack
+    "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification", "llama"),
+    "MistralForSequenceClassification": ("classification", "LlamaForSequenceClassification", "mistral"),
+    "Qwen2ForSequenceClassification": ("classification", "LlamaForSequenceClassification", "qwen2"),
+    "Qwen3ForSequenceClassification": ("classification", "LlamaForSequenceClassification", "qwen3"),
+    "GemmaForSequenceClassification": ("classification", "GemmaForSequenceClassification", "gemma"),
 }
 
 

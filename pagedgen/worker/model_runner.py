@@ -55,6 +55,7 @@ from pagedgen.spec_decode.draft_model import DraftModelProposer
 from pagedgen.worker import microbatch
 from pagedgen.worker.block_tables import BlockTables, int_tensor
 from pagedgen.worker.cuda_graphs import CUDAGraphRunner
+from pagedgen.worker.pooler import PoolingRunner
 from pagedgen.worker.prefault import Prefaulter
 from pagedgen.worker.step_buffers import StepBuffers
 
@@ -113,6 +114,8 @@ class StepOutput:
     # speculative decoding: (sequence, tokens sampled after its first, their logprobs, drafts) for
     # each sequence verified this step (pagedgen/spec_decode/verify.py)
     spec: list = field(default_factory=list)
+    # pooling models: (sequence, its result: a float32 CPU tensor) for each prompt done this step (worker/pooler.py)
+    pooled: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -129,6 +132,8 @@ class ModelRunner:
             step in micro-batches (see the module docstring).
         draft_model: speculative decoding's draft model (method "draft_model"), run beside the
             model with a KV cache of the same blocks (spec_decode/draft_model.py); None without one.
+        pooling: run a pooling model (``LLM(runner="pooling")``): every sequence's final hidden
+            states are pooled (worker/pooler.py) instead of sampled.
     """
 
     def __init__(
@@ -140,8 +145,10 @@ class ModelRunner:
         max_model_len: int = 0,
         pp=None,
         draft_model=None,
+        pooling: bool = False,
     ) -> None:
         self.model = model
+        self.pooler = PoolingRunner() if pooling else None
         self.pp = pp if pp is not None and pp.size > 1 else None
         self.cache_config = cache_config
         self.sampler = sampler
@@ -217,7 +224,11 @@ class ModelRunner:
         flat_block = rows * tables.shape[1] + torch.div(positions, bs, rounding_mode="floor")  # [T] into tables.view(-1)
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
-        logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
+        if self.pooler is not None:  # the rows to pool instead of the rows to sample (worker/pooler.py)
+            logits_indices, sampling, beams, beam_rows, prompt_plan = [], [], [], [], PromptLogprobsPlan()
+            beam_rows, beams = self.pooler.rows(batch.seqs, starts, ends, query_start_loc)
+        else:
+            logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
         ids_d, positions_d, slots_d, tables_d, seq_lens_d, qsl_d, logits_d = self.buffers.stage([
             int_tensor(input_ids, torch.int64),  # [T]
             positions,  # [T]
@@ -320,6 +331,11 @@ class ModelRunner:
             self.drafter.forget(plan.freed_seq_ids)
             if batch.drafts:  # the drafts are placeholders until the draft model proposes them
                 groups = self._propose_drafts(batch)
+        if self.pooler is not None:
+            self.pooler.forget(plan.freed_seq_ids)
+            (input_ids, positions, attn, rows), _, items, _ = self.prepare(batch)
+            hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows)  # [R, hidden]
+            return StepOutput([], [], pooled=self.pooler.outputs(items, hidden, self.model.compute_head))
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step
