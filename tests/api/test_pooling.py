@@ -52,6 +52,12 @@ def test_embed_last_equals_transformers(stories_embed, stories_hidden):
     assert torch.allclose(torch.tensor(raw[1].outputs.embedding), stories_hidden[1][-1], atol=1e-5)
 
 
+def test_bf16_embeddings_close_to_float32(stories_path, stories_hidden):
+    llm = LLM(stories_path, convert="embed", dtype="bfloat16", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
+    for out, h in zip(llm.embed(PROMPTS, use_tqdm=False), stories_hidden):
+        assert _cosine(out.outputs.embedding, h[-1]) >= 0.999
+
+
 def test_batch_invariant(stories_embed):
     together = stories_embed.encode(PROMPTS, use_tqdm=False)
     for i in (0, 4, 6):
@@ -75,7 +81,7 @@ def test_other_poolers_equal_transformers(stories_path, stories_hidden, pooling_
             llm.embed(["x"], use_tqdm=False)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gemma"])
 def classifier(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(f"cls-{request.param}"))
     hf = tiny_checkpoints.build_classifier(request.param, folder, num_labels=3)
