@@ -98,7 +98,8 @@ class PoolingSpec:
 
     ``pooling_type`` is the model's (``PoolerConfig``), ALL for the token tasks; ``head``: apply
     the classification head; ``activation``: "softmax", "sigmoid" or None; ``dimensions``: None or
-    the features kept; ``normalize``: L2 over the features kept."""
+    the features kept; ``normalize``: L2 over the features kept; ``whole_prompt``: an encoder's
+    request, whose prompt the scheduler computes in one step (no chunks, no prefix cache)."""
 
     task: str
     pooling_type: str
@@ -108,9 +109,10 @@ class PoolingSpec:
     dimensions: Optional[int] = None
     step_tag_id: Optional[int] = None
     returned_token_ids: Optional[tuple[int, ...]] = None
+    whole_prompt: bool = False  # an encoder's (bidirectional attention): computed in one step, never chunked
 
     @property
     def needs_all_rows(self) -> bool:
         """Whether every prompt position's hidden state is needed (not only the last): such a
         request skips the prefix cache, whose hits are not computed."""
-        return self.pooling_type != "LAST"
+        return self.pooling_type != "LAST" or self.whole_prompt

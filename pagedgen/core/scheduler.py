@@ -236,6 +236,8 @@ class Scheduler:
             prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 and not wants_every_row else []
             cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - max(cached, seq.num_computed_tokens), budget)
+            if n < seq.num_tokens and seq.pooling is not None and seq.pooling.whole_prompt:
+                break  # an encoder's prompt (bidirectional attention) is computed whole, in one step: wait for the budget
             if not bm.can_allocate(seq.seq_id, max(cached, seq.num_computed_tokens) + n, prefix):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

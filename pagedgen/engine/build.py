@@ -65,7 +65,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     model = os.fspath(args.model)
     hf_config = loader.load_hf_config(model)
     model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(args.dtype, hf_config))
-    pooling = resolve_runner(args.runner, args.convert, args.pooler_config, hf_config, model_config.architecture)
+    pooling = resolve_runner(args.runner, args.convert, args.pooler_config, hf_config, model_config.architecture, os.fspath(args.model))
     if pooling is not None and (args.distributed_executor_backend is not None or args.tensor_parallel_size * args.pipeline_parallel_size > 1
                                 or spec_config is not None):
         raise ValueError("LLM: a pooling model (runner='pooling', convert, or a *ForSequenceClassification checkpoint) runs in "

@@ -46,8 +46,12 @@ def encode(engine: LLMEngine, prompts, pooling_params, task: str, use_tqdm: bool
         specs = [check_pooling_params(p, task, info, f"pooling_params[{i}]") for i, p in enumerate(pooling_params)]
     else:
         specs = [check_pooling_params(pooling_params, task, info, "pooling_params")] * len(ids)
+    budget = engine.scheduler_config.max_num_batched_tokens
     for i, p in enumerate(ids):
         inputs.check_prompt_length(p, processor.max_model_len, f"prompts[{i}]")
+        if info.whole_prompt and len(p) > budget:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens; an encoder ({info.architecture}) computes a prompt in one step, "
+                             f"so it must fit max_num_batched_tokens={budget} (raise max_num_batched_tokens)")
     requests = []
     for i, (text, p, spec) in enumerate(zip(texts, ids, specs)):
         request = processor._request(str(i), text, p, _PREFILL_ONLY, i)

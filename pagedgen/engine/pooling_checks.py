@@ -4,6 +4,8 @@ a ``ValueError`` / ``TypeError`` naming the request and the field, before any wo
 Tensor-free."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,15 +33,16 @@ class PoolingModelInfo:
     id2label: tuple[str, ...]
     matryoshka_dimensions: Optional[tuple[int, ...]]
     pooler: PoolerConfig
+    whole_prompt: bool = False  # an encoder (BERT, XLM-R): each prompt computed in one step
 
     @classmethod
-    def from_hf(cls, hf_config, architecture: str, convert: str, pooler: PoolerConfig) -> "PoolingModelInfo":
+    def from_hf(cls, hf_config, architecture: str, convert: str, pooler: PoolerConfig, whole_prompt: bool = False) -> "PoolingModelInfo":
         num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if convert == "classify" else 0
         id2label = getattr(hf_config, "id2label", None) or {}
         names = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
         dims = getattr(hf_config, "matryoshka_dimensions", None)
         matryoshka = tuple(int(d) for d in dims) if dims else (() if getattr(hf_config, "is_matryoshka", False) else None)
-        return cls(architecture, convert, hf_config.hidden_size, num_labels, names, matryoshka, pooler)
+        return cls(architecture, convert, hf_config.hidden_size, num_labels, names, matryoshka, pooler, whole_prompt)
 
     def supported_tasks(self) -> tuple[str, ...]:
         tasks = ("embed", "token_embed")
@@ -99,26 +102,35 @@ def check_pooling_params(params, task: str, info: PoolingModelInfo, where: str) 
                          f"{pooling_type!r}: use LLM.encode(..., pooling_task='token_{task if task == 'embed' else 'classify'}') or LLM.reward")
     if task in ("embed", "token_embed"):
         normalize = pooler.normalize if params.normalize is None else params.normalize
-        return PoolingSpec(task, pooling_type, False, None, normalize, dims, pooler.step_tag_id)
+        return PoolingSpec(task, pooling_type, False, None, normalize, dims, pooler.step_tag_id, None, info.whole_prompt)
     use_activation = params.use_activation if params.use_activation is not None else task in ("classify", "score")
     activation = None if not use_activation else ("sigmoid" if info.num_labels == 1 else "softmax")
     ids = pooler.returned_token_ids
     if ids is not None and max(ids) >= info.num_labels:
         raise ValueError(f"LLM pooler_config.returned_token_ids must be < num_labels={info.num_labels}, got {list(ids)}")
-    return PoolingSpec(task, pooling_type, True, activation, False, None, pooler.step_tag_id, ids if token_task else None)
+    return PoolingSpec(task, pooling_type, True, activation, False, None, pooler.step_tag_id, ids if token_task else None, info.whole_prompt)
 
 
-def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architecture: str) -> Optional[PoolingModelInfo]:
+#: encoders (model/bert.py): bidirectional attention, no KV cache; CLS pooling unless a
+#: sentence-transformers folder says otherwise (vLLM's default for BERT embedding models)
+ENCODERS = ("BertModel", "XLMRobertaModel")
+
+
+def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architecture: str, model_path: str = "") -> Optional[PoolingModelInfo]:
     """What ``LLM(model, runner=..., convert=..., pooler_config=...)`` runs: None for a generation
     model, else the pooling model's info. The architecture decides with ``runner="auto"``: a
-    ``*ForSequenceClassification`` pools (classify), a ``*ForCausalLM`` generates unless
-    ``convert="embed"``. ValueError for combinations that cannot run (naming the arguments)."""
+    ``*ForSequenceClassification`` pools (classify), an encoder (``BertModel``, ``XLMRobertaModel``)
+    embeds, a ``*ForCausalLM`` generates unless ``convert="embed"``. The pooler: ``pooler_config``
+    when given, else a sentence-transformers folder's (``sentence_transformers_pooler``), else LAST
+    (CLS for encoders), normalised. ValueError for combinations that cannot run (naming the arguments)."""
     classifier = architecture.endswith("ForSequenceClassification")
-    if classifier:
+    encoder = architecture in ENCODERS
+    if classifier or encoder:
         if runner == "generate":
-            raise ValueError(f"LLM runner='generate': {architecture} has a classification head, no language-model head; "
-                             "use runner='pooling' (or 'auto')")
-        kind = "embed" if convert == "embed" else "classify"
+            raise ValueError(f"LLM runner='generate': {architecture} has no language-model head; use runner='pooling' (or 'auto')")
+        if encoder and convert == "classify":
+            raise ValueError(f"LLM convert='classify': {architecture} has no classification head; use convert='embed' (or 'auto')")
+        kind = "embed" if convert == "embed" or encoder else "classify"
     else:
         if convert == "classify":
             raise ValueError(f"LLM convert='classify' needs a checkpoint with a classification head (*ForSequenceClassification); "
@@ -126,4 +138,35 @@ def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architec
         if runner != "pooling" and convert != "embed":
             return None
         kind = "embed"
-    return PoolingModelInfo.from_hf(hf_config, architecture, kind, PoolerConfig.from_arg(pooler_config))
+    if pooler_config is not None:
+        pooler = PoolerConfig.from_arg(pooler_config)
+    else:
+        pooler = sentence_transformers_pooler(model_path) or PoolerConfig("CLS" if encoder else "LAST")
+    return PoolingModelInfo.from_hf(hf_config, architecture, kind, pooler, whole_prompt=encoder)
+
+
+def sentence_transformers_pooler(folder: str) -> Optional[PoolerConfig]:
+    """The pooler of a sentence-transformers folder (``modules.json``: Transformer, Pooling, and
+    an optional Normalize), None for another folder. The Pooling module's ``config.json`` picks
+    one mode: ``pooling_mode_cls_token`` -> CLS, ``pooling_mode_mean_tokens`` -> MEAN,
+    ``pooling_mode_lasttoken`` -> LAST; normalised only with a Normalize module (as
+    sentence-transformers' ``encode``). ValueError: modules pagedgen does not run (Dense, ...),
+    other or several pooling modes."""
+    path = os.path.join(folder, "modules.json")
+    if not folder or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        modules = json.load(f)
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    unknown = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
+    if unknown:
+        raise ValueError(f"{path}: sentence-transformers modules {unknown} are not supported (only Transformer, Pooling, Normalize)")
+    if "Pooling" not in kinds:
+        raise ValueError(f"{path} has no Pooling module")
+    pooling_file = os.path.join(folder, kinds["Pooling"].get("path", ""), "config.json")
+    with open(pooling_file) as f:
+        modes = [k for k, v in json.load(f).items() if k.startswith("pooling_mode_") and v is True]
+    names = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+    if len(modes) != 1 or modes[0] not in names:
+        raise ValueError(f"{pooling_file}: pooling modes {modes} are not supported: exactly one of {list(names)}")
+    return PoolerConfig(names[modes[0]], normalize="Normalize" in kinds)

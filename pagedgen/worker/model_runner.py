@@ -157,7 +157,7 @@ class ModelRunner:
         # torch.empty: a block's pages are backed when it is first used (on the CPU: self.prefaulter)
         self.kv_caches = [
             (torch.empty(shape, dtype=cfg.dtype, device=model.device), torch.empty(shape, dtype=cfg.dtype, device=model.device))
-            for _ in range(cfg.num_layers)
+            for _ in range(0 if getattr(model, "is_encoder", False) else cfg.num_layers)  # an encoder (model/bert.py) keeps no keys and values
         ]
         # CPU swap space for swap preemption, same layout: [num_cpu_blocks, block_size, num_kv_heads, head_dim]
         cpu_shape = (cache_config.num_cpu_blocks,) + shape[1:]
@@ -175,7 +175,7 @@ class ModelRunner:
         if self.drafter is not None:
             block_bytes += draft_model.config.kv_bytes_per_token() * cache_config.block_size
             touched = touched + self.drafter.kv_caches
-        self.prefaulter = Prefaulter(touched, block_bytes) if self.on_cpu else None
+        self.prefaulter = Prefaulter(touched, block_bytes) if self.on_cpu and touched else None
         # persistent block tables, updated from each step's deltas: [rows, ceil(max_model_len / block_size)] int32
         self.buffers = StepBuffers(model.device)  # the step's inputs: one staging buffer, one copy per step
         self.block_tables = BlockTables(-(-max_model_len // cache_config.block_size) if max_model_len else 16)

@@ -54,6 +54,8 @@ class PoolingRunner:
         for seq, start, end, row_end in zip(seqs, starts, ends, query_start_loc[1:]):
             spec: PoolingSpec = seq.pooling
             done = end == seq.num_prompt_tokens
+            if spec.whole_prompt and (start != 0 or not done):
+                raise RuntimeError(f"encoder sequence {seq.seq_id} scheduled in a chunk [{start}, {end}) of its {seq.num_prompt_tokens}-token prompt")
             if spec.needs_all_rows:
                 wanted = list(range(row_end - (end - start), row_end))
             else:
