@@ -162,6 +162,26 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: this engine runs a pooling model; add_request generates (use LLM.embed / classify / encode)")
         self.enqueue(self.processor.process(request_id, prompt, sampling_params))
 
+    def add_pooling_request(self, request_id: str, prompt, pooling_params=None, task: str = "embed") -> None:
+        """Queue a pooling model's request (``LLM(runner="pooling")``; the command line's ``--task``):
+        ``prompt`` as ``add_request`` takes it, ``pooling_params`` a PoolingParams or None, ``task``
+        one of ``pooling_params.POOLING_TASKS``. Its ``step`` output is a ``PoolingRequestOutput``.
+        TypeError / ValueError naming the request (a generation engine, a bad prompt or field),
+        leaving the engine as it was."""
+        from pagedgen.engine.pooling_checks import check_pooling_params, check_pooling_prompt
+
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if self.pooling is None:
+            raise ValueError(f"request {request_id!r}: this engine generates; pooling needs LLM(model, runner='pooling') (docs/pooling.md)")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already queued and unfinished: request ids must be unique")
+        spec = check_pooling_params(pooling_params, task, self.pooling, f"request {request_id!r} pooling_params")
+        request = self.processor.process(request_id, prompt, SamplingParams(max_tokens=1))
+        check_pooling_prompt(request.prompt_token_ids, self.pooling, self.scheduler_config.max_num_batched_tokens, f"request {request_id!r} prompt")
+        request.pooling = spec
+        self.enqueue(request)
+
     def enqueue(self, request: Request) -> None:
         """Queue a request already checked by ``processor`` (``add_request`` does both).
         RuntimeError, with nothing queued, once the executor refuses calls (shut down, a worker dead)."""

@@ -12,14 +12,14 @@ from typing import Optional
 from pagedgen import inputs
 from pagedgen.engine import offline
 from pagedgen.engine.llm_engine import LLMEngine
-from pagedgen.engine.pooling_checks import PoolingModelInfo, check_pooling_params
+from pagedgen.engine.pooling_checks import PoolingModelInfo, check_pooling_params, check_pooling_prompt
 from pagedgen.pooling_outputs import (
     ClassificationRequestOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput, ScoringRequestOutput,
 )
 from pagedgen.pooling_params import PoolingParams
 from pagedgen.sampling_params import SamplingParams
 
-_PREFILL_ONLY = SamplingParams(max_tokens=1)  # a pooling request is never sampled: this only sizes its sequence
+PREFILL_ONLY = SamplingParams(max_tokens=1)  # a pooling request is never sampled: this only sizes its sequence
 
 
 def info_of(engine: LLMEngine, call: str) -> PoolingModelInfo:
@@ -49,12 +49,10 @@ def encode(engine: LLMEngine, prompts, pooling_params, task: str, use_tqdm: bool
     budget = engine.scheduler_config.max_num_batched_tokens
     for i, p in enumerate(ids):
         inputs.check_prompt_length(p, processor.max_model_len, f"prompts[{i}]")
-        if info.whole_prompt and len(p) > budget:
-            raise ValueError(f"prompts[{i}] has {len(p)} tokens; an encoder ({info.architecture}) computes a prompt in one step, "
-                             f"so it must fit max_num_batched_tokens={budget} (raise max_num_batched_tokens)")
+        check_pooling_prompt(p, info, budget, f"prompts[{i}]")
     requests = []
     for i, (text, p, spec) in enumerate(zip(texts, ids, specs)):
-        request = processor._request(str(i), text, p, _PREFILL_ONLY, i)
+        request = processor._request(str(i), text, p, PREFILL_ONLY, i)
         request.pooling = spec
         requests.append(request)
     return offline.run(engine, requests, use_tqdm)

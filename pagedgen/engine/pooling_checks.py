@@ -111,6 +111,13 @@ def check_pooling_params(params, task: str, info: PoolingModelInfo, where: str) 
     return PoolingSpec(task, pooling_type, True, activation, False, None, pooler.step_tag_id, ids if token_task else None, info.whole_prompt)
 
 
+def check_pooling_prompt(ids: list[int], info: PoolingModelInfo, max_num_batched_tokens: int, name: str) -> None:
+    """An encoder computes a prompt in one step: ValueError when it is longer than the step's budget."""
+    if info.whole_prompt and len(ids) > max_num_batched_tokens:
+        raise ValueError(f"{name} has {len(ids)} tokens; an encoder ({info.architecture}) computes a prompt in one step, "
+                         f"so it must fit max_num_batched_tokens={max_num_batched_tokens} (raise max_num_batched_tokens)")
+
+
 #: encoders (model/bert.py): bidirectional attention, no KV cache; CLS pooling unless a
 #: sentence-transformers folder says otherwise (vLLM's default for BERT embedding models)
 ENCODERS = ("BertModel", "XLMRobertaModel")
