@@ -94,7 +94,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
         with naming_the_draft(spec_config.model):
             check_draft_tokenizer(spec_config.model, tokenizer)  # ValueError before any weights load
 
-    use_graphs = device.type == "cuda" and not args.enforce_eager
+    use_graphs = device.type == "cuda" and not args.enforce_eager and pooling is None  # pooling steps are prefills: no decode graphs
     executor_config = ExecutorConfig(
         backend=backend, model=model, hf_config=hf_config, model_config=model_config, device=device,
         matmul_config=matmul_config, max_model_len=max_model_len, seed=args.seed,

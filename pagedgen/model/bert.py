@@ -170,8 +170,11 @@ class BertModel(CausalLM):
     def pooled_hidden(self, input_ids, positions, attn: AttentionMetadata, kv_caches, rows: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.base_model_prefix)(input_ids, positions, attn, rows)  # [R, hidden]
 
-    def forward(self, *args, **kwargs):
-        raise ValueError(f"{self.config.architecture} is an encoder: it embeds (LLM.embed), it does not generate")
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches, logits_indices, intermediate=None) -> torch.Tensor:
+        """The final hidden rows at ``logits_indices`` [S, hidden]: an encoder has no language-model
+        head (a pooling LLM never samples: engine/offline.py refuses generation); the GPU's profiling
+        pass (worker/kv_profile.py) is what calls it, with the step shape it measures."""
+        return self.pooled_hidden(input_ids, positions, attn, kv_caches, logits_indices)
 
 
 class XLMRobertaModel(BertModel):
