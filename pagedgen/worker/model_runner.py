@@ -224,9 +224,11 @@ class ModelRunner:
         flat_block = rows * tables.shape[1] + torch.div(positions, bs, rounding_mode="floor")  # [T] into tables.view(-1)
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
-        if self.pooler is not None:  # the rows to pool instead of the rows to sample (worker/pooler.py)
-            logits_indices, sampling, beams, beam_rows, prompt_plan = [], [], [], [], PromptLogprobsPlan()
-            beam_rows, beams = self.pooler.rows(batch.seqs, starts, ends, query_start_loc)
+        if self.pooler is not None:  # a pooling model: the rows to pool instead of the rows to sample
+            # (worker/pooler.py); they take the place of logits_indices, and the pooler's items that of
+            # the sampled sequences in what prepare returns
+            logits_indices, sampling = self.pooler.rows(batch.seqs, starts, ends, query_start_loc)
+            beams, beam_rows, prompt_plan = [], [], PromptLogprobsPlan()
         else:
             logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
         ids_d, positions_d, slots_d, tables_d, seq_lens_d, qsl_d, logits_d = self.buffers.stage([
@@ -333,7 +335,7 @@ class ModelRunner:
                 groups = self._propose_drafts(batch)
         if self.pooler is not None:
             self.pooler.forget(plan.freed_seq_ids)
-            (input_ids, positions, attn, rows), _, items, _ = self.prepare(batch)
+            (input_ids, positions, attn, rows), items, _, _ = self.prepare(batch)
             hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows)  # [R, hidden]
             return StepOutput([], [], pooled=self.pooler.outputs(items, hidden, self.model.compute_head))
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)

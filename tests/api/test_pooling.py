@@ -146,6 +146,11 @@ def test_bad_input_before_any_work(stories_path, stories_embed):
         LLM(stories_path, convert="classify", num_kv_blocks=32)
     with pytest.raises(ValueError, match="pooling_type"):
         LLM(stories_path, convert="embed", pooler_config={"pooling_type": "MAX"})
+    with pytest.raises(ValueError, match="in process only"):
+        LLM(stories_path, convert="embed", distributed_executor_backend="pickle", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="add_request generates"):
+        stories_embed.llm_engine.add_request("a", "hello")
+    assert stories_embed.embed([], use_tqdm=False) == [] and stories_embed.score([], [], use_tqdm=False) == []
     assert len(stories_embed.embed(["still usable"], use_tqdm=False)) == 1
 
 
