@@ -41,9 +41,6 @@ class PoolingParams:
     use_activation: Optional[bool] = None
     task: Optional[str] = None
 
-    def clone(self) -> "PoolingParams":
-        return PoolingParams(self.dimensions, self.normalize, self.use_activation, self.task)
-
 
 @dataclass(frozen=True)
 class PoolerConfig:
