@@ -130,7 +130,7 @@ def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architec
     embeds, a ``*ForCausalLM`` generates unless ``convert="embed"``. The pooler: ``pooler_config``
     when given, else a sentence-transformers folder's (``sentence_transformers_pooler``), else LAST
     (CLS for encoders), normalised. ValueError for combinations that cannot run (naming the arguments)."""
-    classifier = architecture.endswith("ForSequenceClassification")
+    classifier = architecture.endswith(("ForSequenceClassification", "ForTokenClassification"))
     encoder = architecture in ENCODERS
     if classifier or encoder:
         if runner == "generate":
@@ -148,7 +148,8 @@ def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architec
     if pooler_config is not None:
         pooler = PoolerConfig.from_arg(pooler_config)
     else:
-        pooler = sentence_transformers_pooler(model_path) or PoolerConfig("CLS" if encoder else "LAST")
+        default = "CLS" if encoder else "ALL" if architecture.endswith("ForTokenClassification") else "LAST"
+        pooler = sentence_transformers_pooler(model_path) or PoolerConfig(default)
     return PoolingModelInfo.from_hf(hf_config, architecture, kind, pooler, whole_prompt=encoder)
 
 

@@ -1,7 +1,9 @@
-"""Sequence classification (and reward) models of the decoder families: transformers'
-``*ForSequenceClassification`` (``LlamaForSequenceClassification``, Mistral, Qwen2, Qwen3, Gemma):
-the family's decoder stack, and instead of ``lm_head`` a ``score`` layer (Linear hidden ->
-num_labels, no bias) applied to the pooled final hidden state.
+"""Sequence and token classification (and reward) models of the decoder families: transformers'
+``*ForSequenceClassification`` and ``*ForTokenClassification`` (Llama, Mistral, Qwen2, Qwen3,
+Gemma): the family's decoder stack, and instead of ``lm_head`` a ``score`` layer (Linear hidden ->
+num_labels; no bias for sequence classification, a bias for token classification unless
+config.json ``token_classification_bias`` is false) applied to the pooled final hidden state (a
+token classifier pools ALL: every token's row, ``LLM.reward`` / ``encode(pooling_task="token_classify")``).
 
     token ids [T] -> the decoder stack (model/llama.py, model/gemma.py) -> rows -> norm  [R, hidden]
                   -> pooled per sequence (worker/pooler.py: LAST for transformers' classifiers)
@@ -29,6 +31,7 @@ CAUSAL_OF = {
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
     "GemmaForSequenceClassification": "GemmaForCausalLM",
 }
+CAUSAL_OF.update({name.replace("Sequence", "Token"): causal for name, causal in CAUSAL_OF.items()})
 
 
 def _with_score_head(causal_cls: type) -> type:
@@ -43,7 +46,8 @@ def _with_score_head(causal_cls: type) -> type:
             super().__init__(hf_config, replace(config, architecture=CAUSAL_OF[config.architecture]), tp, pp)
             self.config = replace(self.config, architecture=config.architecture)
             del self.lm_head
-            self.score = ParallelLMHead(int(hf_config.num_labels), config.hidden_size)  # [num_labels, hidden], no bias
+            bias = config.architecture.endswith("ForTokenClassification") and getattr(hf_config, "token_classification_bias", True)
+            self.score = ParallelLMHead(int(hf_config.num_labels), config.hidden_size, bias=bool(bias))  # [num_labels, hidden] (+ [num_labels])
 
     ForSequenceClassification.__name__ = ForSequenceClassification.__qualname__ = causal_cls.__name__.replace("ForCausalLM", "ForSequenceClassification")
     return ForSequenceClassification

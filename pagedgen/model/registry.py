@@ -24,6 +24,11 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Qwen2ForSequenceClassification": ("classification", "LlamaForSequenceClassification", "qwen2"),
     "Qwen3ForSequenceClassification": ("classification", "LlamaForSequenceClassification", "qwen3"),
     "GemmaForSequenceClassification": ("classification", "GemmaForSequenceClassification", "gemma"),
+    "LlamaForTokenClassification": ("classification", "LlamaForSequenceClassification", "llama"),
+    "MistralForTokenClassification": ("classification", "LlamaForSequenceClassification", "mistral"),
+    "Qwen2ForTokenClassification": ("classification", "LlamaForSequenceClassification", "qwen2"),
+    "Qwen3ForTokenClassification": ("classification", "LlamaForSequenceClassification", "qwen3"),
+    "GemmaForTokenClassification": ("classification", "GemmaForSequenceClassification", "gemma"),
     # encoders (embeddings; no KV cache): BERT and XLM-RoBERTa
     "BertModel": ("bert", "BertModel", "bert"),
     "XLMRobertaModel": ("bert", "XLMRobertaModel", "xlm-roberta"),

@@ -199,3 +199,21 @@ def test_tight_cache_and_interrupt_leave_results_unchanged(stories_path):
     engine.step = real_step
     for a, b in zip(tight.encode(PROMPTS, use_tqdm=False), roomy):
         assert torch.equal(a.outputs.data, b.outputs.data)
+
+
+def test_token_classification_reward(tmp_path):
+    """``LlamaForTokenClassification`` (a score head with a bias over every token): ``reward`` equals
+    transformers' logits; ``classify`` (one vector per prompt) is refused, naming the way out."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForTokenClassification(tiny_checkpoints.hf_config("llama", num_labels=3)).eval()
+    hf.save_pretrained(str(tmp_path))
+    tiny_checkpoints.copy_tokenizer(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    for out, p in zip(llm.reward(PROMPTS, use_tqdm=False), PROMPTS):
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0]  # [n, 3]
+        assert torch.allclose(out.outputs.data, want, atol=1e-4)
+    with pytest.raises(ValueError, match="pooling_type is 'ALL'"):
+        llm.classify(PROMPTS[:1], use_tqdm=False)
