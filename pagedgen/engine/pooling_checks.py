@@ -120,7 +120,7 @@ def check_pooling_prompt(ids: list[int], info: PoolingModelInfo, max_num_batched
 
 #: encoders (model/bert.py): bidirectional attention, no KV cache; CLS pooling unless a
 #: sentence-transformers folder says otherwise (vLLM's default for BERT embedding models)
-ENCODERS = ("BertModel", "XLMRobertaModel")
+ENCODERS = ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
 
 
 def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architecture: str, model_path: str = "") -> Optional[PoolingModelInfo]:
@@ -135,9 +135,9 @@ def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architec
     if classifier or encoder:
         if runner == "generate":
             raise ValueError(f"LLM runner='generate': {architecture} has no language-model head; use runner='pooling' (or 'auto')")
-        if encoder and convert == "classify":
+        if encoder and not classifier and convert == "classify":
             raise ValueError(f"LLM convert='classify': {architecture} has no classification head; use convert='embed' (or 'auto')")
-        kind = "embed" if convert == "embed" or encoder else "classify"
+        kind = "embed" if convert == "embed" or not classifier else "classify"
     else:
         if convert == "classify":
             raise ValueError(f"LLM convert='classify' needs a checkpoint with a classification head (*ForSequenceClassification); "

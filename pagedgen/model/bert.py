@@ -167,6 +167,15 @@ class BertModel(CausalLM):
         self.score = None
 
     @torch.inference_mode()
+    def compute_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The classification head over pooled rows [m, hidden] -> [m, num_labels] (none for a bare
+        encoder: ValueError; the pooling checks never call it then)."""
+        head = getattr(self, self.lm_head_name)
+        if head is None:
+            raise ValueError(f"{self.config.architecture} has no classification head")
+        return head(hidden)
+
+    @torch.inference_mode()
     def pooled_hidden(self, input_ids, positions, attn: AttentionMetadata, kv_caches, rows: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.base_model_prefix)(input_ids, positions, attn, rows)  # [R, hidden]
 
@@ -185,3 +194,28 @@ class XLMRobertaModel(BertModel):
     @staticmethod
     def position_offset(hf_config) -> int:
         return hf_config.pad_token_id + 1
+
+
+class _ClassificationHead(Module):
+    """RoBERTa's classification head over the pooled (CLS) row: ``out_proj(tanh(dense(x)))``."""
+
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.dense = ColumnParallelLinear(hf_config.hidden_size, hf_config.hidden_size, bias=True)
+        self.out_proj = ColumnParallelLinear(hf_config.hidden_size, int(hf_config.num_labels), bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(x)))  # [m, num_labels]
+
+
+class XLMRobertaForSequenceClassification(XLMRobertaModel):
+    """``XLMRobertaForSequenceClassification`` (cross-encoders and rerankers of bge-reranker's
+    shape): the encoder, CLS pooling, then ``classifier`` (dense, tanh, out_proj). ``LLM.score``
+    reads each pair as one prompt (the tokenizer's pair encoding, token type 0 throughout)."""
+
+    lm_head_name = "classifier"
+
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp, pp)
+        del self.score
+        self.classifier = _ClassificationHead(hf_config)

@@ -32,6 +32,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     # encoders (embeddings; no KV cache): BERT and XLM-RoBERTa
     "BertModel": ("bert", "BertModel", "bert"),
     "XLMRobertaModel": ("bert", "XLMRobertaModel", "xlm-roberta"),
+    "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification", "xlm-roberta"),
 }
 
 

@@ -114,3 +114,27 @@ def test_unsupported_sentence_transformers_module(encoder, tmp_path):
     (copy / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="Dense"):
         LLM(str(copy), num_kv_blocks=64)
+
+
+def test_xlm_roberta_cross_encoder(tmp_path):
+    """``XLMRobertaForSequenceClassification`` with one label (bge-reranker's head: CLS, dense, tanh,
+    out_proj): ``score`` equals sigmoid of transformers' logit on the pair, ``classify`` the logit."""
+    import transformers
+
+    config = transformers.XLMRobertaConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=128, max_position_embeddings=130, pad_token_id=1, type_vocab_size=1, num_labels=1)
+    torch.manual_seed(0)
+    hf = transformers.XLMRobertaForSequenceClassification(config).eval()
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    for f in os.listdir(GPT2_TOKENIZER):
+        if f.endswith((".json", ".txt")):
+            shutil.copy(os.path.join(GPT2_TOKENIZER, f), tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
+    query, docs = "it is", ["the one", "and the", "a man"]  # words inside the first 4096 GPT-2 ids
+    for out, doc in zip(llm.score(query, docs, use_tqdm=False), docs):
+        with torch.no_grad():
+            logit = hf(torch.tensor([llm.tokenizer(query, text_pair=doc)["input_ids"]])).logits[0, 0]
+        assert abs(out.outputs.score - logit.sigmoid().item()) < 1e-5
+    raw = llm.encode([PROMPTS[2]], PoolingParams(use_activation=False), pooling_task="classify", use_tqdm=False)[0].outputs.data
+    with torch.no_grad():
+        assert torch.allclose(raw, hf(torch.tensor([PROMPTS[2]])).logits[0], atol=1e-4)
