@@ -107,6 +107,7 @@ class PoolingSpec:
     step_tag_id: Optional[int] = None
     returned_token_ids: Optional[tuple[int, ...]] = None
     whole_prompt: bool = False  # an encoder's (bidirectional attention): computed in one step, never chunked
+    token_type_start: Optional[int] = None  # an encoder cross-encoder's pair: token type 1 from this position on
 
     @property
     def needs_all_rows(self) -> bool:

@@ -7,6 +7,7 @@ worker pools each prompt once it is computed (worker/pooler.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from pagedgen import inputs
@@ -34,9 +35,11 @@ def info_of(engine: LLMEngine, call: str) -> PoolingModelInfo:
     return info
 
 
-def encode(engine: LLMEngine, prompts, pooling_params, task: str, use_tqdm: bool, call: str = "encode") -> list[PoolingRequestOutput]:
+def encode(engine: LLMEngine, prompts, pooling_params, task: str, use_tqdm: bool, call: str = "encode",
+           token_type_starts: Optional[list] = None) -> list[PoolingRequestOutput]:
     """``LLM.encode``: one PoolingRequestOutput per prompt, in input order. ``pooling_params``:
-    None, one PoolingParams for all or one per prompt."""
+    None, one PoolingParams for all or one per prompt. ``token_type_starts``: per prompt, where an
+    encoder's token type 1 begins (a cross-encoder's pair; ``score``), or None."""
     info = info_of(engine, call)
     processor = engine.processor
     texts, ids = inputs.tokenize_prompts(processor.tokenizer, prompts, processor.vocab_size)
@@ -53,7 +56,8 @@ def encode(engine: LLMEngine, prompts, pooling_params, task: str, use_tqdm: bool
     requests = []
     for i, (text, p, spec) in enumerate(zip(texts, ids, specs)):
         request = processor._request(str(i), text, p, PREFILL_ONLY, i)
-        request.pooling = spec
+        boundary = token_type_starts[i] if token_type_starts and info.whole_prompt else None
+        request.pooling = spec if boundary is None else dataclasses.replace(spec, token_type_start=boundary)
         requests.append(request)
     return offline.run(engine, requests, use_tqdm)
 
@@ -89,8 +93,11 @@ def score(engine: LLMEngine, text_1, text_2, pooling_params: Optional[PoolingPar
             raise ValueError(f"LLM.score: the model's classification head has {info.num_labels} labels; a cross-encoder has 1 "
                              "(use LLM.classify, or an embedding model for cosine scores)")
         tok = engine.processor.tokenizer
-        pairs = [{"prompt_token_ids": list(ids)} for ids in tok(firsts, text_pair=seconds)["input_ids"]] if firsts else []
-        outs = encode(engine, pairs, pooling_params, "score", use_tqdm, "score")
+        encoded = tok(firsts, text_pair=seconds) if firsts else {"input_ids": []}
+        pairs = [{"prompt_token_ids": list(ids)} for ids in encoded["input_ids"]]
+        types = encoded.get("token_type_ids")  # BERT's: 1 from the second segment on
+        starts = [list(t).index(1) if 1 in t else None for t in types] if types else None
+        outs = encode(engine, pairs, pooling_params, "score", use_tqdm, "score", starts)
         return [ScoringRequestOutput.from_base(o) for o in outs]
     if pooling_params is not None and pooling_params.normalize is False:
         raise ValueError("LLM.score with an embedding model scores the cosine of normalised embeddings: pooling_params.normalize must not be False")

@@ -120,7 +120,7 @@ def check_pooling_prompt(ids: list[int], info: PoolingModelInfo, max_num_batched
 
 #: encoders (model/bert.py): bidirectional attention, no KV cache; CLS pooling unless a
 #: sentence-transformers folder says otherwise (vLLM's default for BERT embedding models)
-ENCODERS = ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
+ENCODERS = ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification", "BertForSequenceClassification")
 
 
 def resolve_runner(runner: str, convert: str, pooler_config, hf_config, architecture: str, model_path: str = "") -> Optional[PoolingModelInfo]:

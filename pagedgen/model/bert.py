@@ -3,7 +3,7 @@
 
     token ids [T], positions [T]
       -> word_embeddings(ids) + position_embeddings(positions (+ padding_idx + 1: XLM-R))
-         + token_type_embeddings[0] -> LayerNorm                                [T, hidden]
+         + token_type_embeddings(types: 0, 1 for a pair's second segment) -> LayerNorm  [T, hidden]
       -> layer x N (post-norm):
            x = LayerNorm(x + output.dense(attention(query, key, value)))   bidirectional, per sequence
            x = LayerNorm(x + output.dense(act(intermediate.dense(x))))
@@ -12,9 +12,10 @@
 No KV cache: attention is bidirectional within each sequence of the step (``query_start_loc``),
 so a prompt is computed whole in one step (the scheduler never chunks it: ``PoolingSpec.whole_prompt``)
 and never uses the prefix cache. Each sequence's attention runs alone (``scaled_dot_product_attention``
-over its own rows), so its result does not depend on the other sequences of the step. Single-segment
-inputs: token type 0 everywhere. The BERT pooler layer (``pooler.dense``) is not used
-(sentence-transformers does not use it either) and is skipped when loading.
+over its own rows), so its result does not depend on the other sequences of the step. Token type 0
+everywhere but in a cross-encoder's pair (``LLM.score``: type 1 from the second segment on,
+``PoolingSpec.token_type_start``). The BERT pooler layer (``pooler.dense``) is used only by
+``BertForSequenceClassification``'s head (sentence-transformers' embeddings do not use it).
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ class _Embeddings(Module):
         self.LayerNorm = LayerNorm(hidden, hf_config.layer_norm_eps)
         self.position_offset = position_offset
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
         pos = positions + self.position_offset if self.position_offset else positions
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0] + self.position_embeddings(pos)
+        types = self.token_type_embeddings.weight[0] if token_types is None else self.token_type_embeddings(token_types)  # [hidden] / [T, hidden]
+        x = self.word_embeddings(input_ids) + types + self.position_embeddings(pos)
         return self.LayerNorm(x)  # [T, hidden]
 
 
@@ -121,9 +123,9 @@ class _BertStack(Module):
         self.embeddings = _Embeddings(hf_config, position_offset)
         self.encoder = _Encoder(hf_config, config)
 
-    def forward(self, input_ids, positions, attn: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids, positions, attn: AttentionMetadata, rows: torch.Tensor, token_types=None) -> torch.Tensor:
         bounds = attn.query_start_loc.tolist()  # [n + 1]: the sequences' rows (one copy back a step)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
             x = layer(x, bounds)
         return x[rows]  # [R, hidden]
@@ -176,8 +178,10 @@ class BertModel(CausalLM):
         return head(hidden)
 
     @torch.inference_mode()
-    def pooled_hidden(self, input_ids, positions, attn: AttentionMetadata, kv_caches, rows: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.base_model_prefix)(input_ids, positions, attn, rows)  # [R, hidden]
+    def pooled_hidden(self, input_ids, positions, attn: AttentionMetadata, kv_caches, rows: torch.Tensor,
+                      token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final hidden rows [R, hidden] at ``rows``; ``token_types``: [T] int64 or None (all 0)."""
+        return getattr(self, self.base_model_prefix)(input_ids, positions, attn, rows, token_types)  # [R, hidden]
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches, logits_indices, intermediate=None) -> torch.Tensor:
         """The final hidden rows at ``logits_indices`` [S, hidden]: an encoder has no language-model
@@ -219,3 +223,33 @@ class XLMRobertaForSequenceClassification(XLMRobertaModel):
         super().__init__(hf_config, config, tp, pp)
         del self.score
         self.classifier = _ClassificationHead(hf_config)
+
+
+class _Pooler(Module):
+    """BERT's pooler: ``tanh(dense(x))`` over the CLS row."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.dense = ColumnParallelLinear(hidden, hidden, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x))
+
+
+class BertForSequenceClassification(BertModel):
+    """``BertForSequenceClassification`` (cross-encoders of the ms-marco MiniLM shape): the encoder,
+    CLS pooling, BERT's pooler (``bert.pooler.dense``, tanh), then ``classifier`` (Linear with a bias).
+    ``LLM.score`` reads each pair as one prompt with token type 1 from its second segment on."""
+
+    lm_head_name = "classifier"
+    ignored_weights = (r"(^|\.)position_ids$", r"(^|\.)token_type_ids$")
+
+    def __init__(self, hf_config, config: ModelConfig, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None) -> None:
+        super().__init__(hf_config, config, tp, pp)
+        del self.score
+        self.bert.pooler = _Pooler(hf_config.hidden_size)
+        self.classifier = ColumnParallelLinear(hf_config.hidden_size, int(hf_config.num_labels), bias=True)
+
+    @torch.inference_mode()
+    def compute_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.bert.pooler(hidden))  # [m, num_labels]

@@ -33,6 +33,7 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "BertModel": ("bert", "BertModel", "bert"),
     "XLMRobertaModel": ("bert", "XLMRobertaModel", "xlm-roberta"),
     "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification", "xlm-roberta"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification", "bert"),
 }
 
 

@@ -336,7 +336,12 @@ class ModelRunner:
         if self.pooler is not None:
             self.pooler.forget(plan.freed_seq_ids)
             (input_ids, positions, attn, rows), items, _, _ = self.prepare(batch)
-            hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows)  # [R, hidden]
+            types = self.pooler.token_types(batch.seqs, plan.num_computed_tokens, [c + k for c, k in zip(plan.num_computed_tokens, plan.num_new_tokens)])
+            if types is None:
+                hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows)  # [R, hidden]
+            else:  # an encoder's cross-encoder pairs: token type 1 from their second segment on
+                types_d = torch.tensor(types, dtype=torch.int64).to(input_ids.device)  # [T]
+                hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows, types_d)
             return StepOutput([], [], pooled=self.pooler.outputs(items, hidden, self.model.compute_head))
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):

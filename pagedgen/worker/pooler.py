@@ -19,7 +19,7 @@ freed sequences (finished, aborted) are forgotten.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,18 @@ class PoolingRunner:
 
     def __init__(self) -> None:
         self._chunks: dict[int, list[torch.Tensor]] = {}  # seq id -> hidden rows so far, each [k, hidden] model dtype
+
+    @staticmethod
+    def token_types(seqs: list[Sequence], starts: list[int], ends: list[int]) -> Optional[list[int]]:
+        """The step's token type per row (an encoder's pairs: 1 from ``token_type_start`` on), or
+        None when every row is type 0."""
+        if all(seq.pooling.token_type_start is None for seq in seqs):
+            return None
+        types: list[int] = []
+        for seq, start, end in zip(seqs, starts, ends):
+            boundary = seq.pooling.token_type_start
+            types.extend(0 if boundary is None or p < boundary else 1 for p in range(start, end))
+        return types
 
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:

@@ -138,3 +138,37 @@ def test_xlm_roberta_cross_encoder(tmp_path):
     raw = llm.encode([PROMPTS[2]], PoolingParams(use_activation=False), pooling_task="classify", use_tqdm=False)[0].outputs.data
     with torch.no_grad():
         assert torch.allclose(raw, hf(torch.tensor([PROMPTS[2]])).logits[0], atol=1e-4)
+
+
+def test_bert_cross_encoder_with_token_types(tmp_path):
+    """``BertForSequenceClassification`` with one label (ms-marco MiniLM cross-encoders: CLS, BERT's
+    pooler, classifier): ``score`` gives each pair token type 1 from where the tokenizer's
+    ``token_type_ids`` say its second segment starts, and equals transformers given the same types."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=128, num_labels=1, initializer_range=0.3)
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification(config).eval()
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    for f in os.listdir(GPT2_TOKENIZER):
+        if f.endswith((".json", ".txt")):
+            shutil.copy(os.path.join(GPT2_TOKENIZER, f), tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
+    words = {"q": [101, 3, 4, 5, 102], "d1": [6, 7, 102], "d2": [8, 9, 10, 11, 102]}  # BERT's layout: [CLS] q [SEP] d [SEP]
+
+    class PairTokenizer:  # the GPT-2 tokenizer of these folders returns no token types: BERT's, on these ids
+        def __call__(self, first, text_pair):
+            return {"input_ids": [words[a] + words[b] for a, b in zip(first, text_pair)],
+                    "token_type_ids": [[0] * len(words[a]) + [1] * len(words[b]) for a, b in zip(first, text_pair)]}
+
+    llm.llm_engine.processor.tokenizer = PairTokenizer()
+    typed = llm.score("q", ["d1", "d2"], PoolingParams(use_activation=False), use_tqdm=False)
+    probs = llm.score("q", ["d1", "d2"], use_tqdm=False)
+    for raw, prob, d in zip(typed, probs, ("d1", "d2")):
+        types = torch.tensor([[0] * len(words["q"]) + [1] * len(words[d])])
+        with torch.no_grad():
+            want = hf(torch.tensor([words["q"] + words[d]]), token_type_ids=types).logits[0, 0]
+            untyped = hf(torch.tensor([words["q"] + words[d]])).logits[0, 0]
+        assert abs(raw.outputs.score - want.item()) < 1e-4 and abs(raw.outputs.score - untyped.item()) > 1e-3
+        assert abs(prob.outputs.score - want.sigmoid().item()) < 1e-5
