@@ -8,6 +8,11 @@ from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from pagedgen.engine.llm_engine import LLMEngine
 from pagedgen.llm import LLM
 from pagedgen.outputs import CompletionOutput, RequestOutput
+from pagedgen.pooling_outputs import (
+    ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+    ScoringOutput, ScoringRequestOutput,
+)
+from pagedgen.pooling_params import PoolerConfig, PoolingParams
 from pagedgen.sampling_params import SamplingParams
 from pagedgen.structured_output.params import StructuredOutputsParams
 
@@ -21,5 +26,15 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "PoolingParams",
+    "PoolerConfig",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"

@@ -62,6 +62,9 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, name="tensor_parallel_size")
     pipeline_parallel_size: int = _arg(1, name="pipeline_parallel_size")
     speculative_config: Optional[dict[str, Any]] = _arg(None, name="speculative_config", metavar="JSON")
+    runner: str = _arg("auto", name="runner", choices=("auto", "generate", "pooling"))
+    convert: str = _arg("auto", name="convert", choices=("auto", "none", "embed", "classify"))
+    pooler_config: Optional[dict[str, Any]] = _arg(None, name="pooler_config", metavar="JSON")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, title: str = "engine (LLM arguments)") -> argparse.ArgumentParser:

@@ -16,9 +16,11 @@ from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedgen.call_lock import CallLock
 from pagedgen.engine import offline
 from pagedgen.engine.build import build_engine
-from pagedgen.engine.llm_engine import EngineStats, LLMEngine
+from pagedgen.engine.llm_engine import LLMEngine
+from pagedgen.engine.stats import EngineStats
 from pagedgen.engine.step_log import StepLog
 from pagedgen.llm_args import LLMArgs, check_use_tqdm, with_plain_numbers
+from pagedgen.llm_pooling import PoolingCalls
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
@@ -26,7 +28,7 @@ PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 ChatMessage = dict  # {"role": str, "content": str}
 
 
-class LLM:
+class LLM(PoolingCalls):
     """Loads a Hugging Face checkpoint (an architecture of pagedgen.model.registry) and generates
     completions for lists of prompts.
 
@@ -110,6 +112,10 @@ class LLM:
             ``max_model_len`` positions and have no sliding window; it runs in the model's dtype.
             Greedy outputs equal speculation off token for token; sampled ones follow the model's
             distribution (Leviathan et al.'s rejection sampling), a function of the request's seed.
+        runner, convert, pooler_config: pooling models (docs/pooling.md): runner "auto" (the
+            architecture decides: ``*ForSequenceClassification`` pools), "generate" or "pooling";
+            convert "auto", "none", "embed" (pool a ``*ForCausalLM``'s hidden states) or "classify";
+            pooler_config a dict of ``PoolerConfig`` fields (pooling_type LAST/MEAN/CLS/ALL/STEP...).
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing (of the
@@ -145,6 +151,9 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         speculative_config: Optional[dict[str, Any]] = None,
+        runner: str = "auto",
+        convert: str = "auto",
+        pooler_config: Optional[dict[str, Any]] = None,
     ) -> None:
         args = LLMArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -155,7 +164,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            speculative_config=speculative_config,
+            speculative_config=speculative_config, runner=runner, convert=convert, pooler_config=pooler_config,
         )
         # the argument checks first (llm_args.py: errors before anything is loaded), then the configs,
         # the tokenizer, the model, the KV cache's size, the executor and the engine (engine/build.py)

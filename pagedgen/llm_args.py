@@ -19,6 +19,7 @@ import torch
 
 from pagedgen import inputs, ops
 from pagedgen.executor import BACKENDS
+from pagedgen.pooling_params import PoolerConfig
 from pagedgen.spec_decode.config import SpeculativeConfig
 
 
@@ -49,6 +50,9 @@ class LLMArgs:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     speculative_config: Any
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Any = None
 
 
 INT_ARGS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
@@ -93,6 +97,13 @@ def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.de
             "by a profiling run, which needs the model in the driver; or pass distributed_executor_backend=None"
         )
     ops.isa.check_request(os.environ.get(ops.isa.ENV))  # a typo must not quietly run the reference ops
+    if args.runner not in ("auto", "generate", "pooling"):
+        raise ValueError(f"LLM runner must be 'auto', 'generate' or 'pooling', got {args.runner!r}")
+    if args.convert not in ("auto", "none", "embed", "classify"):
+        raise ValueError(f"LLM convert must be 'auto', 'none', 'embed' or 'classify', got {args.convert!r}")
+    if args.runner == "generate" and args.convert in ("embed", "classify"):
+        raise ValueError(f"LLM convert={args.convert!r} makes a pooling model: it needs runner='pooling' or 'auto', got runner='generate'")
+    PoolerConfig.from_arg(args.pooler_config)  # TypeError / ValueError naming the field
     if args.enforce_extension and not ops.extension_available(device.type):
         raise RuntimeError(ops.extension_error(device.type))
     return spec_config, device

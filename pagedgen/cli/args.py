@@ -24,6 +24,9 @@ that the output holds every input row exactly once. See docs/cli.md.
   pagedgen --model ../shared/models/stories260K --input prompts.jsonl --output out.jsonl --max-tokens 64
 """
 
+#: --task -> the output field holding each row's result (unless --output-field names another)
+OUTPUT_FIELDS = {"generate": "completions", "embed": "embedding", "classify": "classification", "reward": "reward"}
+
 #: True when SamplingParams carries truncate_prompt_tokens itself (then its generated flag is used)
 ENGINE_TRUNCATES = "truncate_prompt_tokens" in {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -49,6 +52,8 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "output_field", "") is None:  # the task's own field name unless given
+            ns.output_field = OUTPUT_FIELDS[ns.task]
         why = field_names_problem(ns) or seed_problem(ns)
         if why:
             self.error(why)
@@ -147,7 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read a chat conversation ([{role, content}, ...]) from this field instead, rendered with the chat template")
     io.add_argument("--chat-template", default=None, metavar="FILE",
                     help="a Jinja chat template file (or the template itself) to use instead of the tokenizer's")
-    io.add_argument("--output-field", default="completions", metavar="NAME", help="the output field holding the completions (default: completions)")
+    io.add_argument("--task", choices=tuple(OUTPUT_FIELDS), default="generate",
+                    help="generate completions (default), or with a pooling model (docs/pooling.md) write each row's embedding, "
+                         "class probabilities or per-token rewards")
+    io.add_argument("--output-field", default=None, metavar="NAME",
+                    help="the output field holding the result (default: completions; embedding, classification, reward with --task)")
     io.add_argument("--index-field", default="index", metavar="NAME", help="the output field holding the 0-based input row (default: index)")
     io.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name in OpenAI batch responses whose request names none (default: the --model folder's name)")

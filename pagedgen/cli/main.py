@@ -111,6 +111,14 @@ def _run(args, held: contextlib.ExitStack) -> int:
         raise CLIError(f"out of memory while loading the model and allocating the KV cache ({one_line(exc)}): lower "
                        "--kv-cache-memory-bytes, --num-kv-blocks, --swap-space-bytes or --gpu-memory-utilization, "
                        "or pass a smaller --max-model-len") from exc
+    pooling = llm.llm_engine.pooling
+    if (pooling is None) != (args.task == "generate"):
+        raise CLIError(f"--task {args.task}: {args.model} loads as a pooling model ({pooling.architecture}); pass --task embed, classify "
+                       "or reward" if pooling is not None else f"--task {args.task} needs a pooling model: pass --convert embed "
+                       "(or --runner pooling), or a *ForSequenceClassification / BertModel checkpoint (docs/pooling.md)")
+    if args.task in ("classify", "reward") and not pooling.num_labels:
+        raise CLIError(f"--task {args.task} needs a classification head (a *ForSequenceClassification checkpoint); "
+                       f"{args.model} ({pooling.architecture}) embeds only: pass --task embed")
     if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
         raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
     checks.check_params_fit_model(llm, params, args.model)
@@ -252,6 +260,8 @@ def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
         chat_template_sha256=hashlib.sha256(spec.chat_template.encode()).hexdigest() if spec.chat_template else None,
         served_model_name=args.served_model_name, schema_field=spec.schema_field, compact_json=spec.compact_json,
     )
+    if args.task != "generate":  # (absent for generation: the sidecars written before --task read back the same)
+        values.update(task=args.task, pooler_config=args.pooler_config, convert=args.convert)
     return json.loads(json.dumps(values))  # as it reads back from the sidecar (dict keys become str)
 
 
@@ -348,7 +358,8 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
         remaining = _remaining(rows, done, tracker, stats, car.data["input"] if args.input == "-" else None)
     bar = progress_mod.Progress(not args.no_tqdm, stats, counter)
     settings = RunSettings(on_error=args.on_error, max_in_flight=max_in_flight, drain_seconds=args.drain_seconds,
-                           created=car.data["created"], model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)))
+                           created=car.data["created"], model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
+                           task=args.task)
     write_error = f"cannot write --output {args.output!r}: "
     try:
         with StopSignals() as signals, _UserErrors("cannot read --input: ", (OSError,)):

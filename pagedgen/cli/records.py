@@ -48,6 +48,8 @@ def completions_json(out, with_logprobs: bool) -> list[dict]:
 
 def output_line(row: Row, request: Request, out, spec: PromptSpec, created: int, model_name: str) -> bytes:
     """The output line of a finished row."""
+    if hasattr(out.outputs, "data"):  # a pooling model's (--task): the vector, the probabilities or the per-token rewards
+        return _dumps({spec.index_field: row.index, **row.fields, spec.output_field: _pooled_json(out)})
     if request.openai is not None:
         record = openai_batch.response_record(row.index, request.openai, out, request.params.logprobs, created, model_name)
     else:
@@ -56,6 +58,14 @@ def output_line(row: Row, request: Request, out, spec: PromptSpec, created: int,
         if request.params.prompt_logprobs is not None:
             record["prompt_logprobs"] = _logprobs_json(out.prompt_logprobs)
     return _dumps(record)
+
+
+def _pooled_json(out):
+    """A pooled result as JSON: a list of float (an embedding, per-token rows as lists), or for a
+    classification {"probs": [...], "label": name} (the label from config.json id2label)."""
+    label = getattr(out, "label", None)
+    data = out.outputs.data.tolist()
+    return data if label is None else {"probs": data, "label": label}
 
 
 def error_line(row: Row, reason: str, spec: PromptSpec) -> bytes:

@@ -74,6 +74,7 @@ class RunSettings:
     drain_seconds: float
     created: int  # Unix time for the OpenAI format's "created"
     model_name: str
+    task: str = "generate"  # or a pooling task (--task embed / classify / reward)
 
 
 def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWriter, spec: PromptSpec, settings: RunSettings,
@@ -106,7 +107,7 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
                 if not pending:
                     break
             row, built = pending.popleft()
-            reason = built if isinstance(built, str) else _admit(engine, row, built, in_flight, settings.on_error == "skip")
+            reason = built if isinstance(built, str) else _admit(engine, row, built, in_flight, settings.on_error == "skip", settings.task)
             if reason is None:
                 writer.admit(row.index)
             elif settings.on_error == "skip":
@@ -127,25 +128,34 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
             break
         for out in engine.step():
             row, request = in_flight.pop(int(out.request_id))
-            if out.error is not None:  # failed alone mid-generation (--on-error skip asked the engine to say so)
+            if getattr(out, "error", None) is not None:  # failed alone mid-generation (--on-error skip asked the engine to say so)
                 writer.finish(row.index, records.error_line(row, f"row {row.index}: {out.error}", spec), error=True)
                 stats.bad += 1
                 continue
+            if settings.task == "classify":  # the top label's name, from config.json id2label
+                out.label = engine.pooling.id2label[int(out.outputs.data.argmax())]
             writer.finish(row.index, records.output_line(row, request, out, spec, settings.created, settings.model_name))
             stats.generated += 1
             stats.prompt_tokens += len(out.prompt_token_ids)
-            stats.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+            stats.output_tokens += sum(len(c.token_ids) for c in out.outputs) if settings.task == "generate" else 0
         writer.maybe_flush()
         progress.update()
 
 
-def _admit(engine, row: Row, request: Request, in_flight: dict, skip: bool) -> Optional[str]:
+_POOLING_TASKS = {"embed": "embed", "classify": "classify", "reward": "token_classify"}  # --task -> pooling task
+
+
+def _admit(engine, row: Row, request: Request, in_flight: dict, skip: bool, task: str = "generate") -> Optional[str]:
     """Add ``row``'s request to the engine; None when added, else why the row cannot run. With
     ``skip`` (``--on-error skip``) a row that fails mid-generation comes back with its ``error``
     (``on_error="return"``) and goes to the errors file, its text kept for it; otherwise it ends as
-    vLLM ends it (``LLM.generate``'s ``on_error``)."""
+    vLLM ends it (``LLM.generate``'s ``on_error``). ``task``: "generate", or the pooling task of
+    ``--task`` (``_POOLING_TASKS``)."""
     try:
-        engine.add_request(str(row.index), request.prompt, request.params, on_error="return" if skip else None)
+        if task == "generate":
+            engine.add_request(str(row.index), request.prompt, request.params, on_error="return" if skip else None)
+        else:
+            engine.add_pooling_request(str(row.index), request.prompt, None, _POOLING_TASKS[task])
     except (ValueError, TypeError) as exc:  # the engine's validation of the request
         reason = one_line(exc).replace(f"request {str(row.index)!r} ", f"row {row.index}'s ", 1)  # the CLI's term
         if "max_model_len" in reason and "prompt" in reason:

@@ -232,13 +232,18 @@ class Scheduler:
                 budget -= n
         while self.waiting and not self.swapped and budget > 0 and len(self._planned) + 1 + len(self.waiting[0].pending_forks) <= limit:
             seq = self.waiting[0]
-            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            # pooling other than LAST (MEAN, CLS, ALL, STEP) needs every prompt position's hidden state:
+            # no prefix-cache hits then
+            every_row = seq.pooling is not None and seq.pooling.needs_all_rows
+            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 and not every_row else []
             if prefix and seq.prompt_logprobs is not None:
                 # prompt logprobs need the logits from position len(prompt_logprobs) - 1 on (all of
                 # them unless prompt_logprob_start says otherwise): cached blocks only before it
                 prefix = prefix[: (len(seq.prompt_logprobs) - 1) // bm.block_size]
             cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - max(cached, seq.num_computed_tokens), budget)
+            if n < seq.num_tokens and seq.pooling is not None and seq.pooling.whole_prompt:
+                break  # an encoder's prompt (bidirectional attention) is computed whole, in one step: wait for the budget
             if not bm.can_allocate(seq.seq_id, max(cached, seq.num_computed_tokens) + n, prefix):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

@@ -74,6 +74,10 @@ class Sequence:
     pending_forks: list = field(default_factory=list)
     beam_group: Optional[Any] = None  # the BeamGroup of a beam-search sequence
     beam_cum_logprob: float = 0.0
+    # a pooling model's request (LLM.embed / classify ...): its PoolingSpec (pooling_params.py; plain
+    # data), and once its prompt is computed, the worker's result (an opaque CPU tensor)
+    pooling: Optional[Any] = None
+    pooled: Optional[Any] = None
     # what append_token checks at every token, computed once from the fields above: the token ids
     # that may end the sequence (stop tokens, EOS unless ignore_eos) and the length it ends at
     _stop_ids: frozenset = field(init=False, repr=False)

@@ -27,6 +27,7 @@ from pagedgen.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedgen.core import kv_sizing
 from pagedgen.core.blocks import cdiv
 from pagedgen.engine.llm_engine import LLMEngine
+from pagedgen.engine.pooling_checks import resolve_runner
 from pagedgen.engine.processor import RequestProcessor
 from pagedgen.executor.factory import ExecutorConfig, LoadedModels, load_models, make_executor, profile_kv_cache_bytes
 from pagedgen.layers.matmul import MatmulConfig, choose_matmul
@@ -64,6 +65,12 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     model = os.fspath(args.model)
     hf_config = loader.load_hf_config(model)
     model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(args.dtype, hf_config))
+    pooling = resolve_runner(args.runner, args.convert, args.pooler_config, hf_config, model_config.architecture, os.fspath(args.model))
+    if pooling is not None and (args.distributed_executor_backend is not None or args.tensor_parallel_size * args.pipeline_parallel_size > 1
+                                or spec_config is not None):
+        raise ValueError("LLM: a pooling model (runner='pooling', convert, or a *ForSequenceClassification checkpoint) runs in "
+                         "process only: distributed_executor_backend=None, tensor_parallel_size=pipeline_parallel_size=1 and "
+                         "no speculative_config")
     backend, tp, pp = args.distributed_executor_backend, args.tensor_parallel_size, args.pipeline_parallel_size
     if tp * pp > 1:
         loader.check_parallel(hf_config, model_config, tp, pp, (cores_problem(tp, pp),))  # ValueError before any process
@@ -87,12 +94,13 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
         with naming_the_draft(spec_config.model):
             check_draft_tokenizer(spec_config.model, tokenizer)  # ValueError before any weights load
 
-    use_graphs = device.type == "cuda" and not args.enforce_eager
+    use_graphs = device.type == "cuda" and not args.enforce_eager and pooling is None  # pooling steps are prefills: no decode graphs
     executor_config = ExecutorConfig(
         backend=backend, model=model, hf_config=hf_config, model_config=model_config, device=device,
         matmul_config=matmul_config, max_model_len=max_model_len, seed=args.seed,
         cuda_graph_max_seqs=args.max_num_seqs if use_graphs else 0, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         draft=None if draft is None else (spec_config.model, *draft),
+        pooling=pooling is not None,
     )
     models = load_models(executor_config)
     cache_config = _cache_config(args, model_config, None if draft is None else draft[1], device, models, max_model_len, max_num_batched_tokens)
@@ -106,6 +114,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
     processor = RequestProcessor(tokenizer, model_config.vocab_size, max_model_len, args.max_num_seqs, grammars)
     engine = LLMEngine(cache_config, scheduler_config, executor, processor, eos_token_ids, spec_config)
+    engine.pooling = pooling
     return BuiltEngine(engine, tokenizer, model_config, matmul_config, device, models)
 
 

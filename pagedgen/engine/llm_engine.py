@@ -25,12 +25,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 import torch
 
-from pagedgen import _repr
 from pagedgen.config import CacheConfig, SchedulerConfig
 from pagedgen.core.block_manager import BlockManager
 from pagedgen.core.scheduler import Scheduler
@@ -38,6 +36,7 @@ from pagedgen.core.scheduler_output import ScheduledBatch
 from pagedgen.core.sequence import Sequence, SequenceStatus, first_prompt_logprobs
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.processor import Params, Request, RequestProcessor
+from pagedgen.engine.stats import EngineStats
 from pagedgen.engine.step_log import StepLog
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams, as_int64
@@ -45,52 +44,6 @@ from pagedgen.spec_decode.speculator import Speculator
 from pagedgen.structured_output.manager import MAX_JUMP_TOKENS, StructuredOutputManager
 
 logger = logging.getLogger("pagedgen")
-
-
-@dataclass
-class EngineStats:
-    """KV-cache and scheduling figures since the engine was made (``LLM.get_stats()``).
-
-    ``kv_utilization_mean`` is the mean, over steps, of slots holding real tokens / slots allocated
-    (the PagedAttention paper's figure 2 measure); ``kv_utilization`` is the last step's value.
-    ``sharing_savings_*``: 1 - physical blocks used / blocks the same block tables would need
-    unshared (paper section 6.3-6.4).
-    """
-
-    num_steps: int
-    num_preemptions: int
-    num_recomputes: int
-    num_swaps_out: int
-    num_swaps_in: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_generated_tokens: int
-    num_kv_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    block_size: int
-    kv_utilization: float
-    kv_utilization_mean: float
-    peak_used_blocks: int
-    prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / tokens looked up
-    num_cached_tokens: int  # tokens not recomputed thanks to the prefix cache
-    sharing_savings_mean: float  # mean over steps of 1 - physical blocks / blocks unshared tables need
-    peak_sharing_savings: float
-    num_copy_on_write: int  # blocks copied because a shared block was written
-    # speculative decoding (docs/speculative.md): draft tokens proposed and accepted, and the
-    # acceptance rate of each draft position (0, 1, ...); zeros and () without speculation
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    acceptance_rate_per_position: tuple = ()
-    # structured outputs' jump-forward decoding (docs/structured_outputs.md): of num_generated_tokens,
-    # those a grammar forced and the engine appended without a decode step each
-    num_jump_forward_tokens: int = 0
-
-    def __repr__(self) -> str:
-        return _repr.render("EngineStats", _repr.engine_stats(self))
-
-    def _repr_pretty_(self, p, cycle: bool) -> None:
-        _repr.pretty(p, "EngineStats", _repr.engine_stats(self), cycle)
 
 
 class LLMEngine:
@@ -125,6 +78,7 @@ class LLMEngine:
         # worker processes); the engine itself reaches the model only through the executor
         self.model_runner = getattr(executor, "model_runner", None)
         self.processor = processor
+        self.pooling = None  # a pooling model's PoolingModelInfo (engine/pooling_checks.py), set by engine/build.py
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}  # unfinished requests, in arrival order
         self._clean = True  # False while a step or a change of the queues is under way
@@ -163,10 +117,32 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already queued and unfinished: request ids must be unique")
+        if self.pooling is not None:
+            raise ValueError(f"request {request_id!r}: this engine runs a pooling model; add_request generates (use LLM.embed / classify / encode)")
         if on_error not in (None, "return"):
             raise ValueError(f"request {request_id!r} on_error must be None (vLLM's behaviour) or 'return', got {on_error!r}")
         request = self.processor.process(request_id, prompt, sampling_params)
         request.on_error = on_error
+        self.enqueue(request)
+
+    def add_pooling_request(self, request_id: str, prompt, pooling_params=None, task: str = "embed") -> None:
+        """Queue a pooling model's request (``LLM(runner="pooling")``; the command line's ``--task``):
+        ``prompt`` as ``add_request`` takes it, ``pooling_params`` a PoolingParams or None, ``task``
+        one of ``pooling_params.POOLING_TASKS``. Its ``step`` output is a ``PoolingRequestOutput``.
+        TypeError / ValueError naming the request (a generation engine, a bad prompt or field),
+        leaving the engine as it was."""
+        from pagedgen.engine.pooling_checks import check_pooling_params, check_pooling_prompt
+
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if self.pooling is None:
+            raise ValueError(f"request {request_id!r}: this engine generates; pooling needs LLM(model, runner='pooling') (docs/pooling.md)")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already queued and unfinished: request ids must be unique")
+        spec = check_pooling_params(pooling_params, task, self.pooling, f"request {request_id!r} pooling_params")
+        request = self.processor.process(request_id, prompt, SamplingParams(max_tokens=1))
+        check_pooling_prompt(request.prompt_token_ids, self.pooling, self.scheduler_config.max_num_batched_tokens, f"request {request_id!r} prompt")
+        request.pooling = spec
         self.enqueue(request)
 
     def enqueue(self, request: Request) -> None:
@@ -257,6 +233,7 @@ class LLMEngine:
         if isinstance(params, SamplingParams):
             seed = None if params.seed is None else as_int64(params.seed)
             seq = self._sequence(request, params, seed, request.detokenizers[0])
+            seq.pooling = request.pooling  # a pooling request: prefilled, pooled, never decoded
             # completions 1..n-1 fork from completion 0 once the prompt is computed, sharing its blocks
             seq.pending_forks = [(j, request.detokenizers[j]) for j in range(1, params.n)]
             return seq
@@ -318,6 +295,9 @@ class LLMEngine:
         finished = [seq for seq, tok in zip(out.seqs, out.token_ids) if seq.append_token(tok)]
         if failed:
             self._record_failures(finished, failed)
+        for seq, data in getattr(out, "pooled", ()):  # pooling requests end when their prompt is computed (in process only)
+            seq.pooled, seq.finish_reason = data, "stop"
+            finished.append(seq)
         self.num_generated_tokens += len(out.token_ids)
         if len(self.grammars) and self.speculator is None:
             self._jump_forward(out.seqs, finished)

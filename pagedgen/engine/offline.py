@@ -44,6 +44,7 @@ def check_on_error(on_error) -> None:
 def generate(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool, on_error: Optional[str] = None) -> list[RequestOutput]:
     """``LLM.generate``: the prompts checked and tokenized, run to the end; one RequestOutput per
     prompt, in input order."""
+    check_generates(engine, "generate")
     check_on_error(on_error)
     return run(engine, engine.processor.process_batch(prompts, sampling_params), use_tqdm, on_error=on_error)
 
@@ -51,6 +52,7 @@ def generate(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool, on_err
 def chat(engine: LLMEngine, messages, sampling_params, chat_template: Optional[str], add_generation_prompt: bool,
          continue_final_message: bool, use_tqdm: bool, on_error: Optional[str] = None) -> list[RequestOutput]:
     """``LLM.chat``: the conversations rendered, tokenized and run to the end, in input order."""
+    check_generates(engine, "chat")
     check_on_error(on_error)
     requests = engine.processor.process_chats(messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
     return run(engine, requests, use_tqdm, on_error=on_error)
@@ -59,6 +61,7 @@ def chat(engine: LLMEngine, messages, sampling_params, chat_template: Optional[s
 def beam_search(engine: LLMEngine, prompts, params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
     """``LLM.beam_search``: one BeamSearchOutput per prompt, in input order, its finished beams best
     first, each scored ``cum_logprob / length ** length_penalty`` (engine/beam_group.py)."""
+    check_generates(engine, "beam_search")
     outputs = run(engine, engine.processor.beam_batch(prompts, params), use_tqdm, desc="Beam search")
     return [
         BeamSearchOutput([
@@ -116,6 +119,7 @@ def stream(engine: LLMEngine, prompts: Iterable, sampling_params: Optional[Sampl
            use_tqdm: bool, on_error: Optional[str] = None) -> Iterator[RequestOutput]:
     """``LLM.generate_stream``: the arguments checked now (TypeError / ValueError), the prompts run
     as the returned generator is pulled (see ``LLM.generate_stream`` for its contract)."""
+    check_generates(engine, "generate_stream")
     check_on_error(on_error)
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
@@ -180,6 +184,13 @@ def _pull(items: Iterator, n: int) -> tuple[list, bool, Optional[Exception]]:
     except Exception as exc:  # noqa: BLE001 - re-raised by _stream once the admitted items are yielded
         return batch, True, exc
     return batch, len(batch) < n, None
+
+
+def check_generates(engine: LLMEngine, call: str) -> None:
+    """ValueError when the engine runs a pooling model (it has no language-model head to sample)."""
+    if engine.pooling is not None:
+        raise ValueError(f"LLM.{call}: this LLM runs a pooling model ({engine.pooling.architecture}, convert="
+                         f"{engine.pooling.convert!r}); use embed / classify / score / reward / encode, or load it with runner='generate'")
 
 
 def check_idle(engine: LLMEngine) -> None:

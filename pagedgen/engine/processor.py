@@ -20,6 +20,7 @@ from pagedgen.core.sequence import Sequence
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.detokenizer import Detokenizer
 from pagedgen.outputs import CompletionOutput, RequestOutput
+from pagedgen.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from pagedgen.sampling_params import SamplingParams
 
 Params = Union[SamplingParams, BeamSearchParams]
@@ -56,6 +57,7 @@ class Request:
     detokenizers: list = field(default_factory=list)
     on_error: Optional[str] = None
     errors: dict = field(default_factory=dict)
+    pooling: Optional[object] = None  # a pooling request's PoolingSpec (engine/pooling.py); params then SamplingParams(max_tokens=1)
 
     @property
     def is_finished(self) -> bool:
@@ -213,8 +215,12 @@ class RequestProcessor:
     # ----- out -----------------------------------------------------------------------------------
     def make_output(self, request: Request) -> RequestOutput:
         """The RequestOutput of a finished request (completions ordered by index; for beam search,
-        the finished beams best first, ``cumulative_logprob`` their summed log-probabilities)."""
+        the finished beams best first, ``cumulative_logprob`` their summed log-probabilities); a
+        pooling request's PoolingRequestOutput."""
         first = request.seqs[0]
+        if request.pooling is not None:
+            return PoolingRequestOutput(request.request_id, PoolingOutput(first.pooled), request.prompt_token_ids,
+                                        first.num_cached_tokens or 0, True, request.index)
         if request.beam_group is not None:
             outputs = [
                 CompletionOutput(

@@ -66,6 +66,7 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     draft: Optional[tuple[str, Any, ModelConfig]] = None
+    pooling: bool = False  # a pooling model (LLM(runner="pooling")): the runner pools instead of sampling
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def make_executor(config: ExecutorConfig, cache_config: CacheConfig, models: Loa
     worker) built from a ``WorkerSpec``, each worker with cores // ranks torch threads."""
     if config.backend is None:
         runner = ModelRunner(models.model, cache_config, Sampler(config.seed), cuda_graph_max_seqs=config.cuda_graph_max_seqs,
-                             max_model_len=config.max_model_len, draft_model=models.draft_model)
+                             max_model_len=config.max_model_len, draft_model=models.draft_model, pooling=config.pooling)
         return InProcessExecutor(runner)
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

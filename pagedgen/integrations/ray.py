@@ -33,6 +33,9 @@ from pagedgen.sampling_params import SamplingParams
 
 #: the columns LLMPredictor adds to each batch.
 OUTPUT_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
+#: with a pooling model (``task``, docs/pooling.md): the task's columns, then num_prompt_tokens and error
+POOLING_COLUMNS = {"embed": ("embedding",), "classify": ("probs", "label"), "reward": ("reward",)}
+_POOLING_TASKS = {"embed": "embed", "classify": "classify", "reward": "token_classify"}
 
 
 class LLMPredictor:
@@ -48,6 +51,12 @@ class LLMPredictor:
         token_ids_column: column of prompt token-id lists.
             Each batch must hold exactly one of these three columns.
         chat_template: a Jinja template for ``messages_column`` instead of the tokenizer's.
+        task: "generate" (the default), or with a pooling model (``convert="embed"``, a
+            ``*ForSequenceClassification`` or ``BertModel`` checkpoint; docs/pooling.md) "embed"
+            (column ``embedding``: a float32 array per row), "classify" (``probs`` and the top
+            ``label``) or "reward" (``reward``: [num_tokens, num_labels] per row), each with
+            ``num_prompt_tokens`` and ``error``; a bad row's result is None. Conversations are
+            rendered without a generation prompt then. ``sampling_params`` must be None.
         **llm_kwargs: ``LLM``'s keyword arguments (``EngineArgs`` fields: dtype, max_num_seqs,
             max_model_len, kv_cache_memory_bytes, device, seed, ...); strings are converted.
 
@@ -67,8 +76,14 @@ class LLMPredictor:
         messages_column: str = "messages",
         token_ids_column: str = "prompt_token_ids",
         chat_template: Optional[str] = None,
+        task: str = "generate",
         **llm_kwargs,
     ) -> None:
+        if task not in ("generate",) + tuple(POOLING_COLUMNS):
+            raise ValueError(f"LLMPredictor task must be one of {('generate',) + tuple(POOLING_COLUMNS)}, got {task!r}")
+        if task != "generate" and sampling_params is not None:
+            raise ValueError(f"LLMPredictor task={task!r} pools: sampling_params must be None")
+        self.task = task
         if sampling_params is None:
             sampling_params = SamplingParams()
         elif isinstance(sampling_params, dict):
@@ -108,7 +123,8 @@ class LLMPredictor:
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template: give LLMPredictor(chat_template=...)")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=self.task == "generate")
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template failed: {exc}") from None
         return inputs.fill_empty(self.tokenizer, [list(self.tokenizer(text, add_special_tokens=False)["input_ids"])])[0]
@@ -116,6 +132,11 @@ class LLMPredictor:
     def _check_row(self, kind: str, value) -> list[int]:
         ids = self._prompt_ids(kind, value)
         cfg = self.llm.scheduler_config
+        if self.task != "generate":
+            inputs.check_prompt_length(ids, cfg.max_model_len, "the prompt")
+            if self.llm.llm_engine.pooling.whole_prompt and len(ids) > cfg.max_num_batched_tokens:
+                raise ValueError(f"the prompt has {len(ids)} tokens; an encoder computes it in one step: at most max_num_batched_tokens={cfg.max_num_batched_tokens}")
+            return ids
         inputs.check_sampling_params([ids], self.sampling_params, self.llm.model_config.vocab_size, cfg.max_model_len, cfg.max_num_seqs)
         return ids
 
@@ -128,7 +149,8 @@ class LLMPredictor:
                 f"LLMPredictor needs exactly one input column in each batch, of {list(self.columns.values())}; "
                 f"the batch has {'none' if not present else names} (columns: {sorted(batch)})"
             )
-        clash = sorted(set(OUTPUT_COLUMNS) & set(batch))
+        added = OUTPUT_COLUMNS if self.task == "generate" else POOLING_COLUMNS[self.task] + ("num_prompt_tokens", "error")
+        clash = sorted(set(added) & set(batch))
         if clash:
             raise ValueError(f"LLMPredictor would overwrite the batch's column(s) {clash}: rename them first")
         return present[0]
@@ -147,6 +169,8 @@ class LLMPredictor:
                 valid.append(i)
             except (TypeError, ValueError) as exc:  # pagedgen.inputs names the one-prompt list's item
                 errors[i] = f"{type(exc).__name__}: {exc}".replace("prompts[0]", "the prompt")
+        if self.task != "generate":
+            return self._pooled(batch, valid, prompts, errors)
         texts, reasons = [""] * num_rows, [""] * num_rows
         num_prompt, num_generated = [0] * num_rows, [0] * num_rows
         outputs = self.llm.generate(prompts, self.sampling_params, use_tqdm=False) if prompts else []
@@ -159,5 +183,28 @@ class LLMPredictor:
         result["num_prompt_tokens"] = np.array(num_prompt, dtype=np.int64)
         result["num_generated_tokens"] = np.array(num_generated, dtype=np.int64)
         result["finish_reason"] = np.array(reasons, dtype=object)
+        result["error"] = np.array(errors, dtype=object)
+        return result
+
+    def _pooled(self, batch: dict, valid: list[int], prompts: list[list[int]], errors: list[str]) -> dict:
+        """A pooling task's columns for ``batch`` (the valid rows pooled in one ``encode`` call)."""
+        num_rows = len(errors)
+        columns = {name: [None] * num_rows for name in POOLING_COLUMNS[self.task]}
+        num_prompt = [0] * num_rows
+        outputs = self.llm.encode(prompts, None, pooling_task=_POOLING_TASKS[self.task], use_tqdm=False) if prompts else []
+        names = self.llm.llm_engine.pooling.id2label
+        for i, out in zip(valid, outputs):
+            data = out.outputs.data.numpy()
+            num_prompt[i] = len(out.prompt_token_ids)
+            if self.task == "classify":
+                columns["probs"][i], columns["label"][i] = data, names[int(data.argmax())]
+            else:
+                columns[POOLING_COLUMNS[self.task][0]][i] = data
+        result = dict(batch)
+        for name, values in columns.items():
+            column = np.empty(num_rows, dtype=object)
+            column[:] = values
+            result[name] = column
+        result["num_prompt_tokens"] = np.array(num_prompt, dtype=np.int64)
         result["error"] = np.array(errors, dtype=object)
         return result

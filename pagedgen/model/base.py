@@ -123,3 +123,14 @@ class CausalLM(Module):
         on every tensor-parallel rank: every rank calls it with the same rows)."""
         return getattr(self, self.lm_head_name)(hidden)
 
+    @torch.inference_mode()
+    def pooled_hidden(self, input_ids, positions, attn: AttentionMetadata, kv_caches: list[KVCache], rows: torch.Tensor) -> torch.Tensor:
+        """The final, normalised hidden states [R, hidden] (model dtype) at ``rows`` (int64 [R]):
+        what a pooling model pools (worker/pooler.py). One stage only (no pipeline)."""
+        return getattr(self, self.base_model_prefix)(input_ids, positions, attn, kv_caches, rows, None)
+
+    @torch.inference_mode()
+    def compute_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over ``hidden`` [m, hidden]: [m, vocab] logits, or [m, num_labels] for a
+        classification model's ``score`` (model dtype)."""
+        return getattr(self, self.lm_head_name)(hidden)

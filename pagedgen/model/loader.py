@@ -98,7 +98,7 @@ def load_hf_config(path: str):
 
 def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
     """The engine's view of ``hf_config`` (see ``ModelConfig``)."""
-    architecture, _ = registry.resolve_architecture(hf_config.architectures)
+    architecture, cls = registry.resolve_architecture(hf_config.architectures)
     num_heads = hf_config.num_attention_heads
     num_layers = hf_config.num_hidden_layers
     windows = layer_sliding_windows(hf_config, num_layers)
@@ -110,7 +110,7 @@ def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-        max_position_embeddings=hf_config.max_position_embeddings,
+        max_position_embeddings=cls.usable_positions(hf_config) if hasattr(cls, "usable_positions") else hf_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         dtype=dtype,
         sliding_window=max(windows) if all(windows) else 0,

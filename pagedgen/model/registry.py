@@ -18,6 +18,22 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel", "gpt2"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM", "opt"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox"),
+    # pooling models (LLM(runner="pooling"): embed / classify / score / reward): a score head on the decoder stack
+    "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification", "llama"),
+    "MistralForSequenceClassification": ("classification", "LlamaForSequenceClassification", "mistral"),
+    "Qwen2ForSequenceClassification": ("classification", "LlamaForSequenceClassification", "qwen2"),
+    "Qwen3ForSequenceClassification": ("classification", "LlamaForSequenceClassification", "qwen3"),
+    "GemmaForSequenceClassification": ("classification", "GemmaForSequenceClassification", "gemma"),
+    "LlamaForTokenClassification": ("classification", "LlamaForSequenceClassification", "llama"),
+    "MistralForTokenClassification": ("classification", "LlamaForSequenceClassification", "mistral"),
+    "Qwen2ForTokenClassification": ("classification", "LlamaForSequenceClassification", "qwen2"),
+    "Qwen3ForTokenClassification": ("classification", "LlamaForSequenceClassification", "qwen3"),
+    "GemmaForTokenClassification": ("classification", "GemmaForSequenceClassification", "gemma"),
+    # encoders (embeddings; no KV cache): BERT and XLM-RoBERTa
+    "BertModel": ("bert", "BertModel", "bert"),
+    "XLMRobertaModel": ("bert", "XLMRobertaModel", "xlm-roberta"),
+    "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification", "xlm-roberta"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification", "bert"),
 }
 
 

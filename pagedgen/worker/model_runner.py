@@ -55,6 +55,7 @@ from pagedgen.spec_decode.draft_model import DraftModelProposer
 from pagedgen.worker import microbatch
 from pagedgen.worker.block_tables import BlockTables, int_tensor
 from pagedgen.worker.cuda_graphs import CUDAGraphRunner
+from pagedgen.worker.pooler import PoolingRunner
 from pagedgen.worker.prefault import Prefaulter
 from pagedgen.worker.step_buffers import StepBuffers
 
@@ -113,6 +114,8 @@ class StepOutput:
     # speculative decoding: (sequence, tokens sampled after its first, their logprobs, drafts) for
     # each sequence verified this step (pagedgen/spec_decode/verify.py)
     spec: list = field(default_factory=list)
+    # pooling models: (sequence, its result: a float32 CPU tensor) for each prompt done this step (worker/pooler.py)
+    pooled: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -129,6 +132,8 @@ class ModelRunner:
             step in micro-batches (see the module docstring).
         draft_model: speculative decoding's draft model (method "draft_model"), run beside the
             model with a KV cache of the same blocks (spec_decode/draft_model.py); None without one.
+        pooling: run a pooling model (``LLM(runner="pooling")``): every sequence's final hidden
+            states are pooled (worker/pooler.py) instead of sampled.
     """
 
     def __init__(
@@ -140,8 +145,10 @@ class ModelRunner:
         max_model_len: int = 0,
         pp=None,
         draft_model=None,
+        pooling: bool = False,
     ) -> None:
         self.model = model
+        self.pooler = PoolingRunner() if pooling else None
         self.pp = pp if pp is not None and pp.size > 1 else None
         self.cache_config = cache_config
         self.sampler = sampler
@@ -150,7 +157,7 @@ class ModelRunner:
         # torch.empty: a block's pages are backed when it is first used (on the CPU: self.prefaulter)
         self.kv_caches = [
             (torch.empty(shape, dtype=cfg.dtype, device=model.device), torch.empty(shape, dtype=cfg.dtype, device=model.device))
-            for _ in range(cfg.num_layers)
+            for _ in range(0 if getattr(model, "is_encoder", False) else cfg.num_layers)  # an encoder (model/bert.py) keeps no keys and values
         ]
         # CPU swap space for swap preemption, same layout: [num_cpu_blocks, block_size, num_kv_heads, head_dim]
         cpu_shape = (cache_config.num_cpu_blocks,) + shape[1:]
@@ -168,7 +175,7 @@ class ModelRunner:
         if self.drafter is not None:
             block_bytes += draft_model.config.kv_bytes_per_token() * cache_config.block_size
             touched = touched + self.drafter.kv_caches
-        self.prefaulter = Prefaulter(touched, block_bytes) if self.on_cpu else None
+        self.prefaulter = Prefaulter(touched, block_bytes) if self.on_cpu and touched else None
         # persistent block tables, updated from each step's deltas: [rows, ceil(max_model_len / block_size)] int32
         self.buffers = StepBuffers(model.device)  # the step's inputs: one staging buffer, one copy per step
         self.block_tables = BlockTables(-(-max_model_len // cache_config.block_size) if max_model_len else 16)
@@ -217,7 +224,13 @@ class ModelRunner:
         flat_block = rows * tables.shape[1] + torch.div(positions, bs, rounding_mode="floor")  # [T] into tables.view(-1)
         slots = tables.view(-1)[flat_block].to(torch.int64) * bs + positions % bs  # [T] int64
 
-        logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
+        if self.pooler is not None:  # a pooling model: the rows to pool instead of the rows to sample
+            # (worker/pooler.py); they take the place of logits_indices, and the pooler's items that of
+            # the sampled sequences in what prepare returns
+            logits_indices, sampling = self.pooler.rows(batch.seqs, starts, ends, query_start_loc)
+            beams, beam_rows, prompt_plan = [], [], PromptLogprobsPlan()
+        else:
+            logits_indices, sampling, beams, beam_rows, prompt_plan = self._logits_rows(batch, starts, ends, query_start_loc)
         ids_d, positions_d, slots_d, tables_d, seq_lens_d, qsl_d, logits_d = self.buffers.stage([
             int_tensor(input_ids, torch.int64),  # [T]
             positions,  # [T]
@@ -320,6 +333,16 @@ class ModelRunner:
             self.drafter.forget(plan.freed_seq_ids)
             if batch.drafts:  # the drafts are placeholders until the draft model proposes them
                 groups = self._propose_drafts(batch)
+        if self.pooler is not None:
+            self.pooler.forget(plan.freed_seq_ids)
+            (input_ids, positions, attn, rows), items, _, _ = self.prepare(batch)
+            types = self.pooler.token_types(batch.seqs, plan.num_computed_tokens, [c + k for c, k in zip(plan.num_computed_tokens, plan.num_new_tokens)])
+            if types is None:
+                hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows)  # [R, hidden]
+            else:  # an encoder's cross-encoder pairs: token type 1 from their second segment on
+                types_d = torch.tensor(types, dtype=torch.int64).to(input_ids.device)  # [T]
+                hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows, types_d)
+            return StepOutput([], [], pooled=self.pooler.outputs(items, hidden, self.model.compute_head))
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step

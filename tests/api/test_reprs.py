@@ -57,7 +57,7 @@ def test_engine_stats_repr(llm):
 def test_engine_stats_repr_always_shows_prefix_cache_and_sharing():
     import dataclasses
 
-    from pagedgen.engine.llm_engine import EngineStats
+    from pagedgen.engine.stats import EngineStats
 
     zero = EngineStats(**{f.name: 0.0 if f.type == "float" else 0 for f in dataclasses.fields(EngineStats)})
     r = repr(zero)  # a run without hits or sharing: the figures say 0, they are not left out

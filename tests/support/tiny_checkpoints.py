@@ -79,7 +79,28 @@ def build(name: str, folder: str, seed: int = 0, **overrides):
     model.generation_config.eos_token_id = None  # generate the full length, as ignore_eos does
     model.generation_config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
     model.save_pretrained(folder, safe_serialization=True)
+    copy_tokenizer(folder)
+    return model
+
+
+def build_classifier(name: str, folder: str, num_labels: int, seed: int = 0, **overrides):
+    """Save a random-weight ``*ForSequenceClassification`` checkpoint of family ``name`` with
+    ``num_labels`` outputs (labels named ``id2label``: "neg", "pos", "label_2"...) in ``folder``;
+    returns transformers' model (float32, eval mode, eager attention), the oracle."""
+    import torch
+    import transformers
+
+    names = {i: ("neg", "pos")[i] if i < 2 else f"label_{i}" for i in range(num_labels)}
+    config = hf_config(name, num_labels=num_labels, id2label=names, label2id={v: k for k, v in names.items()}, pad_token_id=0, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    copy_tokenizer(folder)
+    return model
+
+
+def copy_tokenizer(folder: str) -> None:
+    """The GPT-2 tokenizer's files into ``folder`` (prompts are token ids below ``VOCAB``)."""
     for f in os.listdir(GPT2_TOKENIZER):
         if f.endswith((".json", ".txt")):
             shutil.copy(os.path.join(GPT2_TOKENIZER, f), folder)
-    return model
