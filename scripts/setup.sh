@@ -69,7 +69,7 @@ if [ "$(cat "$VENV/.pagedgen-ext" 2>/dev/null)" != "$src_hash" ] || ! ls pagedge
   if ls -d build/temp.* >/dev/null 2>&1; then
     what="what changed since the last build"
   else
-    what="from scratch: 4-6 minutes on a quiet 2-core machine, two or three times that on a busy one"
+    what="from scratch: 3-5 minutes on a quiet 2-core machine, two or three times that on a busy one"
   fi
   step "building the extension: pagedgen._C and the CPU kernels of each instruction-set level ($what)" \
     "$PY" setup.py build_ext --inplace
