@@ -104,7 +104,12 @@ def load() -> None:
     except ValueError as exc:
         _why_not = str(exc)
         return
-    level, why = choose(request, supported_levels(), built_levels())
+    try:
+        supported = supported_levels()
+    except (AttributeError, RuntimeError) as exc:  # a pagedgen._C built before this check existed
+        _why_not = f"pagedgen._C is older than its sources ({exc}); rebuild it with scripts/setup.sh"
+        return
+    level, why = choose(request, supported, built_levels())
     if level is None:
         _why_not = why
         return

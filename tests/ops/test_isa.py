@@ -105,6 +105,20 @@ def test_none_and_a_bad_value_load_no_cpu_kernels_and_say_why():
     assert got["level"] is None and "expected one of auto, none, avx2" in got["error"]
 
 
+def test_a_stale_baseline_module_loads_no_cpu_kernels_and_says_why(monkeypatch):
+    """A pagedgen._C older than its sources (no cpu_supported_isa op): no level is loaded, and the reason
+    says to rebuild, instead of an AttributeError at ``import pagedgen``."""
+    def stale():
+        raise AttributeError("'_OpNamespace' 'pagedgen' object has no attribute 'cpu_supported_isa'")
+
+    monkeypatch.setattr(isa, "supported_levels", stale)
+    monkeypatch.setattr(isa, "_loaded", None)
+    monkeypatch.setattr(isa, "_why_not", "")
+    monkeypatch.delenv(isa.ENV, raising=False)
+    isa.load()
+    assert isa.loaded() is None and "older than its sources" in isa.why_not() and "scripts/setup.sh" in isa.why_not()
+
+
 @needs_ext
 def test_a_bad_value_is_a_value_error_of_llm(stories_path, monkeypatch):
     """LLM(...) checks PAGEDGEN_CPU_ISA before any work (a typo must not silently run the reference ops)."""
