@@ -3,7 +3,7 @@ generation speed of each level this CPU runs (pagedgen/ops/isa.py, PAGEDGEN_CPU_
 build, side by side.
 
 A native build of the CPU kernels (``PAGEDGEN_CPU_LEVELS=native``, setup.py; objects kept in
-build/isa-bench-native) is put beside the checkout's levels for the run as pagedgen/_C_cpu_native*.so and
+build/isa-bench-native-<CPU flags' hash>) is put beside the checkout's levels for the run as pagedgen/_C_cpu_native*.so and
 removed afterwards. Every (round, level) is a fresh process (one level is loaded per process) that
 builds the LLM, warms it up and times one ``generate`` of the workload (greedy, EOS ignored, each request
 its own max_tokens: benchmarks/_workload.py); rounds interleave the levels (rotated), medians are
@@ -31,7 +31,19 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import _workload  # noqa: E402
 
-NATIVE_TEMP = os.path.join(ROOT, "build", "isa-bench-native")
+
+
+def _native_temp() -> str:
+    """The native build's object folder, one per CPU kind: ninja would find the objects of another kind
+    up to date (the command line, -march=native, is the same) and link code this CPU may not run."""
+    import hashlib
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return os.path.join(ROOT, "build", "isa-bench-native-" + hashlib.sha256(flags.encode()).hexdigest()[:12])
 
 
 def build_native() -> list[str]:
@@ -39,7 +51,7 @@ def build_native() -> list[str]:
     env = dict(os.environ, PAGEDGEN_CPU_LEVELS="native", PAGEDGEN_NO_CUDA="1", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
     lib = tempfile.mkdtemp(prefix="isa-bench-lib-")
     try:
-        proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", lib, "--build-temp", NATIVE_TEMP],
+        proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", lib, "--build-temp", _native_temp()],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"the native build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

@@ -90,7 +90,8 @@ import sys
 
 import pagedgen.ops as o
 
-assert o.extension_available("cpu"), o.extension_error("cpu")
+if not o.extension_available("cpu"):
+    sys.exit(f"[setup] FAILED: the extension is built but its CPU kernels are not usable here: {o.extension_error('cpu')}")
 cuda = "built" if o.extension_available("cuda") else "not built (PAGEDGEN_NO_CUDA=1, a CPU-only torch or no CUDA toolkit: see setup.py)"
 print(f"[setup] ok in {sys.argv[1]} s: pagedgen._C loaded, CPU kernels of level {o.cpu_isa()}, CUDA kernels {cuda}")
 EOF
