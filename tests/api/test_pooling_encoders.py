@@ -24,6 +24,17 @@ _GEN = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(3, 4000, (n,), generator=_GEN).tolist() for n in (2, 9, 31, 5, 60, 1, 17)]
 
 
+def _save_random(model_cls, config, folder: str):
+    """A seeded random ``model_cls(config)`` saved in ``folder`` with the GPT-2 tokenizer's files; returns the model."""
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    for f in os.listdir(GPT2_TOKENIZER):
+        if f.endswith((".json", ".txt")):
+            shutil.copy(os.path.join(GPT2_TOKENIZER, f), folder)
+    return model
+
+
 def _save(kind: str, folder: str, sentence_transformers: bool):
     import transformers
 
@@ -34,12 +45,7 @@ def _save(kind: str, folder: str, sentence_transformers: bool):
     else:  # XLM-R: positions start at pad_token_id + 1 = 2, so 130 rows hold 128 positions
         config = transformers.XLMRobertaConfig(**common, max_position_embeddings=130, pad_token_id=1, type_vocab_size=1)
         model_cls = transformers.XLMRobertaModel
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    for f in os.listdir(GPT2_TOKENIZER):
-        if f.endswith((".json", ".txt")):
-            shutil.copy(os.path.join(GPT2_TOKENIZER, f), folder)
+    model = _save_random(model_cls, config, folder)
     if sentence_transformers:  # the layout sentence-transformers' save() writes: Transformer, Pooling (mean), Normalize
         modules = [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -123,12 +129,7 @@ def test_xlm_roberta_cross_encoder(tmp_path):
 
     config = transformers.XLMRobertaConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                            intermediate_size=128, max_position_embeddings=130, pad_token_id=1, type_vocab_size=1, num_labels=1)
-    torch.manual_seed(0)
-    hf = transformers.XLMRobertaForSequenceClassification(config).eval()
-    hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    for f in os.listdir(GPT2_TOKENIZER):
-        if f.endswith((".json", ".txt")):
-            shutil.copy(os.path.join(GPT2_TOKENIZER, f), tmp_path)
+    hf = _save_random(transformers.XLMRobertaForSequenceClassification, config, tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
     query, docs = "it is", ["the one", "and the", "a man"]  # words inside the first 4096 GPT-2 ids
     for out, doc in zip(llm.score(query, docs, use_tqdm=False), docs):
@@ -148,12 +149,7 @@ def test_bert_cross_encoder_with_token_types(tmp_path):
 
     config = transformers.BertConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=128, max_position_embeddings=128, num_labels=1, initializer_range=0.3)
-    torch.manual_seed(0)
-    hf = transformers.BertForSequenceClassification(config).eval()
-    hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    for f in os.listdir(GPT2_TOKENIZER):
-        if f.endswith((".json", ".txt")):
-            shutil.copy(os.path.join(GPT2_TOKENIZER, f), tmp_path)
+    hf = _save_random(transformers.BertForSequenceClassification, config, tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
     words = {"q": [101, 3, 4, 5, 102], "d1": [6, 7, 102], "d2": [8, 9, 10, 11, 102]}  # BERT's layout: [CLS] q [SEP] d [SEP]
 
