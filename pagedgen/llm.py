@@ -60,7 +60,7 @@ class LLM(PoolingCalls):
             ``gpu_memory_utilization`` leaves after a profiling forward pass.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens in one step; longer prompts are prefilled in chunks.
-            Default max(4096, max_num_seqs).
+            Default max(4096, max_num_seqs); for an encoder (a prompt computed whole) at least max_model_len.
         max_model_len: most tokens (prompt + output) per sequence; default and upper bound the
             model's ``max_position_embeddings``. The KV cache must hold one sequence of this many
             tokens (else ValueError: a larger cache, or a smaller max_model_len).

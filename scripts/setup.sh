@@ -45,7 +45,7 @@ fi
 # torch and friends alone; installed so that their tests run instead of skipping.
 extras_hash=$(cat requirements.txt requirements-extras.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.pagedgen-extras" 2>/dev/null)" != "$extras_hash" ]; then
-  step "installing the integrations' dependencies (requirements-extras.txt: lm_eval, ray)" \
+  step "installing the integrations' dependencies (requirements-extras.txt: lm_eval, ray, sentence-transformers)" \
     "$PY" -m pip install -r requirements-extras.txt -c requirements.txt
   echo "$extras_hash" > "$VENV/.pagedgen-extras"
 fi

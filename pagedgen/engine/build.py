@@ -86,6 +86,10 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
             f"({model_config.max_position_embeddings}), got {max_model_len}"
         )
     max_num_batched_tokens = args.max_num_batched_tokens or max(4096, args.max_num_seqs)
+    if pooling is not None and pooling.whole_prompt:
+        # an encoder computes each prompt whole in one step (bidirectional attention: no chunks), so
+        # the step's budget covers the longest prompt, max_model_len, as vLLM sets it for encoder-only models
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
     draft = None if spec_config is None else check_speculative_model(spec_config, model_config, max_model_len)
 
     tokenizer = loader.load_tokenizer(os.fspath(args.tokenizer) if args.tokenizer is not None else model)

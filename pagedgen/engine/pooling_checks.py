@@ -173,8 +173,16 @@ def sentence_transformers_pooler(folder: str) -> Optional[PoolerConfig]:
         raise ValueError(f"{path} has no Pooling module")
     pooling_file = os.path.join(folder, kinds["Pooling"].get("path", ""), "config.json")
     with open(pooling_file) as f:
-        modes = [k for k, v in json.load(f).items() if k.startswith("pooling_mode_") and v is True]
-    names = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+        config = json.load(f)
+    if "pooling_mode" in config:  # sentence-transformers >= 6: one "pooling_mode" string
+        mode = config["pooling_mode"]
+        modes = [f"pooling_mode_{m}" for m in (mode if isinstance(mode, list) else [mode])]
+        if config.get("include_prompt", True) is not True:
+            raise ValueError(f"{pooling_file}: include_prompt=false (pooling that leaves out an instruction prefix) is not supported")
+    else:  # older releases: one boolean per mode
+        modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+    names = {"pooling_mode_cls_token": "CLS", "pooling_mode_cls": "CLS", "pooling_mode_mean_tokens": "MEAN",
+             "pooling_mode_mean": "MEAN", "pooling_mode_lasttoken": "LAST"}
     if len(modes) != 1 or modes[0] not in names:
         raise ValueError(f"{pooling_file}: pooling modes {modes} are not supported: exactly one of {list(names)}")
     return PoolerConfig(names[modes[0]], normalize="Normalize" in kinds)

@@ -4,7 +4,7 @@ in sentence-transformers' folder layout (``modules.json``, ``1_Pooling/config.js
 module) or bare, against transformers' ``last_hidden_state`` pooled as sentence-transformers'
 ``encode`` pools it (mean over the tokens, or the CLS row; then L2): cosine >= 0.99999 and within
 1e-5 in float32, >= 0.999 in bfloat16, over a batch mixing lengths; bitwise the same alone or in a
-batch; prompts that do not fit one step are refused before any work."""
+batch; a prompt longer than max_num_batched_tokens runs whole (the budget covers max_model_len)."""
 from __future__ import annotations
 
 import json
@@ -96,8 +96,6 @@ def test_bare_folder_pools_cls_and_bf16(encoder, tmp_path):
 
 def test_encoder_errors_before_any_work(encoder):
     folder, llm, _ = encoder
-    with pytest.raises(ValueError, match="must fit max_num_batched_tokens=64"):
-        llm.embed([PROMPTS[0], list(range(3, 70))], use_tqdm=False)
     roomy = LLM(folder, num_kv_blocks=64, max_num_batched_tokens=256)
     with pytest.raises(ValueError, match="max_model_len=128"):
         roomy.embed([list(range(3, 132))], use_tqdm=False)
@@ -109,6 +107,21 @@ def test_encoder_errors_before_any_work(encoder):
         llm.classify([PROMPTS[0]], use_tqdm=False)
     full = roomy.embed([list(range(3, 131))], use_tqdm=False)  # every usable position (128)
     assert len(full[0].outputs.embedding) == 64
+
+
+def test_encoder_prompt_longer_than_the_step_budget_runs_whole(encoder):
+    """max_num_batched_tokens=64 is raised to max_model_len=128 for an encoder (vLLM's rule): a
+    127-token prompt (one step, alone) gives the same vector as transformers, with short prompts around it."""
+    folder, llm, _ = encoder
+    assert llm.llm_engine.scheduler_config.max_num_batched_tokens == 128
+    long = torch.randint(3, 4000, (127,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs = llm.encode([PROMPTS[0], long, PROMPTS[1]], PoolingParams(normalize=False), use_tqdm=False)
+    import transformers
+
+    hf = transformers.AutoModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([long])).last_hidden_state[0].mean(dim=0)
+    assert torch.allclose(outs[1].outputs.data, want, atol=1e-5)
 
 
 def test_unsupported_sentence_transformers_module(encoder, tmp_path):
