@@ -25,7 +25,7 @@ that the output holds every input row exactly once. See docs/cli.md.
 """
 
 #: --task -> the output field holding each row's result (unless --output-field names another)
-OUTPUT_FIELDS = {"generate": "completions", "embed": "embedding", "classify": "classification", "reward": "reward"}
+OUTPUT_FIELDS = {"generate": "completions", "embed": "embedding", "classify": "classification", "reward": "reward", "score": "score"}
 
 #: True when SamplingParams carries truncate_prompt_tokens itself (then its generated flag is used)
 ENGINE_TRUNCATES = "truncate_prompt_tokens" in {f.name for f in dataclasses.fields(SamplingParams)}
@@ -54,6 +54,15 @@ class _Parser(argparse.ArgumentParser):
         ns, rest = super().parse_known_args(args, namespace)
         if getattr(ns, "output_field", "") is None:  # the task's own field name unless given
             ns.output_field = OUTPUT_FIELDS[ns.task]
+        if hasattr(ns, "task"):  # --task score reads two texts: text_1 and text_2 unless named
+            if ns.task != "score" and ns.pair_field is not None:
+                self.error(f"--pair-field names the second text of --task score; this run's task is {ns.task}")
+            if ns.task == "score" and ns.messages_field is not None:
+                self.error("--task score reads two texts (--prompt-field, --pair-field), not --messages-field")
+            if ns.prompt_field is None:
+                ns.prompt_field = "text_1" if ns.task == "score" else "prompt"
+            if ns.task == "score" and ns.pair_field is None:
+                ns.pair_field = "text_2"
         why = field_names_problem(ns) or seed_problem(ns)
         if why:
             self.error(why)
@@ -79,7 +88,7 @@ def field_names_problem(ns: argparse.Namespace) -> str | None:
     """Why the field names of parsed flags ``ns`` cannot work, else None: an empty name, or an
     output field (index, completions, prompt_logprobs) that is another output field or the input
     field the prompt is read from (every row would be refused)."""
-    names = {"--prompt-field": ns.prompt_field, "--messages-field": ns.messages_field,
+    names = {"--prompt-field": ns.prompt_field, "--messages-field": ns.messages_field, "--pair-field": getattr(ns, "pair_field", None),
              "--index-field": ns.index_field, "--output-field": ns.output_field}
     for flag, name in names.items():
         if name is not None and not name.strip():
@@ -88,8 +97,9 @@ def field_names_problem(ns: argparse.Namespace) -> str | None:
     added = [("--index-field", ns.index_field), ("--output-field", ns.output_field)]
     if getattr(ns, "prompt_logprobs", None) is not None:
         added.append(("--prompt-logprobs", "prompt_logprobs"))
+    sources = [source] + ([("--pair-field", ns.pair_field)] if getattr(ns, "pair_field", None) is not None else [])
     for i, (flag, name) in enumerate(added):
-        for other_flag, other in added[i + 1:] + [source]:
+        for other_flag, other in added[i + 1:] + sources:
             if name == other:
                 return (f"{flag} and {other_flag} name the same field {name!r} (an output row holds both); "
                         f"give them different names")
@@ -146,17 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--output", required=True, metavar="PATH", help="the output JSONL file (appended to; resumed when it exists)")
     io.add_argument("--input-format", choices=("auto",) + FORMATS, default="auto",
                     help="input format (default: from the file name; .jsonl whose first line is an OpenAI batch request: openai)")
-    io.add_argument("--prompt-field", "--prompt-column", dest="prompt_field", default="prompt", metavar="NAME",
-                    help="the field (JSON) or column (CSV/TSV/Parquet) holding the prompt: a string, or a list of token ids (default: prompt)")
+    io.add_argument("--prompt-field", "--prompt-column", dest="prompt_field", default=None, metavar="NAME",
+                    help="the field (JSON) or column (CSV/TSV/Parquet) holding the prompt: a string, or a list of token ids "
+                         "(default: prompt; text_1 with --task score)")
+    io.add_argument("--pair-field", "--pair-column", dest="pair_field", default=None, metavar="NAME",
+                    help="with --task score: the field holding each row's second text (default: text_2)")
     io.add_argument("--messages-field", default=None, metavar="NAME",
                     help="read a chat conversation ([{role, content}, ...]) from this field instead, rendered with the chat template")
     io.add_argument("--chat-template", default=None, metavar="FILE",
                     help="a Jinja chat template file (or the template itself) to use instead of the tokenizer's")
     io.add_argument("--task", choices=tuple(OUTPUT_FIELDS), default="generate",
                     help="generate completions (default), or with a pooling model (docs/pooling.md) write each row's embedding, "
-                         "class probabilities or per-token rewards")
+                         "class probabilities, per-token rewards or the score of its two texts (a cross-encoder, or the cosine of two embeddings)")
     io.add_argument("--output-field", default=None, metavar="NAME",
-                    help="the output field holding the result (default: completions; embedding, classification, reward with --task)")
+                    help="the output field holding the result (default: completions; embedding, classification, reward, score with --task)")
     io.add_argument("--index-field", default="index", metavar="NAME", help="the output field holding the 0-based input row (default: index)")
     io.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name in OpenAI batch responses whose request names none (default: the --model folder's name)")

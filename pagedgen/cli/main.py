@@ -113,9 +113,12 @@ def _run(args, held: contextlib.ExitStack) -> int:
                        "or pass a smaller --max-model-len") from exc
     pooling = llm.llm_engine.pooling
     if (pooling is None) != (args.task == "generate"):
-        raise CLIError(f"--task {args.task}: {args.model} loads as a pooling model ({pooling.architecture}); pass --task embed, classify "
-                       "or reward" if pooling is not None else f"--task {args.task} needs a pooling model: pass --convert embed "
+        raise CLIError(f"--task {args.task}: {args.model} loads as a pooling model ({pooling.architecture}); pass --task embed, classify, "
+                       "reward or score" if pooling is not None else f"--task {args.task} needs a pooling model: pass --convert embed "
                        "(or --runner pooling), or a *ForSequenceClassification / BertModel checkpoint (docs/pooling.md)")
+    if args.task == "score" and pooling.num_labels > 1:
+        raise CLIError(f"--task score needs a cross-encoder (a classification head with one label) or an embedding model; "
+                       f"{args.model} ({pooling.architecture}) has {pooling.num_labels} labels: pass --task classify")
     if args.task in ("classify", "reward") and not pooling.num_labels:
         raise CLIError(f"--task {args.task} needs a classification head (a *ForSequenceClassification checkpoint); "
                        f"{args.model} ({pooling.architecture}) embeds only: pass --task embed")
@@ -247,7 +250,7 @@ def _prompt_spec(args, fmt: str) -> PromptSpec:
     return PromptSpec(mode=mode, prompt_field=args.prompt_field, messages_field=args.messages_field,
                       index_field=args.index_field, output_field=args.output_field, chat_template=template,
                       truncate_prompt_tokens=None if ENGINE_TRUNCATES else args.truncate_prompt_tokens,
-                      schema_field=args.schema_field, compact_json=args.disable_any_whitespace)
+                      schema_field=args.schema_field, compact_json=args.disable_any_whitespace, pair_field=args.pair_field)
 
 
 def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
@@ -262,6 +265,8 @@ def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
     )
     if args.task != "generate":  # (absent for generation: the sidecars written before --task read back the same)
         values.update(task=args.task, pooler_config=args.pooler_config, convert=args.convert)
+        if args.task == "score":
+            values.update(pair_field=spec.pair_field)
     return json.loads(json.dumps(values))  # as it reads back from the sidecar (dict keys become str)
 
 

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pagedgen.cli import openai_batch, structured
+from pagedgen.cli import openai_batch, scoring, structured
 from pagedgen.cli.errors import BadRow
 from pagedgen.cli.readers import Row
 from pagedgen.sampling_params import SamplingParams
@@ -37,6 +37,8 @@ class PromptSpec:
         truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len), or None.
         schema_field: a field holding a row's own JSON Schema (``cli/structured.py``), or None;
         compact_json: that schema's JSON without whitespace (``--disable-any-whitespace``).
+        pair_field: with ``--task score``, the field of each row's second text (the first is
+            ``prompt_field``); the Request's prompt is then ``{"pair": {"text_1", "text_2"}}`` (cli/scoring.py).
     """
 
     mode: str
@@ -48,6 +50,7 @@ class PromptSpec:
     truncate_prompt_tokens: Optional[int] = None
     schema_field: Optional[str] = None
     compact_json: bool = False
+    pair_field: Optional[str] = None
 
 
 @dataclass
@@ -118,6 +121,8 @@ class RequestBuilder:
         params = structured.row_params(self.params, fields, spec.schema_field, spec.compact_json)
         if spec.schema_field is not None and fields.get(spec.schema_field) is not None:
             self.rows_with_schema += 1
+        if spec.pair_field is not None:
+            return Request({"pair": scoring.pair_of(fields, spec.prompt_field, spec.pair_field)}, params)
         if spec.mode == "messages":
             if spec.messages_field not in fields:
                 raise BadRow(missing_field(spec.messages_field, "--messages-field", fields))

@@ -48,6 +48,8 @@ def completions_json(out, with_logprobs: bool) -> list[dict]:
 
 def output_line(row: Row, request: Request, out, spec: PromptSpec, created: int, model_name: str) -> bytes:
     """The output line of a finished row."""
+    if hasattr(out.outputs, "score"):  # --task score: one float
+        return _dumps({spec.index_field: row.index, **row.fields, spec.output_field: out.outputs.score})
     if hasattr(out.outputs, "data"):  # a pooling model's (--task): the vector, the probabilities or the per-token rewards
         return _dumps({spec.index_field: row.index, **row.fields, spec.output_field: _pooled_json(out)})
     if request.openai is not None:

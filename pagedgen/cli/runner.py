@@ -27,6 +27,7 @@ from pagedgen.cli.errors import CLIError, one_line
 from pagedgen.cli.progress import Progress, RunStats
 from pagedgen.cli.prompts import PromptSpec, Request, RequestBuilder
 from pagedgen.cli.readers import Row
+from pagedgen.cli.scoring import PairScorer
 from pagedgen.cli.writer import RowWriter
 
 READ_AHEAD = 64  # rows read and tokenized together before they are added one by one
@@ -82,6 +83,7 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
     """Generate for every row of ``rows`` (those not already done) and hand each result to
     ``writer``; ``outcome`` records a bad row (``--on-error stop``), a read error or a signal as soon as it happens."""
     engine = llm.llm_engine
+    scorer = PairScorer(engine) if settings.task == "score" else None
     in_flight: dict[int, tuple[Row, Request]] = {}
     pending: collections.deque = collections.deque()  # (row, Request or why it cannot run), read ahead
     read_ahead = min(READ_AHEAD, settings.max_in_flight)
@@ -107,7 +109,7 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
                 if not pending:
                     break
             row, built = pending.popleft()
-            reason = built if isinstance(built, str) else _admit(engine, row, built, in_flight, settings.on_error == "skip", settings.task)
+            reason = built if isinstance(built, str) else _admit(engine, row, built, in_flight, settings.on_error == "skip", settings.task, scorer)
             if reason is None:
                 writer.admit(row.index)
             elif settings.on_error == "skip":
@@ -122,12 +124,21 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
         if not in_flight:
             break
         if outcome.signal is not None and (len(signals.received) > 1 or time.monotonic() >= deadline):
-            engine.abort_request([str(i) for i in in_flight])
+            engine.abort_request([rid for i in in_flight for rid in (scorer.request_ids(i) if scorer else [str(i)])])
+            if scorer:
+                scorer.forget(list(in_flight))
             outcome.aborted_rows = len(in_flight) + writer.abandon()
             in_flight.clear()
             break
         for out in engine.step():
-            row, request = in_flight.pop(int(out.request_id))
+            if scorer is not None:  # --task score: a row is done when its pair's score is
+                done = scorer.finish(out)
+                if done is None:
+                    continue
+                index, out = done
+                row, request = in_flight.pop(index)
+            else:
+                row, request = in_flight.pop(int(out.request_id))
             if getattr(out, "error", None) is not None:  # failed alone mid-generation (--on-error skip asked the engine to say so)
                 writer.finish(row.index, records.error_line(row, f"row {row.index}: {out.error}", spec), error=True)
                 stats.bad += 1
@@ -145,14 +156,17 @@ def run_rows(llm, rows: Iterator[Row], builder: RequestBuilder, writer: RowWrite
 _POOLING_TASKS = {"embed": "embed", "classify": "classify", "reward": "token_classify"}  # --task -> pooling task
 
 
-def _admit(engine, row: Row, request: Request, in_flight: dict, skip: bool, task: str = "generate") -> Optional[str]:
+def _admit(engine, row: Row, request: Request, in_flight: dict, skip: bool, task: str = "generate",
+           scorer: Optional[PairScorer] = None) -> Optional[str]:
     """Add ``row``'s request to the engine; None when added, else why the row cannot run. With
     ``skip`` (``--on-error skip``) a row that fails mid-generation comes back with its ``error``
     (``on_error="return"``) and goes to the errors file, its text kept for it; otherwise it ends as
     vLLM ends it (``LLM.generate``'s ``on_error``). ``task``: "generate", or the pooling task of
-    ``--task`` (``_POOLING_TASKS``)."""
+    ``--task`` (``_POOLING_TASKS``); ``scorer`` adds ``--task score``'s pairs."""
     try:
-        if task == "generate":
+        if scorer is not None:
+            scorer.add(row.index, request.prompt["pair"])
+        elif task == "generate":
             engine.add_request(str(row.index), request.prompt, request.params, on_error="return" if skip else None)
         else:
             engine.add_pooling_request(str(row.index), request.prompt, None, _POOLING_TASKS[task])

@@ -125,10 +125,12 @@ class LLMEngine:
         request.on_error = on_error
         self.enqueue(request)
 
-    def add_pooling_request(self, request_id: str, prompt, pooling_params=None, task: str = "embed") -> None:
+    def add_pooling_request(self, request_id: str, prompt, pooling_params=None, task: str = "embed",
+                            token_type_start: Optional[int] = None) -> None:
         """Queue a pooling model's request (``LLM(runner="pooling")``; the command line's ``--task``):
         ``prompt`` as ``add_request`` takes it, ``pooling_params`` a PoolingParams or None, ``task``
-        one of ``pooling_params.POOLING_TASKS``. Its ``step`` output is a ``PoolingRequestOutput``.
+        one of ``pooling_params.POOLING_TASKS``; ``token_type_start``: where an encoder's token type 1
+        begins (a cross-encoder's pair, ``pooling.pair_encoding``). Its ``step`` output is a ``PoolingRequestOutput``.
         TypeError / ValueError naming the request (a generation engine, a bad prompt or field),
         leaving the engine as it was."""
         from pagedgen.engine.pooling_checks import check_pooling_params, check_pooling_prompt
@@ -142,6 +144,8 @@ class LLMEngine:
         spec = check_pooling_params(pooling_params, task, self.pooling, f"request {request_id!r} pooling_params")
         request = self.processor.process(request_id, prompt, SamplingParams(max_tokens=1))
         check_pooling_prompt(request.prompt_token_ids, self.pooling, self.scheduler_config.max_num_batched_tokens, f"request {request_id!r} prompt")
+        if token_type_start is not None and spec.whole_prompt:
+            spec = dataclasses.replace(spec, token_type_start=token_type_start)
         request.pooling = spec
         self.enqueue(request)
 

@@ -92,12 +92,9 @@ def score(engine: LLMEngine, text_1, text_2, pooling_params: Optional[PoolingPar
         if info.num_labels != 1:
             raise ValueError(f"LLM.score: the model's classification head has {info.num_labels} labels; a cross-encoder has 1 "
                              "(use LLM.classify, or an embedding model for cosine scores)")
-        tok = engine.processor.tokenizer
-        encoded = tok(firsts, text_pair=seconds) if firsts else {"input_ids": []}
-        pairs = [{"prompt_token_ids": list(ids)} for ids in encoded["input_ids"]]
-        types = encoded.get("token_type_ids")  # BERT's: 1 from the second segment on
-        starts = [list(t).index(1) if 1 in t else None for t in types] if types else None
-        outs = encode(engine, pairs, pooling_params, "score", use_tqdm, "score", starts)
+        encoded = pair_encoding(engine.processor.tokenizer, firsts, seconds)
+        pairs = [{"prompt_token_ids": ids} for ids, _ in encoded]
+        outs = encode(engine, pairs, pooling_params, "score", use_tqdm, "score", [start for _, start in encoded])
         return [ScoringRequestOutput.from_base(o) for o in outs]
     if pooling_params is not None and pooling_params.normalize is False:
         raise ValueError("LLM.score with an embedding model scores the cosine of normalised embeddings: pooling_params.normalize must not be False")
@@ -105,10 +102,25 @@ def score(engine: LLMEngine, text_1, text_2, pooling_params: Optional[PoolingPar
     vectors = {t: o.outputs.data for t, o in zip(unique, encode(engine, unique, pooling_params, "embed", use_tqdm, "score"))}
     results = []
     for i, (a, b) in enumerate(zip(firsts, seconds)):
-        u, v = vectors[a], vectors[b]
-        cosine = float((u @ v) / (u.norm() * v.norm()).clamp_min(1e-12))
-        results.append(ScoringRequestOutput(str(i), ScoringOutput(cosine), [], 0, True, i))
+        results.append(ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[b])), [], 0, True, i))
     return results
+
+
+def cosine(u, v) -> float:
+    """The cosine similarity of two embeddings (float32 [hidden] tensors) as ``score`` gives it."""
+    return float((u @ v) / (u.norm() * v.norm()).clamp_min(1e-12))
+
+
+def pair_encoding(tokenizer, firsts: list[str], seconds: list[str]) -> list[tuple[list[int], Optional[int]]]:
+    """A cross-encoder's prompts (``score``, the command line's ``--task score``, Ray's): for each
+    pair the tokenizer's pair encoding (``tokenizer(text_1, text_pair=text_2)``, special tokens
+    included) and where token type 1 begins (BERT's second segment), or None when the tokenizer
+    gives no token types."""
+    if not firsts:
+        return []
+    encoded = tokenizer(firsts, text_pair=seconds)
+    types = encoded.get("token_type_ids") or [None] * len(firsts)
+    return [(list(ids), list(t).index(1) if t is not None and 1 in t else None) for ids, t in zip(encoded["input_ids"], types)]
 
 
 def _pairs(text_1, text_2) -> tuple[list[str], list[str]]:

@@ -27,6 +27,7 @@ import jinja2
 import numpy as np
 
 from pagedgen import inputs
+from pagedgen.engine.pooling import pair_encoding
 from pagedgen.engine_args import EngineArgs
 from pagedgen.sampling_args import sampling_params_from_dict
 from pagedgen.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ from pagedgen.sampling_params import SamplingParams
 #: the columns LLMPredictor adds to each batch.
 OUTPUT_COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error")
 #: with a pooling model (``task``, docs/pooling.md): the task's columns, then num_prompt_tokens and error
-POOLING_COLUMNS = {"embed": ("embedding",), "classify": ("probs", "label"), "reward": ("reward",)}
+POOLING_COLUMNS = {"embed": ("embedding",), "classify": ("probs", "label"), "reward": ("reward",), "score": ("score",)}
 _POOLING_TASKS = {"embed": "embed", "classify": "classify", "reward": "token_classify"}
 
 
@@ -56,7 +57,11 @@ class LLMPredictor:
             (column ``embedding``: a float32 array per row), "classify" (``probs`` and the top
             ``label``) or "reward" (``reward``: [num_tokens, num_labels] per row), each with
             ``num_prompt_tokens`` and ``error``; a bad row's result is None. Conversations are
-            rendered without a generation prompt then. ``sampling_params`` must be None.
+            rendered without a generation prompt then. ``sampling_params`` must be None. "score":
+            each row's ``prompt_column`` (default ``text_1`` then) and ``pair_column`` texts scored
+            as ``LLM.score`` does (a cross-encoder's sigmoid(logit) or the cosine of two embeddings;
+            column ``score``).
+        pair_column: with ``task="score"``, the column of each row's second text.
         **llm_kwargs: ``LLM``'s keyword arguments (``EngineArgs`` fields: dtype, max_num_seqs,
             max_model_len, kv_cache_memory_bytes, device, seed, ...); strings are converted.
 
@@ -72,11 +77,12 @@ class LLMPredictor:
         model: str,
         sampling_params: Union[SamplingParams, dict, None] = None,
         *,
-        prompt_column: str = "prompt",
+        prompt_column: Optional[str] = None,
         messages_column: str = "messages",
         token_ids_column: str = "prompt_token_ids",
         chat_template: Optional[str] = None,
         task: str = "generate",
+        pair_column: str = "text_2",
         **llm_kwargs,
     ) -> None:
         if task not in ("generate",) + tuple(POOLING_COLUMNS):
@@ -93,7 +99,10 @@ class LLMPredictor:
         if sampling_params.n != 1:
             raise ValueError(f"LLMPredictor sampling_params.n must be 1 (one row in, one row out), got {sampling_params.n}: repeat rows instead")
         self.sampling_params = sampling_params
+        if prompt_column is None:
+            prompt_column = "text_1" if task == "score" else "prompt"
         self.columns = {"prompt": prompt_column, "messages": messages_column, "token_ids": token_ids_column}
+        self.pair_column = pair_column
         self.chat_template = chat_template
         self.llm = EngineArgs.from_dict({"model": model, **llm_kwargs}).create_llm()
         self.tokenizer = self.llm.tokenizer
@@ -142,6 +151,11 @@ class LLMPredictor:
 
     # ----- one batch -----------------------------------------------------------------------------
     def _input_kind(self, batch: dict) -> str:
+        if self.task == "score":
+            missing = [c for c in (self.columns["prompt"], self.pair_column) if c not in batch]
+            if missing:
+                raise ValueError(f"LLMPredictor task='score' reads the columns {self.columns['prompt']!r} and {self.pair_column!r}; "
+                                 f"the batch lacks {missing} (columns: {sorted(batch)})")
         present = [kind for kind, col in self.columns.items() if col in batch]
         if len(present) != 1:
             names = [self.columns[k] for k in present] or list(self.columns.values())
@@ -159,6 +173,8 @@ class LLMPredictor:
         """Generate for every row of ``batch`` (columns of equal length); returns the batch's
         columns plus ``OUTPUT_COLUMNS``, row for row."""
         kind = self._input_kind(batch)
+        if self.task == "score":
+            return self._scored(batch)
         values = batch[self.columns[kind]]
         num_rows = len(values)
         errors = [""] * num_rows
@@ -183,6 +199,37 @@ class LLMPredictor:
         result["num_prompt_tokens"] = np.array(num_prompt, dtype=np.int64)
         result["num_generated_tokens"] = np.array(num_generated, dtype=np.int64)
         result["finish_reason"] = np.array(reasons, dtype=object)
+        result["error"] = np.array(errors, dtype=object)
+        return result
+
+    def _scored(self, batch: dict) -> dict:
+        """``task="score"``: each row's pair scored (the valid rows in one ``LLM.score`` call); a row
+        whose texts are not strings or do not fit max_model_len gets its ``error``."""
+        firsts, seconds = batch[self.columns["prompt"]], batch[self.pair_column]
+        num_rows = len(firsts)
+        errors, scores, num_prompt = [""] * num_rows, [None] * num_rows, [0] * num_rows
+        valid = []
+        pooling, max_len = self.llm.llm_engine.pooling, self.llm.scheduler_config.max_model_len
+        for i, (a, b) in enumerate(zip(firsts, seconds)):
+            try:
+                for name, text in ((self.columns["prompt"], a), (self.pair_column, b)):
+                    if not isinstance(text, str):
+                        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+                if pooling.num_labels:  # a cross-encoder reads the pair as one prompt
+                    [(ids, _)] = pair_encoding(self.tokenizer, [a], [b])
+                    inputs.check_prompt_length(ids, max_len, "the pair")
+                    num_prompt[i] = len(ids)
+                else:
+                    num_prompt[i] = sum(len(self._check_row("prompt", t)) for t in (a, b))
+                valid.append(i)
+            except (TypeError, ValueError) as exc:
+                errors[i], num_prompt[i] = f"{type(exc).__name__}: {exc}".replace("prompts[0]", "the prompt"), 0
+        outputs = self.llm.score([firsts[i] for i in valid], [seconds[i] for i in valid], use_tqdm=False) if valid else []
+        for i, out in zip(valid, outputs):
+            scores[i] = out.outputs.score
+        result = dict(batch)
+        result["score"] = np.array([np.nan if s is None else s for s in scores], dtype=np.float64)
+        result["num_prompt_tokens"] = np.array(num_prompt, dtype=np.int64)
         result["error"] = np.array(errors, dtype=object)
         return result
 
