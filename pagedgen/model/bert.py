@@ -11,8 +11,11 @@
 
 No KV cache: attention is bidirectional within each sequence of the step (``query_start_loc``),
 so a prompt is computed whole in one step (the scheduler never chunks it: ``PoolingSpec.whole_prompt``)
-and never uses the prefix cache. Each sequence's attention runs alone (``scaled_dot_product_attention``
-over its own rows), so its result does not depend on the other sequences of the step. Token type 0
+and never uses the prefix cache. Attention runs batched by length bucket (``_AttentionPlan``): each
+sequence padded to its own length rounded up to ``BUCKET`` rows, its padding keys masked, the
+sequences of one bucket in one ``scaled_dot_product_attention`` call; a sequence's padded length
+depends on its own length only, and each (sequence, head) is computed on its own, so its result does
+not depend on the other sequences of the step (batch-invariant). Token type 0
 everywhere but in a cross-encoder's pair (``LLM.score``: type 1 from the second segment on,
 ``PoolingSpec.token_type_start``). The BERT pooler layer (``pooler.dense``) is used only by
 ``BertForSequenceClassification``'s head (sentence-transformers' embeddings do not use it).
@@ -52,19 +55,50 @@ class _Embeddings(Module):
         return self.LayerNorm(x)  # [T, hidden]
 
 
+BUCKET = 16  # a sequence's attention is padded to its length rounded up to this many rows
+
+
+class _AttentionPlan:
+    """How one step's sequences (``bounds``: their rows' start offsets, [n + 1]) are batched for
+    bidirectional attention: per bucket (padded length P, a multiple of ``BUCKET``), ``index``
+    [B, P] int64 (each padded row's source row in [T], T = a zero row past the end), ``mask``
+    [B, 1, 1, P] bool (True: a real key), ``real`` [n_rows] int64 (the real rows' places in the
+    flattened [B * P]) and ``rows`` [n_rows] int64 (those rows in [T], in the same order)."""
+
+    def __init__(self, bounds: list[int]) -> None:
+        total = bounds[-1]
+        buckets: dict[int, list[tuple[int, int]]] = {}
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            buckets.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append((a, b))
+        self.groups = []
+        for padded, spans in sorted(buckets.items()):
+            index = torch.full((len(spans), padded), total, dtype=torch.int64)  # [B, P]
+            for j, (a, b) in enumerate(spans):
+                index[j, : b - a] = torch.arange(a, b)
+            real = index < total  # [B, P]
+            flat = real.view(-1).nonzero().view(-1)  # [n_rows]
+            self.groups.append((index.view(-1), real[:, None, None, :], flat, index.view(-1)[flat]))
+
+
 class _SelfAttention(Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         H, D = config.num_heads, config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, H, bias=True)
 
-    def forward(self, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, H, D] each
-        out = torch.empty_like(q)
-        for a, b in zip(bounds[:-1], bounds[1:]):  # one sequence at a time: its rows attend to each other only
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
-            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
-        return out.view(x.shape[0], -1)  # [T, H * D]
+    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, 3 H D]: q, k, v side by side (QKVParallelLinear.split's layout)
+        T, HD = qkv.shape[0], qkv.shape[1] // 3
+        H = HD // self.qkv_proj.head_size
+        qkv = torch.cat([qkv, qkv.new_zeros(1, 3 * HD)])  # [T + 1, 3 H D]: row T is the padding rows' source
+        out = qkv.new_empty(T, HD)  # [T, H D]
+        for index, mask, flat, rows in plan.groups:  # one bucket: its sequences' rows attend to their own rows only
+            B, P = mask.shape[0], mask.shape[-1]
+            g = qkv.index_select(0, index).view(B, P, 3, H, -1)  # [B, P, 3, H, D]
+            q, k, v = (g[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, P, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B * P, HD)  # [B P, H D]
+            out.index_copy_(0, rows, o.index_select(0, flat))  # the real rows
+        return out  # [T, H * D]
 
 
 class _Output(Module):
@@ -85,8 +119,8 @@ class _Attention(Module):
         setattr(self, "self", _SelfAttention(config))  # the checkpoint's name: attention.self.query...
         self.output = _Output(hf_config, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        return self.output(getattr(self, "self")(x, bounds), x)
+    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+        return self.output(getattr(self, "self")(x, plan), x)
 
 
 class _Intermediate(Module):
@@ -106,8 +140,8 @@ class _Layer(Module):
         self.intermediate = _Intermediate(hf_config)
         self.output = _Output(hf_config, hf_config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        x = self.attention(x, bounds)
+    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+        x = self.attention(x, plan)
         return self.output(self.intermediate(x), x)
 
 
@@ -124,10 +158,10 @@ class _BertStack(Module):
         self.encoder = _Encoder(hf_config, config)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, rows: torch.Tensor, token_types=None) -> torch.Tensor:
-        bounds = attn.query_start_loc.tolist()  # [n + 1]: the sequences' rows (one copy back a step)
+        plan = _AttentionPlan(attn.query_start_loc.tolist())  # [n + 1]: the sequences' rows (one copy back a step)
         x = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
-            x = layer(x, bounds)
+            x = layer(x, plan)
         return x[rows]  # [R, hidden]
 
 
