@@ -11,7 +11,12 @@ Models (``--model``):
 
     python benchmarks/embed.py --model bert                       # 10,000 TinyStories sentences, fp32 and bf16
     python benchmarks/embed.py --model bert --vllm-venv benchmarks/.vllm-venv
-    python benchmarks/embed.py --num-sentences 200 --dtypes float32 --batch-sizes 16,64   # a quick check
+    python benchmarks/embed.py --num-sentences 200 --dtypes float32 --batch-sizes 16,64 --repeats 1   # a quick check
+
+The peer's batch size is swept first (one run each on --sweep-sentences sentences); then pagedgen,
+the peer at its best batch size and vLLM run --repeats times each, interleaved (pagedgen, peer,
+vLLM, pagedgen, ...), every system built once (vLLM's child process once per run, only its
+``embed`` timed), and the medians are compared.
 
 The tokenizer is GPT-2's (``../shared/models/gpt2-tokenizer``, vocabulary 50,257 rows): the only
 one here; the compute is the model's. Timings are only meaningful on a quiet machine; say which
@@ -23,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +37,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _launch
 SHARED = os.environ.get("PAGEDGEN_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
 TINYSTORIES = os.path.join(SHARED, "data", "tinystories_valid_first1000", "tinystories_valid_first1000.jsonl")
 GPT2_TOKENIZER = os.path.join(SHARED, "models", "gpt2-tokenizer")
@@ -81,51 +88,86 @@ def make_checkpoint(kind: str, folder: str) -> None:
         json.dump({"max_seq_length": 512, "do_lower_case": False}, open(os.path.join(folder, "sentence_bert_config.json"), "w"))
 
 
-def run_pagedgen(kind: str, folder: str, texts: list[str], dtype: str) -> tuple[float, torch.Tensor]:
-    from pagedgen import LLM
+class Pagedgen:
+    name = "pagedgen"
 
-    llm = LLM(folder, dtype=dtype, max_num_seqs=256, max_model_len=512, **({} if kind == "bert" else {"convert": "embed"}))
-    llm.embed(texts[:64], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.embed(texts, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return len(texts) / elapsed, torch.tensor([o.outputs.embedding for o in outs])
+    def __init__(self, kind: str, folder: str, dtype: str, texts: list[str]) -> None:
+        from pagedgen import LLM
 
+        self.llm = LLM(folder, dtype=dtype, max_num_seqs=256, max_model_len=512, **({} if kind == "bert" else {"convert": "embed"}))
+        self.llm.embed(texts[:64], use_tqdm=False)  # warm-up
 
-def run_sentence_transformers(folder: str, texts: list[str], dtype: str, batch_size: int) -> tuple[float, torch.Tensor]:
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(folder, device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
-    model.encode(texts[:64], batch_size=batch_size)
-    start = time.perf_counter()
-    vectors = model.encode(texts, batch_size=batch_size, convert_to_tensor=True)
-    return len(texts) / (time.perf_counter() - start), vectors.float()
+    def run(self, texts: list[str]) -> tuple[float, torch.Tensor]:
+        start = time.perf_counter()
+        outs = self.llm.embed(texts, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return len(texts) / elapsed, torch.tensor([o.outputs.embedding for o in outs])
 
 
-@torch.inference_mode()
-def run_transformers(kind: str, folder: str, texts: list[str], dtype: str, batch_size: int) -> tuple[float, torch.Tensor]:
-    import transformers
+class SentenceTransformers:
+    name = "sentence-transformers"
 
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    tok.padding_side = "right"
-    model = transformers.AutoModel.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-    vectors = []
-    start = time.perf_counter()
-    for i in range(0, len(texts), batch_size):
-        enc = tok(texts[i : i + batch_size], return_tensors="pt", padding=True)
-        h = model(**enc).last_hidden_state  # [B, L, hidden]
-        pooled = h[:, 0] if kind == "bert" else h[torch.arange(h.shape[0]), enc["attention_mask"].sum(1) - 1]
-        vectors.append(torch.nn.functional.normalize(pooled.float(), dim=-1))
-    return len(texts) / (time.perf_counter() - start), torch.cat(vectors)
+    def __init__(self, folder: str, dtype: str, texts: list[str], batch_size: int) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(folder, device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
+        self.batch_size = batch_size
+        self.model.encode(texts[:64], batch_size=batch_size)  # warm-up
+
+    @torch.inference_mode()
+    def run(self, texts: list[str]) -> tuple[float, torch.Tensor]:
+        start = time.perf_counter()
+        vectors = self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True)
+        return len(texts) / (time.perf_counter() - start), vectors.float()
 
 
-def run_vllm(venv: str, folder: str, texts: list[str], dtype: str) -> tuple[float, torch.Tensor]:
-    with tempfile.TemporaryDirectory() as tmp:
-        texts_file, out_file = os.path.join(tmp, "texts.json"), os.path.join(tmp, "out.json")
-        json.dump(texts, open(texts_file, "w"))
-        subprocess.run([os.path.join(venv, "bin", "python"), "-c", _VLLM_SNIPPET, folder, dtype, texts_file, out_file], check=True)
-        result = json.load(open(out_file))
-    return result["rate"], torch.tensor(result["vectors"])
+class Transformers:
+    """transformers' padded batched forward, pooled as the model pools (CLS or LAST), normalised."""
+    name = "transformers"
+
+    def __init__(self, kind: str, folder: str, dtype: str, texts: list[str], batch_size: int) -> None:
+        import transformers
+
+        self.kind, self.batch_size = kind, batch_size
+        self.tok = transformers.AutoTokenizer.from_pretrained(folder)
+        self.tok.padding_side = "right"
+        self.model = transformers.AutoModel.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        self.run(texts[:64])  # warm-up
+
+    @torch.inference_mode()
+    def run(self, texts: list[str]) -> tuple[float, torch.Tensor]:
+        vectors = []
+        start = time.perf_counter()
+        for i in range(0, len(texts), self.batch_size):
+            enc = self.tok(texts[i : i + self.batch_size], return_tensors="pt", padding=True)
+            h = self.model(**enc).last_hidden_state  # [B, L, hidden]
+            pooled = h[:, 0] if self.kind == "bert" else h[torch.arange(h.shape[0]), enc["attention_mask"].sum(1) - 1]
+            vectors.append(torch.nn.functional.normalize(pooled.float(), dim=-1))
+        return len(texts) / (time.perf_counter() - start), torch.cat(vectors)
+
+
+class VLLM:
+    """vLLM's CPU backend in a child process of its venv (the LLM built anew per run; only ``embed`` is timed)."""
+    name = "vllm"
+
+    def __init__(self, venv: str, folder: str, dtype: str, threads: int) -> None:
+        from _launch import vllm_env, vllm_venv_problem
+
+        problem = vllm_venv_problem(venv)
+        if problem:
+            raise SystemExit(problem)
+        self.venv, self.folder, self.dtype = venv, folder, dtype
+        self.env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0", **vllm_env(4, f"0-{threads - 1}"))
+        self.env.pop("PYTHONPATH", None)
+
+    def run(self, texts: list[str]) -> tuple[float, torch.Tensor]:
+        with tempfile.TemporaryDirectory() as tmp:
+            texts_file, out_file = os.path.join(tmp, "texts.json"), os.path.join(tmp, "out.json")
+            json.dump(texts, open(texts_file, "w"))
+            subprocess.run([os.path.join(self.venv, "bin", "python"), "-c", _VLLM_SNIPPET, self.folder, self.dtype, texts_file, out_file],
+                           check=True, env=self.env, stdout=subprocess.DEVNULL)
+            result = json.load(open(out_file))
+        return result["rate"], torch.tensor(result["vectors"])
 
 
 def main(argv=None) -> int:
@@ -133,7 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bert", choices=("bert", "decoder"))
     ap.add_argument("--num-sentences", type=int, default=10_000)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--batch-sizes", default="16,32,64,128,256", help="the peer's batch sizes; its best is compared")
+    ap.add_argument("--batch-sizes", default="16,32,64,128,256",
+                    help="the peer's batch sizes, each timed once on --sweep-sentences; its best runs the repeats")
+    ap.add_argument("--sweep-sentences", type=int, default=2000, help="sentences of the peer's batch-size sweep")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each system, interleaved; medians reported")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vLLM's CPU build (benchmarks/setup_vllm.sh)")
     args = ap.parse_args(argv)
     texts = sentences(args.num_sentences)
@@ -142,27 +187,45 @@ def main(argv=None) -> int:
         peer = "sentence-transformers" if args.model == "bert" else "transformers"
     except ImportError:
         peer = "transformers"
-    print(f"{len(texts)} sentences, torch threads {torch.get_num_threads()}, model {args.model} {SHAPE}, peer {peer}")
+    threads = torch.get_num_threads()
+    print(f"{len(texts)} sentences, torch threads {threads}, model {args.model} {SHAPE}, peer {peer}, "
+          f"median of {args.repeats} interleaved runs")
+    results = {}
     with tempfile.TemporaryDirectory() as folder:
         make_checkpoint(args.model, folder)
         for dtype in args.dtypes.split(","):
-            ours, ours_vec = run_pagedgen(args.model, folder, texts, dtype)
-            best, best_bs, peer_vec = 0.0, None, None
-            for bs in (int(b) for b in args.batch_sizes.split(",")):
-                if peer == "sentence-transformers":
-                    rate, vec = run_sentence_transformers(folder, texts, dtype, bs)
-                else:
-                    rate, vec = run_transformers(args.model, folder, texts, dtype, bs)
-                print(f"  {dtype} {peer} batch {bs}: {rate:,.1f} sentences/s")
+            best, best_bs = 0.0, None
+            for bs in (int(b) for b in args.batch_sizes.split(",")):  # the peer at its best batch size
+                p = (SentenceTransformers(folder, dtype, texts, bs) if peer == "sentence-transformers"
+                     else Transformers(args.model, folder, dtype, texts, bs))
+                rate, _ = p.run(texts[: args.sweep_sentences])
+                print(f"  {dtype} {peer} batch {bs}: {rate:,.1f} sentences/s (sweep, {min(len(texts), args.sweep_sentences)} sentences)")
                 if rate > best:
-                    best, best_bs, peer_vec = rate, bs, vec
-            cosine = torch.nn.functional.cosine_similarity(ours_vec, peer_vec, dim=-1).min().item()
-            print(f"{dtype}: pagedgen {ours:,.1f} sentences/s, {peer} {best:,.1f} (batch {best_bs}): {ours / best:.2f}x; "
-                  f"min cosine {cosine:.6f}")
+                    best, best_bs = rate, bs
+                del p
+            systems = [Pagedgen(args.model, folder, dtype, texts),
+                       SentenceTransformers(folder, dtype, texts, best_bs) if peer == "sentence-transformers"
+                       else Transformers(args.model, folder, dtype, texts, best_bs)]
             if args.vllm_venv:
-                rate, vec = run_vllm(args.vllm_venv, folder, texts, dtype)
-                cosine = torch.nn.functional.cosine_similarity(ours_vec, vec, dim=-1).min().item()
-                print(f"{dtype}: vLLM {rate:,.1f} sentences/s: pagedgen {ours / rate:.2f}x; min cosine {cosine:.6f}")
+                systems.append(VLLM(args.vllm_venv, folder, dtype, threads))
+            rates = {s.name: [] for s in systems}
+            vectors = {}
+            for _ in range(args.repeats):
+                for system in systems:
+                    rate, vec = system.run(texts)
+                    rates[system.name].append(rate)
+                    vectors[system.name] = vec
+            medians = {name: statistics.median(r) for name, r in rates.items()}
+            ours = medians["pagedgen"]
+            for name in medians:
+                if name == "pagedgen":
+                    continue
+                cosine = torch.nn.functional.cosine_similarity(vectors["pagedgen"], vectors[name], dim=-1).min().item()
+                extra = f" (batch {best_bs})" if name != "vllm" else ""
+                print(f"{dtype}: pagedgen {ours:,.1f} sentences/s, {name}{extra} {medians[name]:,.1f}: {ours / medians[name]:.2f}x; "
+                      f"min cosine {cosine:.6f}; runs {', '.join(f'{r:,.1f}' for r in rates[name])} vs "
+                      f"{', '.join(f'{r:,.1f}' for r in rates['pagedgen'])}")
+            results[dtype] = dict(rates=rates, peer_batch_size=best_bs)
     return 0
 
 
