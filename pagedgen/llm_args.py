@@ -42,6 +42,7 @@ class LLMArgs:
     enable_prefix_caching: bool
     preemption_mode: str
     swap_space_bytes: Optional[int]
+    kv_cache_dtype: str
     device: Any
     gpu_memory_utilization: float
     enforce_eager: bool
@@ -53,7 +54,6 @@ class LLMArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None
-    kv_cache_dtype: str = "auto"
 
 
 INT_ARGS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
