@@ -1,7 +1,8 @@
 """``LLM(kv_cache_dtype=...)`` end to end (docs/kv_cache_dtype.md): the 1-byte caches against the
 model-dtype cache on stories260K (perplexity of held-out TinyStories within 1%, greedy tokens, logprobs),
 the blocks the same memory holds, preemption (recompute and swap), copy-on-write of parallel samples
-and prefix caching with the cache, stats and the summary, and the argument's errors.
+and prefix caching with the cache, the pickled worker boundary and speculative decoding, stats and
+the summary, and the argument's errors (tensor and pipeline parallelism were checked by hand: the same tokens).
 (Batch invariance with the int8 cache: tests/project/test_batch_invariance.py.)
 """
 import json
@@ -136,3 +137,19 @@ def test_bad_kv_cache_dtype_is_refused_before_loading(monkeypatch):
     monkeypatch.setattr(inputs, "resolve_device", lambda device: torch.device("cuda"))
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' runs on the CPU only"):
         LLM("no/such/folder", kv_cache_dtype="int8", device="cuda")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(distributed_executor_backend="pickle"),  # the cache's dtype crosses to the worker in CacheConfig
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),  # the draft's own cache stays "auto"
+], ids=["pickle", "ngram", "draft_model"])
+def test_executor_and_speculation_keep_the_greedy_tokens(stories_path, kwargs):
+    if "speculative_config" in kwargs and kwargs["speculative_config"]["method"] == "draft_model":
+        kwargs = dict(speculative_config=dict(kwargs["speculative_config"], model=stories_path))
+    prompts = story_openings(6, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    kv = dict(dtype="float32", max_model_len=128, kv_cache_dtype="int8")
+    want = LLM(stories_path, **kv).generate(prompts, params, use_tqdm=False)
+    got = LLM(stories_path, **kv, **kwargs).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
