@@ -19,12 +19,13 @@ A block costs ``block_size * num_kv_heads * (head_size + 2)`` bytes per layer fo
 for values: 66 / 128 = 0.52 of a bfloat16 cache's for head_size 64 (1.94x the blocks in the same
 memory), 0.51 for head_size 128; a quarter and a bit of a float32 cache's.
 
-The attention reads a step's blocks dequantized: ``paged_attention_quantized`` gathers the blocks the
+The attention reads a step's blocks dequantized: ``paged_attention_quantized`` finds the blocks the
 step's block tables name (each once), dequantizes them into a compact float cache of the query's
-dtype and runs ``paged_attention`` (the compiled kernel, or the reference) over it with the table
-renumbered; the values it reads are exactly the dequantized ones, so the kernel's batch invariance
-carries over. Plain PyTorch, CPU and GPU alike; the engine refuses the 1-byte cache on a GPU for now
-(no fused CUDA kernel: ``torch.unique`` would sync and CUDA graphs could not capture it).
+dtype (``ops.kv_dequantize_blocks``: one pass of the CPU kernel csrc/cpu/kv_dequantize.cpp, or its
+reference, bitwise the same) and runs ``paged_attention`` (the compiled kernel, or the reference)
+over it with the table renumbered; the values it reads are exactly the dequantized ones, so the
+kernel's batch invariance carries over. The engine refuses the 1-byte cache on a GPU for now (no
+CUDA kernel reads it; ``torch.unique`` would sync and CUDA graphs could not capture it).
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ def reshape_and_cache_quantized(
 
 def paged_attention_quantized(
     attention,  # the float op: pagedgen.ops.paged_attention (or the reference), same arguments
+    dequantize_blocks,  # pagedgen.ops.kv_dequantize_blocks (or the reference): (out, codes, scales, blocks)
     out: torch.Tensor,  # [num_tokens, num_heads, head_size], written
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size] codes
@@ -139,8 +141,10 @@ def paged_attention_quantized(
     """
     _check_layout(key_cache, value_cache, key_scales, value_scales)
     blocks, tables = gathered if gathered is not None else gather_plan(block_tables, seq_lens, key_cache.shape[1])
-    keys = dequantize(key_cache[blocks], key_scales[blocks], query.dtype)  # [U, block_size, num_kv_heads, head_size]
-    values = dequantize(value_cache[blocks], value_scales[blocks], query.dtype)
+    keys = torch.empty((blocks.shape[0],) + key_cache.shape[1:], dtype=query.dtype, device=query.device)  # [U, block_size, Hkv, D]
+    values = torch.empty_like(keys)
+    dequantize_blocks(keys, key_cache, key_scales, blocks)
+    dequantize_blocks(values, value_cache, value_scales, blocks)
     attention(out, query, keys, values, tables, seq_lens, query_start_loc, scale, sliding_window)
 
 

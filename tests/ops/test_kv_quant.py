@@ -87,7 +87,7 @@ def test_attention_is_the_float_op_over_the_dequantized_cache(name, dtype, head_
     ops.paged_attention_quantized(again, batch["query"], kc, vc, ks, vs, *args, gathered=plan)
     assert torch.equal(again, want)
     ref = torch.empty_like(got)  # the reference op as the float op: the oracle of the kernel
-    kv_quant.paged_attention_quantized(reference.paged_attention, ref, batch["query"], kc, vc, ks, vs, *args)
+    kv_quant.paged_attention_quantized(reference.paged_attention, reference.kv_dequantize_blocks, ref, batch["query"], kc, vc, ks, vs, *args)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
     torch.testing.assert_close(got, ref, **tol)
 
@@ -148,3 +148,40 @@ def test_block_bytes_are_about_half_of_bf16():
     assert cfg.kv_bytes_per_token() / cfg.kv_bytes_per_token("fp8") > 1.9
     layer = kv_quant.allocate("fp8", 10, 16, 3, 64, torch.bfloat16, "cpu")
     assert sum(t.numel() * t.element_size() for t in layer) * 30 == 10 * 16 * cfg.kv_bytes_per_token("fp8")
+
+
+needs_kernel = pytest.mark.skipif(not ops.has_kernel("kv_dequantize_blocks"), reason="pagedgen._C without the kv_dequantize_blocks CPU kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_size", [8, 24, 64, 128])
+def test_dequantize_kernel_is_bitwise_the_reference(name, dtype, head_size):
+    gen = torch.Generator().manual_seed(head_size)
+    code = kv_quant.KV_CACHE_DTYPES[name][0]
+    x = torch.randn(7, 16, 3, head_size, generator=gen) * torch.logspace(-4, 3, 7)[:, None, None, None]
+    codes, scales = kv_quant.quantize(x, code)
+    blocks = torch.tensor([5, 0, 6, 5, 2])  # any order, repeats allowed
+    want = torch.empty(5, 16, 3, head_size, dtype=dtype)
+    reference.kv_dequantize_blocks(want, codes, scales, blocks)
+    got = torch.full_like(want, float("nan"))
+    torch.ops.pagedgen.kv_dequantize_blocks(got, codes, scales, blocks)
+    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(want, kv_quant.dequantize(codes[blocks], scales[blocks], dtype))
+
+
+@needs_kernel
+def test_dequantize_kernel_checks_and_opcheck():
+    codes, scales = kv_quant.quantize(torch.randn(3, 4, 2, 8), torch.int8)
+    out = torch.empty(2, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=r"blocks\[1\] = 3 is outside \[0, 3\)"):
+        torch.ops.pagedgen.kv_dequantize_blocks(out, codes, scales, torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="scales must be bfloat16"):
+        torch.ops.pagedgen.kv_dequantize_blocks(out, codes, scales.float(), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="codes must be int8, float8_e4m3fn or float8_e5m2"):
+        torch.ops.pagedgen.kv_dequantize_blocks(out, codes.float(), scales, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="out .* must be"):
+        torch.ops.pagedgen.kv_dequantize_blocks(out[:1], codes, scales, torch.tensor([0, 1]))
+    torch.library.opcheck(torch.ops.pagedgen.kv_dequantize_blocks, (out, codes, scales, torch.tensor([2, 0])))
