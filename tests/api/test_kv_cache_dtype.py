@@ -127,6 +127,20 @@ def test_stats_summary_and_flag(stories_path):
         ["--model", "m", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
 
 
+def test_cli_flag_and_its_summary(stories_path, tmp_path, capsys):
+    from cli_util import run_cli
+
+    src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("Once upon a time\nThe little dog\n")
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", dst, "--max-tokens", "8", "--temperature", "0",
+                      "--kv-cache-dtype", "int8", "--max-model-len", "128")
+    assert rc == 0, err
+    assert "blocks, kv_cache_dtype int8)" in err
+    assert len(dst.read_text().splitlines()) == 2
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / "o2.jsonl", "--kv-cache-dtype", "int4")
+    assert rc == 2 and "int4" in err and "fp8_e5m2" in err
+
+
 def test_bad_kv_cache_dtype_is_refused_before_loading(monkeypatch):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\), got 'int4'"):
         LLM("no/such/folder", kv_cache_dtype="int4")
