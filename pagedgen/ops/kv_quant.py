@@ -40,6 +40,7 @@ KV_CACHE_DTYPES = {
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": (torch.float8_e5m2, 57344.0),
 }
+_QMAX = {d: m for d, m in KV_CACHE_DTYPES.values()}  # code dtype -> largest code magnitude
 #: dtype of the per-(token, KV head) scales
 SCALE_DTYPE = torch.bfloat16
 #: every accepted kv_cache_dtype, "auto" (the model's dtype) first
@@ -71,8 +72,11 @@ def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads
 
 def quantize(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_size] (any float dtype) -> (codes [..., head_size] of ``code_dtype``, scales [...]
-    bfloat16): one scale per vector, ``max|x| / qmax`` (a zero vector: scale 0, codes 0)."""
-    qmax = next(m for d, m in KV_CACHE_DTYPES.values() if d == code_dtype)
+    bfloat16): one scale per vector, ``max|x| / qmax`` (a zero vector: scale 0, codes 0). ValueError
+    for a ``code_dtype`` other than int8, float8_e4m3fn and float8_e5m2."""
+    qmax = _QMAX.get(code_dtype)
+    if qmax is None:
+        raise ValueError(f"1-byte KV cache: codes must be int8, float8_e4m3fn or float8_e5m2, got {code_dtype}")
     xf = x.float()
     scales = (xf.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE)  # [...]
     s = scales.float().unsqueeze(-1)
@@ -164,7 +168,7 @@ def gather_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
 
 
 def _check_layout(key_cache, value_cache, key_scales, value_scales) -> None:
-    if key_cache.dtype not in {d for d, _ in KV_CACHE_DTYPES.values()} or value_cache.dtype != key_cache.dtype:
+    if key_cache.dtype not in _QMAX or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"1-byte KV cache: key_cache and value_cache must be int8 or float8 of one dtype, got "
                          f"{key_cache.dtype} and {value_cache.dtype}")
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:

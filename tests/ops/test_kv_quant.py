@@ -133,6 +133,8 @@ def test_bad_calls_name_the_argument():
         ops.reshape_and_cache_quantized(k, k, cache[0], cache[1], cache[2], cache[3].float(), torch.tensor([0]))
     with pytest.raises(ValueError, match="must be int8 or float8"):
         ops.reshape_and_cache_quantized(k, k, cache[0].float(), cache[1].float(), cache[2], cache[3], torch.tensor([0]))
+    with pytest.raises(ValueError, match="codes must be int8, float8_e4m3fn or float8_e5m2, got torch.uint8"):
+        kv_quant.quantize(k, torch.uint8)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         kv_quant.check_kv_cache_dtype("int4")
     with pytest.raises(TypeError, match="kv_cache_dtype must be a str"):
