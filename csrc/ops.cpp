@@ -73,6 +73,12 @@ TORCH_LIBRARY(pagedgen, m) {
   // The sampler's greedy tokens: out [num_rows] int64 = logits.max(dim=-1).indices of logits
   // [num_rows, vocab] (the first maximal index; NaN counts as the maximum). A CPU kernel only.
   m.def("argmax(Tensor(a!) out, Tensor logits) -> ()");
+
+  // The read of the 1-byte KV cache (kv_cache_dtype int8 / fp8, pagedgen/ops/kv_quant.py): out[u] =
+  // codes[blocks[u]] dequantized, float(code) * float(scale) rounded to out's dtype; out [num_out,
+  // block_size, num_kv_heads, head_size] float, codes [num_blocks, ...] int8 / float8, scales
+  // [num_blocks, block_size, num_kv_heads] bf16, blocks [num_out] int64. A CPU kernel only.
+  m.def("kv_dequantize_blocks(Tensor(a!) out, Tensor codes, Tensor scales, Tensor blocks) -> ()");
 }
 
 // A bare module init so that `import pagedgen._C` loads the library (and runs the registrations). This

@@ -85,7 +85,7 @@ def engine_stats(s) -> Fields:
               "sharing_savings_mean", "peak_sharing_savings")
     when_set = ("num_recomputes", "num_swaps_out", "num_swaps_in", "num_cached_tokens", "num_copy_on_write",
                 "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_per_position", "num_jump_forward_tokens")
-    fields = []
+    fields = [] if s.kv_cache_dtype == "auto" else [("kv_cache_dtype", s.kv_cache_dtype)]
     for name in always + when_set:
         value = getattr(s, name)
         if name in always or value:

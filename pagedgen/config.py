@@ -43,10 +43,15 @@ class ModelConfig:
     dtype: torch.dtype
     sliding_window: int = 0
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes over all layers (keys and values)."""
-        elem = self.dtype.itemsize  # bytes of one element of a torch.dtype
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+    def kv_bytes_per_token(self, cache_dtype: str = "auto") -> int:
+        """Bytes of KV cache one token takes over all layers (keys and values) in a cache of
+        ``cache_dtype`` (``CacheConfig.cache_dtype``): the model dtype's elements for "auto"; for
+        the 1-byte caches one byte an element plus a 2-byte scale per head (pagedgen/ops/kv_quant.py)."""
+        if cache_dtype == "auto":
+            per_head = self.head_dim * self.dtype.itemsize  # bytes of one element of a torch.dtype
+        else:
+            per_head = self.head_dim + 2
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class CacheConfig:
         num_cpu_blocks: blocks of CPU swap space for swap preemption (0: none).
         sliding_window: ``ModelConfig.sliding_window`` (tokens; 0: none): a sequence's blocks wholly
             before it are returned to the pool (``BlockManager``'s module docstring gives the bound).
+        cache_dtype: ``LLM(kv_cache_dtype=...)``: "auto" (the model's dtype) or a 1-byte cache,
+            "int8", "fp8" (= "fp8_e4m3"), "fp8_e4m3", "fp8_e5m2" (docs/kv_cache_dtype.md).
     """
 
     block_size: int
@@ -65,6 +72,7 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     num_cpu_blocks: int = 0
     sliding_window: int = 0
+    cache_dtype: str = "auto"
 
     @property
     def num_slots(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 import torch
 
 from pagedgen import arg_utils
+from pagedgen.ops import kv_quant
 from pagedgen.llm import LLM
 
 _HELP = arg_utils.docstring_fields(LLM.__doc__, "Args")
@@ -54,6 +55,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, name="enable_prefix_caching")
     preemption_mode: str = _arg("recompute", name="preemption_mode", choices=("recompute", "swap"))
     swap_space_bytes: Optional[int] = _arg(None, name="swap_space_bytes")
+    kv_cache_dtype: str = _arg("auto", name="kv_cache_dtype", choices=kv_quant.CHOICES)
     device: Union[str, torch.device, None] = _arg(None, name="device")
     gpu_memory_utilization: float = _arg(0.9, name="gpu_memory_utilization")
     enforce_eager: bool = _arg(False, name="enforce_eager")

@@ -72,6 +72,9 @@ class LLM(PoolingCalls):
         preemption_mode: "recompute" (free a preempted request's blocks, prefill it again later) or
             "swap" (copy its blocks to CPU swap space and back).
         swap_space_bytes: CPU swap space for "swap" (default: min(4 GiB, the KV cache's size)).
+        kv_cache_dtype: "auto" (the model's dtype) or a 1-byte cache, "int8", "fp8" (= "fp8_e4m3"),
+            "fp8_e4m3", "fp8_e5m2": one byte a value plus one bf16 scale per token and KV head, about
+            twice the blocks in the same memory (docs/kv_cache_dtype.md). CPU only for now.
         device: "cpu", "cuda" or "cuda:N" (default: "cuda" when a GPU is available, else "cpu").
             Weights and the KV cache live there.
         gpu_memory_utilization: on a GPU, the share of its memory that weights, activations and
@@ -143,6 +146,7 @@ class LLM(PoolingCalls):
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         swap_space_bytes: Optional[int] = None,
+        kv_cache_dtype: str = "auto",
         device: Union[str, torch.device, None] = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
@@ -160,7 +164,7 @@ class LLM(PoolingCalls):
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
             enforce_extension=enforce_extension, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes, device=device,
+            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes, kv_cache_dtype=kv_cache_dtype, device=device,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,

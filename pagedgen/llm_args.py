@@ -42,6 +42,7 @@ class LLMArgs:
     enable_prefix_caching: bool
     preemption_mode: str
     swap_space_bytes: Optional[int]
+    kv_cache_dtype: str
     device: Any
     gpu_memory_utilization: float
     enforce_eager: bool
@@ -104,6 +105,9 @@ def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.de
     if args.runner == "generate" and args.convert in ("embed", "classify"):
         raise ValueError(f"LLM convert={args.convert!r} makes a pooling model: it needs runner='pooling' or 'auto', got runner='generate'")
     PoolerConfig.from_arg(args.pooler_config)  # TypeError / ValueError naming the field
+    if ops.kv_quant.check_kv_cache_dtype(args.kv_cache_dtype) != "auto" and device.type == "cuda":
+        raise ValueError(f"LLM kv_cache_dtype={args.kv_cache_dtype!r} runs on the CPU only for now (no CUDA kernel "
+                         "reads the 1-byte cache yet): pass kv_cache_dtype='auto' or device='cpu'")
     if args.enforce_extension and not ops.extension_available(device.type):
         raise RuntimeError(ops.extension_error(device.type))
     return spec_config, device

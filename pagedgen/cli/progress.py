@@ -130,7 +130,8 @@ def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], c
         e = engine_stats
         lines.append(
             f"pagedgen: KV cache utilization {e.kv_utilization_mean:.1%} (mean over {e.num_steps:,} steps, peak "
-            f"{e.peak_used_blocks:,} of {e.num_kv_blocks:,} blocks), {e.num_preemptions:,} preemptions, "
+            f"{e.peak_used_blocks:,} of {e.num_kv_blocks:,} blocks"
+            f"{'' if getattr(e, 'kv_cache_dtype', 'auto') == 'auto' else ', kv_cache_dtype ' + e.kv_cache_dtype}), {e.num_preemptions:,} preemptions, "
             f"prefix-cache hit rate {e.prefix_cache_hit_rate:.1%}"
         )
         if getattr(e, "num_draft_tokens", 0):  # speculative decoding (docs/speculative.md)

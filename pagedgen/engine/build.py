@@ -130,7 +130,7 @@ def _cache_config(args: LLMArgs, model_config: ModelConfig, draft_config: Option
     # a block of the pool holds its tokens' keys and values in the model's cache and, with a draft
     # model, in the draft's (the same block ids, spec_decode/draft_model.py): one budget for both
     block_size, kv_bytes = args.block_size, args.kv_cache_memory_bytes
-    swap_block_bytes = model_config.kv_bytes_per_token() * block_size
+    swap_block_bytes = model_config.kv_bytes_per_token(args.kv_cache_dtype) * block_size  # the draft's cache stays "auto"
     block_bytes = swap_block_bytes + (0 if draft_config is None else draft_config.kv_bytes_per_token() * block_size)
     sized_by = kv_sizing.sizing_source(args.num_kv_blocks, kv_bytes, device.type, args.gpu_memory_utilization)
     if args.num_kv_blocks is None and kv_bytes is None and device.type == "cuda":
@@ -149,6 +149,7 @@ def _cache_config(args: LLMArgs, model_config: ModelConfig, draft_config: Option
         enable_prefix_caching=args.enable_prefix_caching,
         num_cpu_blocks=num_cpu_blocks,
         sliding_window=model_config.sliding_window,
+        cache_dtype=args.kv_cache_dtype,
     )
     kv_sizing.check_max_model_len(num_blocks, block_size, block_bytes, max_model_len, args.max_model_len is not None, sized_by)
     return cache_config

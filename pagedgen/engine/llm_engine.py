@@ -414,6 +414,7 @@ class LLMEngine:
             num_used_blocks=bm.num_used_blocks,
             num_free_blocks=bm.num_free_blocks,
             block_size=bm.block_size,
+            kv_cache_dtype=self.cache_config.cache_dtype,
             kv_utilization=self._last_util,
             kv_utilization_mean=self._util_sum / s.num_steps if s.num_steps else 1.0,
             peak_used_blocks=self._peak_blocks,

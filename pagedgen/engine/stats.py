@@ -44,6 +44,8 @@ class EngineStats:
     # structured outputs' jump-forward decoding (docs/structured_outputs.md): of num_generated_tokens,
     # those a grammar forced and the engine appended without a decode step each
     num_jump_forward_tokens: int = 0
+    # LLM(kv_cache_dtype=...): "auto" (the model's dtype) or the 1-byte cache's "int8", "fp8"...
+    kv_cache_dtype: str = "auto"
 
     def __repr__(self) -> str:
         return _repr.render("EngineStats", _repr.engine_stats(self))

@@ -7,28 +7,37 @@ Every family's attention projects q/k/v and applies its position embedding, then
 (``pagedgen.ops.metadata``) is built by the model runner and passed through unchanged; each layer
 adds its own sliding window. ``_paged_attention`` below is the one call of the attention op, so a
 change of its arguments is a change to that one function.
+
+With ``kv_cache_dtype`` int8 / fp8 a layer's cache is (key_cache, value_cache, key_scales,
+value_scales) (``pagedgen.ops.kv_quant``): the writes quantize, the reads dequantize.
 """
 from __future__ import annotations
 
 import torch
 
 from pagedgen import ops
-from pagedgen.ops import AttentionMetadata
+from pagedgen.ops import AttentionMetadata, kv_quant
 from pagedgen.layers.module import Module
 
 
 def _paged_attention(
     out: torch.Tensor,  # [T, num_heads, head_dim], written
     query: torch.Tensor,  # [T, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
+    kv_cache: tuple,  # key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] (+ their scales)
     attn: AttentionMetadata,
     scale: float,
     sliding_window: int,
 ) -> None:
     """The one call of ``ops.paged_attention`` (the varlen op: each sequence's rows of ``query``
-    attend causally over its cached tokens, within ``sliding_window`` when it is not 0)."""
-    ops.paged_attention(out, query, key_cache, value_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, sliding_window)
+    attend causally over its cached tokens, within ``sliding_window`` when it is not 0), or of
+    ``ops.paged_attention_quantized`` over a 1-byte cache (its gather plan made once per step)."""
+    if len(kv_cache) == 2:
+        ops.paged_attention(out, query, *kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, sliding_window)
+        return
+    if attn.kv_gather is None:
+        attn.kv_gather = kv_quant.gather_plan(attn.block_tables, attn.seq_lens, kv_cache[0].shape[1])
+    ops.paged_attention_quantized(out, query, *kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale,
+                                  sliding_window, attn.kv_gather)
 
 
 class Attention(Module):
@@ -42,7 +51,8 @@ class Attention(Module):
             (Mistral; transformers' ``sliding_window_overlay``).
 
     ``forward(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, attn) -> [T, H, D]``; ``kv_cache``
-    is this layer's (key_cache, value_cache), each [num_blocks, block_size, Hkv, D].
+    is this layer's (key_cache, value_cache), each [num_blocks, block_size, Hkv, D], or with a
+    1-byte cache (key_cache, value_cache, key_scales, value_scales) (``pagedgen.ops.kv_quant``).
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int = 0) -> None:
@@ -53,8 +63,10 @@ class Attention(Module):
         self.num_kv_heads, self.sliding_window = num_kv_heads, sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+        if len(kv_cache) == 2:
+            ops.reshape_and_cache(k, v, *kv_cache, attn.slot_mapping)
+        else:
+            ops.reshape_and_cache_quantized(k, v, *kv_cache, attn.slot_mapping)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)  # [T, H, D]
-        _paged_attention(out, q, key_cache, value_cache, attn, self.scale, self.sliding_window)
+        _paged_attention(out, q, kv_cache, attn, self.scale, self.sliding_window)
         return out

@@ -26,7 +26,9 @@ from pagedgen.distributed.group import PPGroup, TPGroup, tp_size
 from pagedgen.layers.module import Module
 from pagedgen.ops import AttentionMetadata
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+# key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]; a 1-byte cache adds
+# key_scales, value_scales [num_blocks, block_size, num_kv_heads] (pagedgen/ops/kv_quant.py)
+KVCache = tuple[torch.Tensor, ...]
 #: what a pipeline stage hands the next: (hidden [T, hidden],) or (hidden, residual) (model/stages.py)
 IntermediateTensors = tuple[torch.Tensor, ...]
 

@@ -11,6 +11,10 @@ which is transformers' (or torch's) own sequence of PyTorch ops, is the implemen
 ``pagedgen.layers.linear`` chooses it only where ``has_kernel("packed_linear")``. ``packed_linear_bf16``
 (the same GEMM for bf16 on weights packed in bf16 pairs, vdpbf16ps) has a CPU kernel in builds with
 AVX512-BF16, chosen only where ``has_kernel("packed_linear_bf16")``.
+
+The 1-byte KV cache (``kv_cache_dtype`` int8 / fp8) goes through ``reshape_and_cache_quantized`` and
+``paged_attention_quantized`` (``kv_quant.py``: PyTorch around the float attention op and
+``kv_dequantize_blocks``, whose CPU kernel dequantizes a step's blocks in one pass).
 """
 import functools
 import importlib
@@ -18,7 +22,7 @@ import warnings
 
 import torch
 
-from pagedgen.ops import fake, isa, reference
+from pagedgen.ops import fake, isa, kv_quant, reference
 from pagedgen.ops.metadata import AttentionMetadata
 
 try:
@@ -33,8 +37,8 @@ if _IMPORT_ERROR is None:
 
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
-    "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-    "argmax", "packed_linear", "packed_linear_bf16", "has_kernel", "cpu_isa", "cpu_isa_features",
+    "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "has_kernel", "cpu_isa", "cpu_isa_features",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -113,6 +117,34 @@ def paged_attention(
     _impl("paged_attention", query.device.type)(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
     )
+
+
+def reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping) -> None:
+    """See :func:`pagedgen.ops.kv_quant.reshape_and_cache_quantized` (the 1-byte cache's write)."""
+    kv_quant.reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping)
+
+
+def paged_attention_quantized(
+    out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, query_start_loc, scale: float,
+    sliding_window: int = 0, gathered=None,
+) -> None:
+    """``paged_attention`` over the 1-byte cache, dequantized as it is read; see
+    :func:`pagedgen.ops.kv_quant.paged_attention_quantized`."""
+    kv_quant.paged_attention_quantized(
+        paged_attention, kv_dequantize_blocks, out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
+        query_start_loc, scale, sliding_window, gathered,
+    )
+
+
+def kv_dequantize_blocks(out, codes, scales, blocks) -> None:
+    """out [num_out, block_size, Hkv, D] = the 1-byte cache's blocks ``blocks`` [num_out] int64
+    dequantized (codes int8 / float8, scales bf16); the CPU kernel, else
+    :func:`pagedgen.ops.reference.kv_dequantize_blocks` (bitwise the same).
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes or dtypes that do not fit, a block outside the cache.
+    """
+    _fused_impl("kv_dequantize_blocks", out.device.type)(out, codes, scales, blocks)
 
 
 def copy_blocks(key_cache, value_cache, block_mapping) -> None:

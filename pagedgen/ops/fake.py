@@ -60,6 +60,10 @@ def _argmax(out, logits) -> None:
     torch._check(out.shape == logits.shape[:1], lambda: f"out {out.shape} does not fit logits {logits.shape}")
 
 
+def _kv_dequantize_blocks(out, codes, scales, blocks) -> None:
+    torch._check(out.shape[1:] == codes.shape[1:], lambda: f"out {out.shape} does not fit codes {codes.shape}")
+
+
 def _packed_linear(out, input, weight, bias) -> None:
     # out: [M, N]; input: [M, K]; weight: [ceil(N / 16), K, 16]
     torch._check(out.shape[0] == input.shape[0], lambda: f"out {out.shape} and input {input.shape} differ in rows")
@@ -82,6 +86,7 @@ _FAKES = {
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "argmax": _argmax,
+    "kv_dequantize_blocks": _kv_dequantize_blocks,
     "packed_linear": _packed_linear,
     "packed_linear_bf16": _packed_linear_bf16,
 }

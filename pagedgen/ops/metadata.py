@@ -3,6 +3,7 @@ the model's attention layers to :func:`pagedgen.ops.paged_attention`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -25,6 +26,8 @@ class AttentionMetadata:
         seq_lens: [S] int32, each sequence's context length after this step (cached + new tokens).
         query_start_loc: [S + 1] int32, 0, then the cumulative number of new tokens per sequence.
         max_seq_len: the largest of ``seq_lens`` (host int, so that no device value is read).
+        kv_gather: with the 1-byte KV cache, the blocks the step reads and its renumbered tables
+            (``kv_quant.gather_plan``), made by the first layer and reused by the others; None before.
     """
 
     slot_mapping: torch.Tensor
@@ -32,3 +35,4 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_seq_len: int
+    kv_gather: Optional[tuple[torch.Tensor, torch.Tensor]] = None

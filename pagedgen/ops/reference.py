@@ -79,6 +79,17 @@ def paged_attention(
         out[rows] = torch.einsum("rht,thd->rhd", probs, v).to(out.dtype)
 
 
+def kv_dequantize_blocks(
+    out: torch.Tensor,  # [num_out, block_size, num_kv_heads, head_size] float, written in place
+    codes: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size] int8 / float8
+    scales: torch.Tensor,  # [num_blocks, block_size, num_kv_heads] bfloat16
+    blocks: torch.Tensor,  # [num_out] int64
+) -> None:
+    """The 1-byte KV cache's read (pagedgen/ops/kv_quant.py): out[u] = codes[blocks[u]] dequantized,
+    ``float(code) * float(scale)`` rounded to out's dtype."""
+    out.copy_(codes[blocks].float() * scales[blocks].float().unsqueeze(-1))
+
+
 def copy_blocks(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place

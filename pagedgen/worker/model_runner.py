@@ -45,7 +45,7 @@ from pagedgen.config import CacheConfig
 from pagedgen.core.scheduler_output import ScheduledBatch
 from pagedgen.core.sequence import Sequence
 from pagedgen.model.llama import LlamaForCausalLM
-from pagedgen.ops import AttentionMetadata
+from pagedgen.ops import AttentionMetadata, kv_quant
 from pagedgen.outputs import Logprob
 from pagedgen.sample.logprobs import chunked_logprob_tensors, unpack_logprob_dicts
 from pagedgen.sample.rejection_sampler import DraftGroup, resample_groups
@@ -153,24 +153,25 @@ class ModelRunner:
         self.cache_config = cache_config
         self.sampler = sampler
         cfg = model.config
-        shape = (cache_config.num_blocks, cache_config.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # torch.empty: a block's pages are backed when it is first used (on the CPU: self.prefaulter)
+        # per layer (key_cache, value_cache) [num_blocks, block_size, num_kv_heads, head_dim], and with a
+        # 1-byte cache_dtype their scales (ops/kv_quant.py); torch.empty: a block's pages are backed when it
+        # is first used (on the CPU: self.prefaulter)
+        layout = (cache_config.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         self.kv_caches = [
-            (torch.empty(shape, dtype=cfg.dtype, device=model.device), torch.empty(shape, dtype=cfg.dtype, device=model.device))
+            kv_quant.allocate(cache_config.cache_dtype, cache_config.num_blocks, *layout, model.device)
             for _ in range(0 if getattr(model, "is_encoder", False) else cfg.num_layers)  # an encoder (model/bert.py) keeps no keys and values
         ]
         # CPU swap space for swap preemption, same layout: [num_cpu_blocks, block_size, num_kv_heads, head_dim]
-        cpu_shape = (cache_config.num_cpu_blocks,) + shape[1:]
         pin = model.device.type == "cuda"
         self.cpu_caches = [
-            (torch.empty(cpu_shape, dtype=cfg.dtype, pin_memory=pin), torch.empty(cpu_shape, dtype=cfg.dtype, pin_memory=pin))
+            kv_quant.allocate(cache_config.cache_dtype, cache_config.num_cpu_blocks, *layout, "cpu", pin_memory=pin)
             for _ in range(cfg.num_layers if cache_config.num_cpu_blocks else 0)
         ]
         self.on_cpu = model.device.type == "cpu"
         # speculative decoding with a draft model: its KV cache has the same block ids (spec_decode/draft_model.py)
         self.drafter = None if draft_model is None else DraftModelProposer(draft_model, cache_config, sampler)
         # CPU: the pages of never-used blocks are faulted in bulk before a step writes them (prefault.py)
-        block_bytes = cfg.kv_bytes_per_token() * cache_config.block_size
+        block_bytes = cfg.kv_bytes_per_token(cache_config.cache_dtype) * cache_config.block_size
         touched = self.kv_caches
         if self.drafter is not None:
             block_bytes += draft_model.config.kv_bytes_per_token() * cache_config.block_size
@@ -302,17 +303,17 @@ class ModelRunner:
             if not pairs:
                 continue
             mapping = torch.tensor(pairs, dtype=torch.int64)  # [N, 2] (src, dst)
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-                if direction == "out":
-                    ops.swap_blocks(k, ck, mapping)
-                    ops.swap_blocks(v, cv, mapping)
-                else:
-                    ops.swap_blocks(ck, k, mapping)
-                    ops.swap_blocks(cv, v, mapping)
+            for layer, cpu_layer in zip(self.kv_caches, self.cpu_caches):
+                for t, ct in zip(layer, cpu_layer):  # keys, values (and a 1-byte cache's scales, moved with them)
+                    if direction == "out":
+                        ops.swap_blocks(t, ct, mapping)
+                    else:
+                        ops.swap_blocks(ct, t, mapping)
         if batch.blocks_to_copy:
             mapping = torch.tensor(batch.blocks_to_copy, dtype=torch.int64).to(self.model.device)  # [N, 2]
-            for k, v in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
-                ops.copy_blocks(k, v, mapping)
+            for layer in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
+                for i in range(0, len(layer), 2):  # keys and values, then a 1-byte cache's scales
+                    ops.copy_blocks(layer[i], layer[i + 1], mapping)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step: the sampled sequences' new tokens, logprobs and prompt logprobs.

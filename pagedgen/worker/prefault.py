@@ -32,12 +32,12 @@ class Prefaulter:
 
     Args:
         kv_caches: one (key_cache, value_cache) pair per layer, each [num_blocks, block_size,
-            num_kv_heads, head_dim], on the CPU.
+            num_kv_heads, head_dim], on the CPU (a 1-byte cache: and its two scale tensors).
         block_bytes: bytes of one block over all layers, keys and values.
         chunk_bytes: touch at least this many bytes of blocks at a time (``CHUNK_BYTES``).
     """
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, ...]], block_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.kv_caches = kv_caches
         self.num_blocks = kv_caches[0][0].shape[0] if kv_caches else 0
         self.chunk_blocks = max(1, chunk_bytes // max(1, block_bytes))
@@ -57,7 +57,7 @@ class Prefaulter:
         if top < self.touched:
             return
         end = min(self.num_blocks, max(top + 1, self.touched + self.chunk_blocks))
-        for key_cache, value_cache in self.kv_caches:
-            key_cache[self.touched : end].zero_()
-            value_cache[self.touched : end].zero_()
+        for layer in self.kv_caches:  # keys and values (and a 1-byte cache's scales)
+            for t in layer:
+                t[self.touched : end].zero_()
         self.touched = end

@@ -161,6 +161,12 @@ if o.has_kernel("packed_linear"):
     out = torch.empty(5, 100)
     o.packed_linear(out, inp, packing.pack_panels(W), None)
     res["packed_linear"] = float((out - inp @ W.T).abs().max())
+if o.has_kernel("kv_dequantize_blocks"):
+    from pagedgen.ops import kv_quant
+    codes, scales = kv_quant.quantize(kc, torch.float8_e4m3fn)
+    a, b = torch.empty(3, bs, kvh, hd, dtype=torch.bfloat16), torch.empty(3, bs, kvh, hd, dtype=torch.bfloat16)
+    o.kv_dequantize_blocks(a, codes, scales, torch.tensor([4, 0, 4])); ref.kv_dequantize_blocks(b, codes, scales, torch.tensor([4, 0, 4]))
+    res["kv_dequantize_blocks"] = float((a.float() - b.float()).abs().max())
 print(json.dumps(res))
 """
 

@@ -10,6 +10,9 @@ hits), and some are longer than the 24-token step budget of the chunked-prefill 
 Compared: every completion's token ids, cumulative logprob and logprob dictionaries (sampled token
 and top-k, with ranks), and the prompt logprobs, with ``==`` on the floats.
 
+The sweep and the needle also run with the 1-byte KV cache (``kv_cache_dtype="int8"``, bfloat16):
+its values are quantized per token (pagedgen/ops/kv_quant.py), so the same holds bit for bit.
+
 Also: the "needle" (one request alone vs among 200 companions with other sampling parameters and
 lengths), repeated ``generate`` calls on one LLM (the second finds its prefixes cached), and beam
 search alone vs among other prompts and with fewer sequences per step.
@@ -120,15 +123,18 @@ def model_path(request, stories_path):
     return stories_path if request.param == "stories260K" else request.getfixturevalue("gqa64_path")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_sweep_is_bitwise_the_default(model_path, dtype):
+DTYPES_KV = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")]
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPES_KV)
+def test_sweep_is_bitwise_the_default(model_path, dtype, kv_cache_dtype):
     vocab = 512 if model_path.endswith("stories260K") else 4096
     prompts, params = _prompts(vocab), _params()
-    base, _ = run(model_path, dtype, prompts, params)
+    base, _ = run(model_path, dtype, prompts, params, kv_cache_dtype=kv_cache_dtype)
     assert any(c[1] != base[i][2][0][1] for i in range(1, 10, 3) for c in base[i][2][1:])  # n=4 completions differ
     for name, kwargs in CONFIGS.items():
         one = kwargs.get("max_num_seqs") == 1  # n <= max_num_seqs: there the n=4 requests ask for completion 0 only
-        got, stats = run(model_path, dtype, prompts, [_with_n1(p) if one else p for p in params], **kwargs)
+        got, stats = run(model_path, dtype, prompts, [_with_n1(p) if one else p for p in params], kv_cache_dtype=kv_cache_dtype, **kwargs)
         if name in PREEMPTING:
             assert stats.num_preemptions > 0, name
         for i, (a, b) in enumerate(zip(base, got)):
@@ -164,15 +170,16 @@ def _companions(n: int, vocab: int) -> tuple[list[list[int]], list[SamplingParam
     return prompts, params
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_needle_alone_or_among_200_companions(stories_path, dtype):
+@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPES_KV)
+def test_needle_alone_or_among_200_companions(stories_path, dtype, kv_cache_dtype):
     needle = list(range(40, 75))  # 35 tokens: two blocks and a part
     needle_params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24, logprobs=3, prompt_logprobs=2, ignore_eos=True)
-    alone = LLM(stories_path, dtype=dtype, max_model_len=MAX_MODEL_LEN).generate([needle], needle_params, use_tqdm=False)[0]
+    kv = dict(max_model_len=MAX_MODEL_LEN, kv_cache_dtype=kv_cache_dtype)
+    alone = LLM(stories_path, dtype=dtype, **kv).generate([needle], needle_params, use_tqdm=False)[0]
     prompts, params = _companions(200, 512)
     prompts.insert(117, needle)
     params.insert(117, needle_params)
-    crowd = LLM(stories_path, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=64).generate(prompts, params, use_tqdm=False)
+    crowd = LLM(stories_path, dtype=dtype, max_num_seqs=64, **kv).generate(prompts, params, use_tqdm=False)
     assert len(alone.outputs[0].token_ids) == 24
     assert signature(crowd[117]) == signature(alone)
 
