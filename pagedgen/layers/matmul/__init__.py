@@ -1,7 +1,8 @@
 """``linear``: the single point through which every matmul of every model runs, and how it runs.
 
 - ``dispatch``: ``linear`` itself: pagedgen's kernel for a weight packed in panels or pairs, else the
-  GEMM library in the row blocks of the model's ``MatmulConfig``.
+  GEMM library in the row blocks of the model's ``MatmulConfig``; ``int8_linear``, the W8A8 GEMM of
+  int8 weights (``pagedgen.layers.quant``).
 - ``config``: ``MatmulConfig``, how one model's matmuls run, and the row blocks measured to keep a
   row's bits whatever the batch (batch invariance).
 - ``choice``: ``choose_matmul``, the one place a model's path is chosen: what this CPU and build
@@ -21,7 +22,7 @@ from pagedgen.layers.matmul.choice import (MATMUL_BACKENDS, PREPACK_MIN_NUMEL, P
                                            onednn_prepack_available, onednn_prepack_supported)
 from pagedgen.layers.matmul.config import (BF16_MAX_ROWS, BF16_MIN_ROWS, FP16_MIN_ROWS, LONG_K, LONG_K_MAX_ROWS,
                                            MAX_ROWS, MIN_ROWS, PACKED_MIN_ROWS, MatmulConfig)
-from pagedgen.layers.matmul.dispatch import linear
+from pagedgen.layers.matmul.dispatch import int8_linear, linear
 from pagedgen.layers.matmul.packing import PACKABLE_DTYPES, PANEL, PREPACK_ROWS, pack_pairs, pack_panels, prepack, prepare_matmuls
 
 __all__ = [
@@ -31,6 +32,6 @@ __all__ = [
     "onednn_prepack_available", "onednn_prepack_supported",
     "BF16_MAX_ROWS", "BF16_MIN_ROWS", "FP16_MIN_ROWS", "LONG_K", "LONG_K_MAX_ROWS", "MAX_ROWS", "MIN_ROWS",
     "PACKED_MIN_ROWS", "MatmulConfig",
-    "linear",
+    "int8_linear", "linear",
     "PACKABLE_DTYPES", "PANEL", "PREPACK_ROWS", "pack_pairs", "pack_panels", "prepack", "prepare_matmuls",
 ]

@@ -88,14 +88,14 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
     (the dense copy freed), and ``module.matmul = config``. An lm_head tied to its embedding that is
     converted or packed gets its own matrix; the embedding keeps its own. Returns the bytes the
     weights took in addition (0 when they are kept as they are; panels add the zero rows that pad
-    the last one)."""
+    the last one). Layers with int8 weights (``weight_scale`` set) only get the config."""
     extra = 0
     for module in _matmul_modules(model):
         module.matmul = config
         for name in ("weight", "bias"):
             p = getattr(module, name)
-            if p is None:
-                continue
+            if p is None or getattr(module, "weight_scale", None) is not None:
+                continue  # int8 weights (layers/quant.py) keep their dtype, scales and bias: int8_linear runs them
             panels = (config.panels or config.pairs) and name == "weight"
             pack = name == "weight" and 0 < config.prepack_min_numel <= p.numel() and config.weight_dtype in PACKABLE_DTYPES
             if p.dtype == config.weight_dtype and not pack and not panels:
