@@ -185,7 +185,8 @@ def packed_linear_bf16(out, input, weight, bias=None) -> None:
 def int8_linear(out, input, weight, weight_scale, input_scale=None, bias=None) -> None:
     """out [M, N] (input's dtype) = the W8A8 int8 product of input [M, K] (float32 / bfloat16 /
     float16, quantized per row, or with the static ``input_scale`` [1] float32) and the int8 weight
-    [N, K] with per-output-channel ``weight_scale`` [N] float32, + bias [N]. Integer sums are exact,
+    packed by ``pagedgen.layers.matmul.pack_int8`` ([ceil(N / 16), ceil(K / 2), 16, 2]) with
+    per-output-channel ``weight_scale`` [N] float32, + bias [N]. A CPU kernel in builds with AVX2. Integer sums are exact,
     so every row's bits are independent of the batch. See :func:`pagedgen.ops.reference.int8_linear`.
 
     Raises:

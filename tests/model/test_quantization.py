@@ -54,6 +54,17 @@ def dynamic_ckpt(tmp_path_factory, hf_model, stories_path):
     return dst
 
 
+def _oracle_logprobs(oracle, outs) -> list:
+    """The oracle's log-probabilities [completion tokens, vocab] of each output's completion positions,
+    teacher-forced, from one forward of the sequences right-padded (causal: padding after a sequence
+    does not change its positions' logits)."""
+    seqs = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outs]
+    ids = torch.tensor([s + [0] * (max(map(len, seqs)) - len(s)) for s in seqs])
+    with torch.no_grad():
+        logp = torch.log_softmax(oracle(ids).logits.double(), -1)
+    return [logp[i, len(o.prompt_token_ids) - 1:len(seqs[i]) - 1] for i, o in enumerate(outs)]
+
+
 def _check_against_oracle(outs, oracle, exact_share=0.98, close_share=0.75):
     """Teacher-forced against transformers' fake-quantized model: every generated token the oracle's
     argmax for >= ``exact_share`` of the requests; sampled logprobs within 1e-2 for >= ``close_share``.
@@ -63,13 +74,10 @@ def _check_against_oracle(outs, oracle, exact_share=0.98, close_share=0.75):
     of 64 requests agree within 3e-6, the others after a flip). The bit-exact test is
     ``test_online_int8_equals_the_fake_quantized_float_model_bitwise``."""
     exact, close = 0, 0
-    with torch.no_grad():
-        for o in outs:
-            c = o.outputs[0]
-            ids = torch.tensor(o.prompt_token_ids + list(c.token_ids))
-            logp = torch.log_softmax(oracle(ids[None]).logits[0].double(), -1)[len(o.prompt_token_ids) - 1:-1]
-            exact += logp.argmax(-1).tolist() == list(c.token_ids)
-            close += max(abs(c.logprobs[pos][tok].logprob - float(logp[pos, tok])) for pos, tok in enumerate(c.token_ids)) < 1e-2
+    for o, logp in zip(outs, _oracle_logprobs(oracle, outs)):
+        c = o.outputs[0]
+        exact += logp.argmax(-1).tolist() == list(c.token_ids)
+        close += max(abs(c.logprobs[pos][tok].logprob - float(logp[pos, tok])) for pos, tok in enumerate(c.token_ids)) < 1e-2
     assert exact >= exact_share * len(outs), f"{exact}/{len(outs)} requests follow the fake-quantized oracle"
     assert close >= close_share * len(outs), f"{close}/{len(outs)} requests' logprobs within 1e-2 of the oracle's"
 
@@ -147,11 +155,9 @@ def test_every_family_runs_a_w8a8_checkpoint(family, tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     quantized = [m for m in llm.model.modules() if getattr(m, "weight_scale", None) is not None]
     assert quantized and all(m.weight.dtype == torch.int8 for m in quantized)
-    oracle = qc.fake_quantize(model) if family != "gpt2" else None
-    with torch.no_grad():
-        for o in outs if oracle is not None else ():
-            ids = torch.tensor(o.prompt_token_ids + list(o.outputs[0].token_ids))
-            assert oracle(ids[None]).logits[0, len(o.prompt_token_ids) - 1:-1].argmax(-1).tolist() == list(o.outputs[0].token_ids)
+    if family != "gpt2":
+        for o, logp in zip(outs, _oracle_logprobs(qc.fake_quantize(model), outs)):
+            assert logp.argmax(-1).tolist() == list(o.outputs[0].token_ids)
 
 
 def _edit_config(folder: str, edit) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pagedgen import ops
 from pagedgen.layers.matmul.config import MatmulConfig
+from pagedgen.layers.matmul.packing import pack_int8
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -83,7 +84,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
     Args:
         x: [T, K] activations (float32, bfloat16 or float16).
-        weight: [N, K] int8.
+        weight: [N, K] int8 (packed here on each call: slow), or packed by ``pack_int8`` (what
+            ``prepare_matmuls`` does once after loading).
         weight_scale: [N] float32; input_scale: [1] float32 or None (dynamic per-row scales).
         bias: [N] or None (x's dtype or float32).
         out_features: N (default: the weight's rows).
@@ -92,6 +94,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         [T, N] in x's dtype.
     """
     n = out_features if out_features is not None else weight.shape[0]
+    if weight.dim() == 2:
+        weight = pack_int8(weight)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [T, N]
     ops.int8_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, input_scale, bias)
     return out
