@@ -142,7 +142,8 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
     Raises:
         FileNotFoundError / CheckpointError: see ``checkpoint_files`` and ``read_headers``.
         ValueError: a tensor the model does not have (more layers than ``num_hidden_layers``, or
-            another architecture's weights), a non-float tensor, a shape other than config.json
+            another architecture's weights), a tensor of another kind than its parameter (float; int8 for
+            a quantized layer, pagedgen.model.quantization), a shape other than config.json
             implies, or a weight the model needs that the checkpoint lacks.
     """
     params = dict(model.named_parameters())
@@ -179,10 +180,12 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
         param_name, shard_id = target
         param = params[param_name]
         int8 = param.dtype == torch.int8  # a quantized layer's weight (its scales are float)
-        if int8 != (dtype == _INT8) or (not int8 and dtype not in _FLOAT_DTYPES):
-            want = "int8 (I8)" if int8 else "floating-point"
+        if int8 and dtype != _INT8:
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, but config.json's quantization_config "
-                             f"(quantization={model.config.quantization or None!r}) makes it a {want} weight")
+                             f"(quantization={model.config.quantization!r}) makes it a int8 (I8) weight")
+        if not int8 and dtype not in _FLOAT_DTYPES:
+            hint = " (int8 weights need config.json's quantization_config to name their layer)" if dtype == _INT8 else ""
+            raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; only floating-point (unquantised) weights are supported{hint}")
         try:
             weight_loader(param)(param, torch.empty(shape, dtype=torch.int8 if int8 else _FLOAT_DTYPES[dtype], device="meta"), shard_id)
         except WeightShapeError as exc:
