@@ -116,6 +116,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     processor = RequestProcessor(tokenizer, model_config.vocab_size, max_model_len, args.max_num_seqs, grammars)
     engine = LLMEngine(cache_config, scheduler_config, executor, processor, eos_token_ids, spec_config)
     engine.pooling = pooling
+    engine.quantization = model_config.quantization
     return BuiltEngine(engine, tokenizer, model_config, matmul_config, device, models)
 
 

@@ -44,6 +44,8 @@ class EngineStats:
     # structured outputs' jump-forward decoding (docs/structured_outputs.md): of num_generated_tokens,
     # those a grammar forced and the engine appended without a decode step each
     num_jump_forward_tokens: int = 0
+    # the model's weights (docs/quantization.md): "" float, "int8" quantized at load, "compressed-tensors" int8 read
+    quantization: str = ""
 
     def __repr__(self) -> str:
         return _repr.render("EngineStats", _repr.engine_stats(self))

@@ -240,3 +240,13 @@ def test_the_cli_flag_reaches_engine_args():
 
     assert EngineArgs.from_cli_args(EngineArgs.add_cli_args(__import__("argparse").ArgumentParser()).parse_args(
         ["--model", "m", "--quantization", "int8"])).quantization == "int8"
+
+
+def test_get_stats_and_the_cli_summary_name_the_quantization(online, online_outs, llm):
+    from pagedgen.cli.progress import RunStats, summary
+
+    stats = online.get_stats()
+    assert stats.quantization == "int8" and "quantization='int8'" in repr(stats)
+    assert llm.get_stats().quantization == "" and "quantization" not in repr(llm.get_stats())
+    text = summary(RunStats(generated=64, output_tokens=768), stats, "out.jsonl", None)
+    assert "int8 W8A8 weights (quantization='int8')" in text
