@@ -64,8 +64,8 @@ float quantize_row(const in_t* x, int64_t K, const float* static_scale, int32_t*
 using V8 = Vec<8>;
 using I8 = IVec<8>;
 
-// Rows r < R of a tile: q rows (ldq int32 pairs apart), panel w [Q, 16, 2] int8, scales sx[r], ws[16] (padded),
-// bias[16] (padded) or nullptr; out rows ldo apart, ncols <= 16 valid outputs.
+// Rows r < R of a tile: q rows (ldq int32 pairs apart), panel w [Q, 16, 2] int8, scales sx[r], the panel's
+// ws[ncols] and bias[ncols] (float32) or nullptr; out rows ldo apart, ncols <= 16 valid outputs.
 template <int R, typename out_t>
 PAGEDGEN_ALWAYS_INLINE void tile(const int32_t* q, int64_t ldq, const int8_t* w, int64_t Q, const float* sx, const float* ws,
                                  const float* bias, out_t* out, int64_t ldo, int ncols) {
@@ -92,14 +92,18 @@ PAGEDGEN_ALWAYS_INLINE void tile(const int32_t* q, int64_t ldq, const int8_t* w,
   }
 #undef PAGEDGEN_INT8_ROW
   const __m256i acc[kRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
-  const V8 ws0 = load<8>(ws), ws1 = load<8>(ws + 8);
+  // the last panel's scales and bias are partial: lanes past N read as 0 and are never stored
+  const V8 ws0 = ncols >= 8 ? load<8>(ws) : load_partial<8>(ws, ncols);
+  const V8 ws1 = ncols == kPanel ? load<8>(ws + 8) : ncols > 8 ? load_partial<8>(ws + 8, ncols - 8) : V8{};
+  const V8 b0 = bias == nullptr ? V8{} : ncols >= 8 ? load<8>(bias) : load_partial<8>(bias, ncols);
+  const V8 b1 = bias == nullptr ? V8{} : ncols == kPanel ? load<8>(bias + 8) : ncols > 8 ? load_partial<8>(bias + 8, ncols - 8) : V8{};
   for (int r = 0; r < R; ++r) {
     const V8 s = splat<8>(sx[r]);
     V8 y0 = __builtin_convertvector((I8)acc[r][0], V8) * s * ws0;  // (acc * sx) * ws
     V8 y1 = __builtin_convertvector((I8)acc[r][1], V8) * s * ws1;
     if (bias != nullptr) {
-      y0 = y0 + load<8>(bias);
-      y1 = y1 + load<8>(bias + 8);
+      y0 = y0 + b0;
+      y1 = y1 + b1;
     }
     out_t* o = out + r * ldo;
     if (ncols == kPanel) {
@@ -169,14 +173,13 @@ void int8_linear_cpu(const at::Tensor& out,                          // [M, N], 
     TORCH_CHECK(input_scale->scalar_type() == at::kFloat && input_scale->numel() == 1 && input_scale->device().is_cpu(),
                 "int8_linear: input_scale must be float32 [1] on the CPU, got ", input_scale->scalar_type(), " ", input_scale->sizes());
   at::assert_no_overlap(out, input);
-  at::Tensor ws = at::zeros({P * kPanel}, input.options().dtype(at::kFloat)), b;  // padded to whole panels
-  ws.narrow(0, 0, N).copy_(weight_scale);
+  TORCH_CHECK(weight_scale.is_contiguous() && weight_scale.device().is_cpu(), "int8_linear: weight_scale must be contiguous on the CPU");
+  at::Tensor b;  // the bias as float32 (exact)
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() && is_float(bias->scalar_type()),
                 "int8_linear: bias must be float32, bfloat16 or float16 [", N, "] on the CPU, got ", bias->scalar_type(), " ",
                 bias->sizes());
-    b = at::zeros({P * kPanel}, input.options().dtype(at::kFloat));
-    b.narrow(0, 0, N).copy_(*bias);
+    b = bias->to(at::kFloat).contiguous();
   }
   if (M == 0 || N == 0) return;
   const float static_scale = has_static ? input_scale->to(at::kFloat).item<float>() : 0.0f;
@@ -188,7 +191,7 @@ void int8_linear_cpu(const at::Tensor& out,                          // [M, N], 
     at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(x + m * input.stride(0), K, has_static ? &static_scale : nullptr, q.data() + m * Q);
     });
-    gemm<in_t>(q.data(), Q, sx.data(), M, weight.const_data_ptr<int8_t>(), N, ws.const_data_ptr<float>(),
+    gemm<in_t>(q.data(), Q, sx.data(), M, weight.const_data_ptr<int8_t>(), N, weight_scale.const_data_ptr<float>(),
                b.defined() ? b.const_data_ptr<float>() : nullptr, out.data_ptr<in_t>(), out.stride(0));
   });
 }
