@@ -182,7 +182,7 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
         int8 = param.dtype == torch.int8  # a quantized layer's weight (its scales are float)
         if int8 and dtype != _INT8:
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, but config.json's quantization_config "
-                             f"(quantization={model.config.quantization!r}) makes it a int8 (I8) weight")
+                             f"(quantization={model.config.quantization!r}) makes it an int8 (I8) weight")
         if not int8 and dtype not in _FLOAT_DTYPES:
             hint = " (int8 weights need config.json's quantization_config to name their layer)" if dtype == _INT8 else ""
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; only floating-point (unquantised) weights are supported{hint}")
