@@ -10,6 +10,8 @@ hits), and some are longer than the 24-token step budget of the chunked-prefill 
 Compared: every completion's token ids, cumulative logprob and logprob dictionaries (sampled token
 and top-k, with ranks), and the prompt logprobs, with ``==`` on the floats.
 
+The sweep runs with int8 W8A8 weights too (stories260K, ``quantization="int8"``).
+
 Also: the "needle" (one request alone vs among 200 companions with other sampling parameters and
 lengths), repeated ``generate`` calls on one LLM (the second finds its prefixes cached), and beam
 search alone vs among other prompts and with fewer sequences per step.
@@ -120,21 +122,31 @@ def model_path(request, stories_path):
     return stories_path if request.param == "stories260K" else request.getfixturevalue("gqa64_path")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_sweep_is_bitwise_the_default(model_path, dtype):
+def _sweep(model_path: str, dtype: str, **extra) -> None:
     vocab = 512 if model_path.endswith("stories260K") else 4096
     prompts, params = _prompts(vocab), _params()
-    base, _ = run(model_path, dtype, prompts, params)
+    base, _ = run(model_path, dtype, prompts, params, **extra)
     assert any(c[1] != base[i][2][0][1] for i in range(1, 10, 3) for c in base[i][2][1:])  # n=4 completions differ
     for name, kwargs in CONFIGS.items():
         one = kwargs.get("max_num_seqs") == 1  # n <= max_num_seqs: there the n=4 requests ask for completion 0 only
-        got, stats = run(model_path, dtype, prompts, [_with_n1(p) if one else p for p in params], **kwargs)
+        got, stats = run(model_path, dtype, prompts, [_with_n1(p) if one else p for p in params], **kwargs, **extra)
         if name in PREEMPTING:
             assert stats.num_preemptions > 0, name
         for i, (a, b) in enumerate(zip(base, got)):
             if one and params[i].n > 1:
                 a = (a[0], a[1], a[2][:1])
             assert a == b, f"{name}: request {i} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sweep_is_bitwise_the_default(model_path, dtype):
+    _sweep(model_path, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sweep_with_int8_weights_is_bitwise_the_default(stories_path, dtype):
+    """The same sweep with int8 W8A8 weights (``quantization="int8"``, docs/quantization.md)."""
+    _sweep(stories_path, dtype, quantization="int8")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
