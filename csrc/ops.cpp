@@ -61,6 +61,12 @@ TORCH_LIBRARY(pagedgen, m) {
   m.def("packed_linear_bf16_amx(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
   // Its tile loop on an emulation of the AMX tiles in plain C++ (any CPU; slow): tests the packing.
   m.def("packed_linear_bf16_amx_emulated(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  // W8A8 int8 (issue 46): out [M, N] (input's dtype) from input [M, K] (float32/bf16/fp16) quantized per row
+  // to int8 (dynamic: max |x| / 127; or the static input_scale [1] float32), the int8 weight as pairs in
+  // panels of 16 outputs, [ceil(N / 16), ceil(K / 2), 16, 2] with weight[p, q, j, t] = W[16 p + j, 2 q + t]
+  // (zeros past N and K), exact int32 sums, then float32 acc * x_scale[m] * weight_scale[n] (+ bias[n]),
+  // rounded once: a row's bits never depend on the other rows. A CPU kernel only (AVX2; reference elsewhere).
+  m.def("int8_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> ()");
   // True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (cpuid, xgetbv).
   m.def("cpu_has_amx() -> bool");
   // The levels of CPU kernels this CPU and OS can run, lowest first: a prefix of ["avx2", "avx512_bf16",

@@ -84,10 +84,11 @@ def engine_stats(s) -> Fields:
               "num_kv_blocks", "num_used_blocks", "peak_used_blocks", "kv_utilization_mean", "prefix_cache_hit_rate",
               "sharing_savings_mean", "peak_sharing_savings")
     when_set = ("num_recomputes", "num_swaps_out", "num_swaps_in", "num_cached_tokens", "num_copy_on_write",
-                "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_per_position", "num_jump_forward_tokens")
+                "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_per_position", "num_jump_forward_tokens",
+                "quantization")
     fields = [] if s.kv_cache_dtype == "auto" else [("kv_cache_dtype", s.kv_cache_dtype)]
     for name in always + when_set:
         value = getattr(s, name)
         if name in always or value:
-            fields.append((name, number(value) if isinstance(value, float) else str(value)))
+            fields.append((name, number(value) if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)))
     return fields

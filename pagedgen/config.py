@@ -29,6 +29,8 @@ class ModelConfig:
             over at most this many most recent tokens (Mistral's ``sliding_window``; the largest
             when layers differ), so blocks that fall wholly out of it are no longer read and go
             back to the pool (``CacheConfig.sliding_window``).
+        quantization: "" (float weights), "int8" (quantized at load) or "compressed-tensors" (int8
+            weights read from the checkpoint): ``pagedgen.model.quantization``, docs/quantization.md.
     """
 
     architecture: str
@@ -42,6 +44,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     dtype: torch.dtype
     sliding_window: int = 0
+    quantization: str = ""
 
     def kv_bytes_per_token(self, cache_dtype: str = "auto") -> int:
         """Bytes of KV cache one token takes over all layers (keys and values) in a cache of

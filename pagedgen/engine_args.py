@@ -67,6 +67,7 @@ class EngineArgs:
     runner: str = _arg("auto", name="runner", choices=("auto", "generate", "pooling"))
     convert: str = _arg("auto", name="convert", choices=("auto", "none", "embed", "classify"))
     pooler_config: Optional[dict[str, Any]] = _arg(None, name="pooler_config", metavar="JSON")
+    quantization: Optional[str] = _arg(None, name="quantization", choices=("int8", "compressed-tensors"))
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, title: str = "engine (LLM arguments)") -> argparse.ArgumentParser:

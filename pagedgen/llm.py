@@ -119,6 +119,9 @@ class LLM(PoolingCalls):
             architecture decides: ``*ForSequenceClassification`` pools), "generate" or "pooling";
             convert "auto", "none", "embed" (pool a ``*ForCausalLM``'s hidden states) or "classify";
             pooler_config a dict of ``PoolerConfig`` fields (pooling_type LAST/MEAN/CLS/ALL/STEP...).
+        quantization: None (the checkpoint's ``quantization_config``, or float weights), "int8"
+            (a float checkpoint's linear layers quantized at load: int8 W8A8) or "compressed-tensors"
+            (int8 W8A8 weights read from the checkpoint). ValueError for others (docs/quantization.md).
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing (of the
@@ -158,6 +161,7 @@ class LLM(PoolingCalls):
         runner: str = "auto",
         convert: str = "auto",
         pooler_config: Optional[dict[str, Any]] = None,
+        quantization: Optional[str] = None,
     ) -> None:
         args = LLMArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -169,6 +173,7 @@ class LLM(PoolingCalls):
             batch_invariant=batch_invariant, distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             speculative_config=speculative_config, runner=runner, convert=convert, pooler_config=pooler_config,
+            quantization=quantization,
         )
         # the argument checks first (llm_args.py: errors before anything is loaded), then the configs,
         # the tokenizer, the model, the KV cache's size, the executor and the engine (engine/build.py)

@@ -54,6 +54,7 @@ class LLMArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None
+    quantization: Optional[str] = None
 
 
 INT_ARGS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
@@ -147,6 +148,8 @@ def check_arg_types(args: LLMArgs) -> None:
     for name, flag in (("enforce_extension", args.enforce_extension), ("enable_prefix_caching", args.enable_prefix_caching), ("enforce_eager", args.enforce_eager)):
         if not isinstance(flag, bool):
             raise TypeError(f"LLM {name} must be a bool, got {type(flag).__name__}")
+    if args.quantization is not None and not isinstance(args.quantization, str):
+        raise TypeError(f"LLM quantization must be a str or None, got {type(args.quantization).__name__}")
     if args.batch_invariant is not None and not isinstance(args.batch_invariant, bool):
         raise TypeError(f"LLM batch_invariant must be a bool or None, got {type(args.batch_invariant).__name__}")
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):

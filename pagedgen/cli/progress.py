@@ -133,6 +133,7 @@ def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], c
             f"{e.peak_used_blocks:,} of {e.num_kv_blocks:,} blocks"
             f"{'' if getattr(e, 'kv_cache_dtype', 'auto') == 'auto' else ', kv_cache_dtype ' + e.kv_cache_dtype}), {e.num_preemptions:,} preemptions, "
             f"prefix-cache hit rate {e.prefix_cache_hit_rate:.1%}"
+            + (f"; int8 W8A8 weights (quantization={e.quantization!r})" if getattr(e, "quantization", "") else "")
         )
         if getattr(e, "num_draft_tokens", 0):  # speculative decoding (docs/speculative.md)
             rates = ", ".join(f"{r:.0%}" for r in e.acceptance_rate_per_position)

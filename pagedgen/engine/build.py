@@ -2,7 +2,8 @@
 raised before the steps after it run):
 
     check_llm_args                 types, ranges, device, extension (llm_args.py): nothing loaded yet
-    ModelConfig                    config.json (model/loader.py), the parallel sizes against it and the CPU cores (one message)
+    ModelConfig                    config.json (model/loader.py), its quantization (model/quantization.py), the parallel
+                                   sizes against it and the CPU cores (one message)
     MatmulConfig, max_model_len    the draft's config.json against the target's (spec_decode/draft_checks.py)
     tokenizer, EOS token ids       the draft's tokenizer against the target's
     load_models                    executor/factory.py: in process, the model (and draft) here
@@ -64,7 +65,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     spec_config, device = check_llm_args(args)  # TypeError / ValueError before anything is loaded
     model = os.fspath(args.model)
     hf_config = loader.load_hf_config(model)
-    model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(args.dtype, hf_config))
+    model_config = loader.model_config_from_hf(hf_config, loader.resolve_dtype(args.dtype, hf_config), args.quantization)
     pooling = resolve_runner(args.runner, args.convert, args.pooler_config, hf_config, model_config.architecture, os.fspath(args.model))
     if pooling is not None and (args.distributed_executor_backend is not None or args.tensor_parallel_size * args.pipeline_parallel_size > 1
                                 or spec_config is not None):
@@ -119,6 +120,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     processor = RequestProcessor(tokenizer, model_config.vocab_size, max_model_len, args.max_num_seqs, grammars)
     engine = LLMEngine(cache_config, scheduler_config, executor, processor, eos_token_ids, spec_config)
     engine.pooling = pooling
+    engine.quantization = model_config.quantization
     return BuiltEngine(engine, tokenizer, model_config, matmul_config, device, models)
 
 

@@ -79,6 +79,7 @@ class LLMEngine:
         self.model_runner = getattr(executor, "model_runner", None)
         self.processor = processor
         self.pooling = None  # a pooling model's PoolingModelInfo (engine/pooling_checks.py), set by engine/build.py
+        self.quantization = ""  # the model's weights (ModelConfig.quantization: "int8"...), set by engine/build.py
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}  # unfinished requests, in arrival order
         self._clean = True  # False while a step or a change of the queues is under way
@@ -424,6 +425,7 @@ class LLMEngine:
             peak_sharing_savings=self._peak_savings,
             num_copy_on_write=bm.num_copies,
             num_jump_forward_tokens=self.grammars.num_jump_forward_tokens,
+            quantization=self.quantization,
             **self._spec_stats(),
         )
 

@@ -121,5 +121,6 @@ def make_executor(config: ExecutorConfig, cache_config: CacheConfig, models: Loa
         num_threads=torch.get_num_threads() if world == 1 else max(1, cores // world),
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        quantization=config.model_config.quantization,
     )
     return MultiprocExecutor(spec) if config.backend == "mp" else PicklingExecutor(spec)

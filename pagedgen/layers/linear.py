@@ -36,7 +36,7 @@ from torch import nn
 
 from pagedgen.distributed.group import TPGroup, shard_size, tp_size
 from pagedgen.layers.loading import check_shape, read
-from pagedgen.layers.matmul import MatmulConfig, linear
+from pagedgen.layers.matmul import MatmulConfig, int8_linear, linear
 from pagedgen.layers.module import Module
 
 ShardId = Union[str, int, None]
@@ -49,7 +49,8 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class LinearBase(Module):
-    """``y = x W^T + b`` over ``[T, input_size]`` rows; W: [output_size, input_size] (model dtype).
+    """``y = x W^T + b`` over ``[T, input_size]`` rows; W: [output_size, input_size] (model dtype, or
+    int8 with ``weight_scale``/``input_scale``: W8A8, ``pagedgen.layers.quant``).
 
     Args:
         input_size, output_size: features in and out.
@@ -79,13 +80,21 @@ class LinearBase(Module):
         self.output_shards: dict = dict(output_shards or {})
         self.weight = _param(output_size, input_size)
         self.bias = _param(output_size) if bias else None
+        self.register_parameter("weight_scale", None)  # [output_size] float32 when the weight is int8 (layers/quant.py)
+        self.register_parameter("input_scale", None)  # [1] float32: a static activation scale (int8 weights only)
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self.weight_loader if self.tp is None else self.sharded_weight_loader
                 p.shard_ids = tuple(self.output_shards)  # the parts a checkpoint may give separately
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size] -> [T, output_size]
-        return linear(x, self.weight, self.bias, self.matmul, self.output_size)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [T, input_size] @ W^T + bias -> [T, output_size]: the float GEMM, or W8A8 for int8 weights."""
+        if self.weight_scale is not None:
+            return int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.output_size)
+        return linear(x, self.weight, bias, self.matmul, self.output_size)
 
     def _shard_slice(self, shard_id: ShardId) -> tuple[int, int]:
         """(offset, size) of a part along the output features; the whole for None."""
@@ -195,8 +204,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size / tp] -> [T, output_size]
         if self.tp is None:
-            return linear(x, self.weight, self.bias, self.matmul, self.output_size)
-        y = self.tp.comm.all_reduce(linear(x, self.weight, None, self.matmul, self.output_size))  # [T, out], summed over ranks
+            return self._matmul(x, self.bias)
+        y = self.tp.comm.all_reduce(self._matmul(x, None))  # [T, out], summed over ranks
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -20,6 +20,7 @@ from pagedgen.config import ModelConfig
 from pagedgen.model import registry, weights
 from pagedgen.model.base import layer_sliding_windows
 from pagedgen.model.files import CheckpointError, read_json
+from pagedgen.model.quantization import resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,8 +97,10 @@ def load_hf_config(path: str):
     return hf_config
 
 
-def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
-    """The engine's view of ``hf_config`` (see ``ModelConfig``)."""
+def model_config_from_hf(hf_config, dtype: torch.dtype, quantization: Optional[str] = None) -> ModelConfig:
+    """The engine's view of ``hf_config`` (see ``ModelConfig``); ``quantization``: ``LLM(quantization=...)``
+    (None: the checkpoint's). ValueError/TypeError for a quantization that does not fit
+    (``pagedgen.model.quantization.resolve_quantization``)."""
     architecture, cls = registry.resolve_architecture(hf_config.architectures)
     num_heads = hf_config.num_attention_heads
     num_layers = hf_config.num_hidden_layers
@@ -114,6 +117,7 @@ def model_config_from_hf(hf_config, dtype: torch.dtype) -> ModelConfig:
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         dtype=dtype,
         sliding_window=max(windows) if all(windows) else 0,
+        quantization=resolve_quantization(quantization, hf_config),
     )
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from pagedgen.config import ModelConfig
 from pagedgen.distributed.group import PPGroup, TPGroup, tp_size
 from pagedgen.layers.loading import CheckpointSlice, WeightShapeError, weight_loader
+from pagedgen.model import quantization
 from pagedgen.model.base import CausalLM
 from pagedgen.model.files import CheckpointError, read_json
 from pagedgen.model.stages import PPMissingLayer
@@ -46,6 +47,7 @@ _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 
 # safetensors dtype names -> torch dtypes of floating-point tensors
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_INT8 = "I8"  # the int8 weights of a quantized checkpoint (pagedgen.model.quantization)
 
 
 @dataclass
@@ -140,7 +142,8 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
     Raises:
         FileNotFoundError / CheckpointError: see ``checkpoint_files`` and ``read_headers``.
         ValueError: a tensor the model does not have (more layers than ``num_hidden_layers``, or
-            another architecture's weights), a non-float tensor, a shape other than config.json
+            another architecture's weights), a tensor of another kind than its parameter (float; int8 for
+            a quantized layer, pagedgen.model.quantization), a shape other than config.json
             implies, or a weight the model needs that the checkpoint lacks.
     """
     params = dict(model.named_parameters())
@@ -174,12 +177,17 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
                 f"{file}: tensor {name!r} is not a weight of {model.config.architecture}: config.json does not "
                 "describe these weights"
             )
-        if dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; only floating-point (unquantised) weights are supported")
         param_name, shard_id = target
         param = params[param_name]
+        int8 = param.dtype == torch.int8  # a quantized layer's weight (its scales are float)
+        if int8 and dtype != _INT8:
+            raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, but config.json's quantization_config "
+                             f"(quantization={model.config.quantization!r}) makes it an int8 (I8) weight")
+        if not int8 and dtype not in _FLOAT_DTYPES:
+            hint = " (int8 weights need config.json's quantization_config to name their layer)" if dtype == _INT8 else ""
+            raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; only floating-point (unquantised) weights are supported{hint}")
         try:
-            weight_loader(param)(param, torch.empty(shape, dtype=_FLOAT_DTYPES[dtype], device="meta"), shard_id)
+            weight_loader(param)(param, torch.empty(shape, dtype=torch.int8 if int8 else _FLOAT_DTYPES[dtype], device="meta"), shard_id)
         except WeightShapeError as exc:
             shape_errors.append((order[param_name], f"weight {name!r} {exc} ({fields}): config.json does not describe these weights"))
             continue
@@ -205,8 +213,8 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
     memo: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in memo:
-                new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+            if p is not None and id(p) not in memo:  # int8 weights and their scales keep theirs (load_dtype)
+                new = nn.Parameter(torch.empty(p.shape, dtype=getattr(p, "load_dtype", dtype), device=device), requires_grad=False)
                 new.__dict__.update(p.__dict__)
                 memo[id(p)] = new
             if p is not None:
@@ -242,9 +250,12 @@ def load_model(cls: type, path: str, hf_config, config: ModelConfig, device: tor
             it (see ``plan_checkpoint``); FileNotFoundError / CheckpointError for unusable files.
     """
     groups = {k: v for k, v in (("tp", tp if tp_size(tp) > 1 else None), ("pp", pp)) if v is not None}
+    quant = quantization.scheme(config.quantization, hf_config)
     with torch.device("meta"):
         model = cls(hf_config, config, **groups)
+    quantization.before_loading(model, quant)  # int8 parameters for a quantized checkpoint
     plan = plan_checkpoint(model, path, hf_config)
     materialize(model, config.dtype, device)
     read_weights(model, plan, sharded=tp_size(tp) > 1)
+    quantization.after_loading(model, quant)  # online int8, or the checkpoint's scales checked
     return model.eval()

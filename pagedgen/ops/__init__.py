@@ -37,8 +37,9 @@ if _IMPORT_ERROR is None:
 
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
-    "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-    "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "has_kernel", "cpu_isa", "cpu_isa_features",
+    "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+    "silu_and_mul", "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear", "has_kernel", "cpu_isa",
+    "cpu_isa_features",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -212,3 +213,17 @@ def packed_linear_bf16(out, input, weight, bias=None) -> None:
             or an input, weight or out that is not bfloat16.
     """
     _fused_impl("packed_linear_bf16", input.device.type)(out, input, weight, bias)
+
+
+def int8_linear(out, input, weight, weight_scale, input_scale=None, bias=None) -> None:
+    """out [M, N] (input's dtype) = the W8A8 int8 product of input [M, K] (float32 / bfloat16 /
+    float16, quantized per row, or with the static ``input_scale`` [1] float32) and the int8 weight
+    packed by ``pagedgen.layers.matmul.pack_int8`` ([ceil(N / 16), ceil(K / 2), 16, 2]) with
+    per-output-channel ``weight_scale`` [N] float32, + bias [N]. A CPU kernel in builds with AVX2. Integer sums are exact,
+    so every row's bits are independent of the batch. See :func:`pagedgen.ops.reference.int8_linear`.
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes that do not fit together, rows that are not contiguous,
+            or a weight that is not int8 / scales that are not float32.
+    """
+    _fused_impl("int8_linear", input.device.type)(out, input, weight, weight_scale, input_scale, bias)

@@ -76,6 +76,12 @@ def _packed_linear_bf16(out, input, weight, bias) -> None:
     torch._check(weight.shape[1] == (input.shape[1] + 1) // 2, lambda: f"weight {weight.shape} does not fit input {input.shape}")
 
 
+def _int8_linear(out, input, weight, weight_scale, input_scale, bias) -> None:
+    # out: [M, N]; input: [M, K]; weight: [ceil(N / 16), ceil(K / 2), 16, 2] int8
+    torch._check(out.shape[0] == input.shape[0], lambda: f"out {out.shape} and input {input.shape} differ in rows")
+    torch._check(weight.shape[1] == (input.shape[1] + 1) // 2, lambda: f"weight {weight.shape} does not fit input {input.shape}")
+
+
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
@@ -89,6 +95,7 @@ _FAKES = {
     "kv_dequantize_blocks": _kv_dequantize_blocks,
     "packed_linear": _packed_linear,
     "packed_linear_bf16": _packed_linear_bf16,
+    "int8_linear": _int8_linear,
 }
 
 

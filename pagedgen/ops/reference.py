@@ -211,3 +211,47 @@ def packed_linear_bf16(
     w = weight.permute(0, 2, 1, 3).reshape(p * weight.shape[2], q * 2)[:n, :k]  # [N, K]
     y = torch.nn.functional.linear(input.float(), w.float(), None if bias is None else bias.float())
     out.copy_(y)
+
+
+def quantize_rows_int8(
+    input: torch.Tensor,  # [M, K] float32, bfloat16 or float16
+    input_scale: Optional[torch.Tensor] = None,  # [1] float32 (static) or None (dynamic, per row)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of activation rows, as ``int8_linear``'s kernel does it in its
+    prologue: in float32, ``scale[m] = max_k |x[m, k]| / 127`` (dynamic, per row; 1 for a row of
+    zeros) or the static ``input_scale``; ``q = clamp(rint(x / scale), -128, 127)`` (round half to
+    even, an IEEE float32 division per element). Returns (q [M, K] int8, scale [M] float32)."""
+    x = input.float()
+    if input_scale is None:
+        scale = x.abs().amax(dim=1) / 127.0 if x.shape[1] else x.new_zeros(x.shape[0])
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    else:
+        scale = input_scale.float().reshape(1).expand(x.shape[0]).contiguous()
+    q = torch.round(x / scale[:, None]).clamp_(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_linear(
+    out: torch.Tensor,  # [M, N] float32, bfloat16 or float16 (input's dtype), written in place
+    input: torch.Tensor,  # [M, K] float32, bfloat16 or float16
+    weight: torch.Tensor,  # [ceil(N / 16), ceil(K / 2), 16, 2] int8: W [N, K] as int8 pairs in panels of 16
+    weight_scale: torch.Tensor,  # [N] float32: the real weight row n is W[n, :] * weight_scale[n]
+    input_scale: Optional[torch.Tensor] = None,  # [1] float32 (static) or None (dynamic per-row scales)
+    bias: Optional[torch.Tensor] = None,  # [N] or None
+) -> None:
+    """W8A8 int8 GEMM (compressed-tensors' / vLLM's "int8 W8A8", fake quantization in float): the
+    rows of ``input`` quantized to int8 (``quantize_rows_int8``), exact integer sums ``acc[m, n] =
+    sum_k q[m, k] * weight[n, k]`` (computed in float64, exact while K * 128 * 128 < 2^53), then in
+    float32 ``y = float32(acc) * x_scale[m] * weight_scale[n] + bias[n]`` in that order, rounded once
+    to out's dtype. The weight is packed as ``pagedgen.layers.matmul.pack_int8`` does it:
+    ``weight[p, q, j, t] = W[16 p + j, 2 q + t]``, zeros past N and K (bf16 pairs' layout, in int8). Every
+    row depends on itself only (batch-invariant), and the CPU kernel gives the same bits (integer sums
+    are exact whatever their order)."""
+    n, k = out.shape[1], input.shape[1]
+    w = weight.permute(0, 2, 1, 3).reshape(weight.shape[0] * weight.shape[2], weight.shape[1] * 2)[:n, :k]  # [N, K]
+    q, x_scale = quantize_rows_int8(input, input_scale)
+    acc = (q.double() @ w.double().t()).float()  # exact integers; float32 rounds them as cvtdq2ps does
+    y = acc * x_scale[:, None] * weight_scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    out.copy_(y)

@@ -64,6 +64,7 @@ class WorkerSpec:
     num_threads: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    quantization: str = ""  # the resolved method (ModelConfig.quantization): each rank quantizes or reads its shards
 
     @property
     def world_size(self) -> int:
@@ -90,7 +91,7 @@ class Worker:
         self.tp: Optional[TPGroup] = None
         self.pp: Optional[PPGroup] = None
         hf_config = loader.load_hf_config(spec.model)
-        model_config = loader.model_config_from_hf(hf_config, spec.dtype)
+        model_config = loader.model_config_from_hf(hf_config, spec.dtype, spec.quantization or "none")
         if spec.world_size > 1:
             self.backend = init_process_group(store_path, rank, spec.world_size, spec.device)
         if tp_size > 1:

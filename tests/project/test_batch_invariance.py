@@ -12,6 +12,7 @@ and top-k, with ranks), and the prompt logprobs, with ``==`` on the floats.
 
 The sweep and the needle also run with the 1-byte KV cache (``kv_cache_dtype="int8"``, bfloat16):
 its values are quantized per token (pagedgen/ops/kv_quant.py), so the same holds bit for bit.
+The sweep runs with int8 W8A8 weights too (stories260K, ``quantization="int8"``).
 
 Also: the "needle" (one request alone vs among 200 companions with other sampling parameters and
 lengths), repeated ``generate`` calls on one LLM (the second finds its prefixes cached), and beam
@@ -126,21 +127,31 @@ def model_path(request, stories_path):
 DTYPES_KV = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")]
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPES_KV)
-def test_sweep_is_bitwise_the_default(model_path, dtype, kv_cache_dtype):
+def _sweep(model_path: str, dtype: str, **extra) -> None:
     vocab = 512 if model_path.endswith("stories260K") else 4096
     prompts, params = _prompts(vocab), _params()
-    base, _ = run(model_path, dtype, prompts, params, kv_cache_dtype=kv_cache_dtype)
+    base, _ = run(model_path, dtype, prompts, params, **extra)
     assert any(c[1] != base[i][2][0][1] for i in range(1, 10, 3) for c in base[i][2][1:])  # n=4 completions differ
     for name, kwargs in CONFIGS.items():
         one = kwargs.get("max_num_seqs") == 1  # n <= max_num_seqs: there the n=4 requests ask for completion 0 only
-        got, stats = run(model_path, dtype, prompts, [_with_n1(p) if one else p for p in params], kv_cache_dtype=kv_cache_dtype, **kwargs)
+        got, stats = run(model_path, dtype, prompts, [_with_n1(p) if one else p for p in params], **kwargs, **extra)
         if name in PREEMPTING:
             assert stats.num_preemptions > 0, name
         for i, (a, b) in enumerate(zip(base, got)):
             if one and params[i].n > 1:
                 a = (a[0], a[1], a[2][:1])
             assert a == b, f"{name}: request {i} differs"
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPES_KV)
+def test_sweep_is_bitwise_the_default(model_path, dtype, kv_cache_dtype):
+    _sweep(model_path, dtype, kv_cache_dtype=kv_cache_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sweep_with_int8_weights_is_bitwise_the_default(stories_path, dtype):
+    """The same sweep with int8 W8A8 weights (``quantization="int8"``, docs/quantization.md)."""
+    _sweep(stories_path, dtype, quantization="int8")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

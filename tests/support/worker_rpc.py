@@ -74,3 +74,10 @@ def run_mixed(llm: LLM, prompts: list[str]):
         [o.prompt_logprobs for o in outs],
         [[(s.tokens, s.cum_logprob) for s in b.sequences] for b in beams],
     )
+
+
+def int8_shapes(worker) -> dict:
+    """{module name: (weight dtype, weight_scale shape, input_scale shape or None)} of this worker's
+    int8 linear layers (issue 46: each tensor-parallel rank holds its shard of weights and scales)."""
+    return {n: (str(m.weight.dtype), tuple(m.weight_scale.shape), None if m.input_scale is None else tuple(m.input_scale.shape))
+            for n, m in worker.runner.model.named_modules() if getattr(m, "weight_scale", None) is not None}

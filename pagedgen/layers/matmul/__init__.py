@@ -1,12 +1,13 @@
 """``linear``: the single point through which every matmul of every model runs, and how it runs.
 
 - ``dispatch``: ``linear`` itself: pagedgen's kernel for a weight packed in panels or pairs, else the
-  GEMM library in the row blocks of the model's ``MatmulConfig``.
+  GEMM library in the row blocks of the model's ``MatmulConfig``; ``int8_linear``, the W8A8 GEMM of
+  int8 weights (``pagedgen.layers.quant``).
 - ``config``: ``MatmulConfig``, how one model's matmuls run, and the row blocks measured to keep a
   row's bits whatever the batch (batch invariance).
 - ``choice``: ``choose_matmul``, the one place a model's path is chosen: what this CPU and build
   offer, ``PAGEDGEN_CPU_MATMUL``; its docstring describes every path and its measurements.
-- ``packing``: the weight layouts (``pack_panels``, ``pack_pairs``, oneDNN's ``prepack``) and
+- ``packing``: the weight layouts (``pack_panels``, ``pack_pairs``, ``pack_int8``, oneDNN's ``prepack``) and
   ``prepare_matmuls``, which puts a loaded model's weights in the chosen one.
 - ``amx_check``: ``amx_self_check``, which pagedgen's opt-in AMX GEMM passes before a model uses it.
 
@@ -21,8 +22,9 @@ from pagedgen.layers.matmul.choice import (MATMUL_BACKENDS, PREPACK_MIN_NUMEL, P
                                            onednn_prepack_available, onednn_prepack_supported)
 from pagedgen.layers.matmul.config import (BF16_MAX_ROWS, BF16_MIN_ROWS, FP16_MIN_ROWS, LONG_K, LONG_K_MAX_ROWS,
                                            MAX_ROWS, MIN_ROWS, PACKED_MIN_ROWS, MatmulConfig)
-from pagedgen.layers.matmul.dispatch import linear
-from pagedgen.layers.matmul.packing import PACKABLE_DTYPES, PANEL, PREPACK_ROWS, pack_pairs, pack_panels, prepack, prepare_matmuls
+from pagedgen.layers.matmul.dispatch import int8_linear, linear
+from pagedgen.layers.matmul.packing import (PACKABLE_DTYPES, PANEL, PREPACK_ROWS, pack_int8, pack_pairs, pack_panels, prepack,
+                                            prepare_matmuls)
 
 __all__ = [
     "AmxUnavailableError", "amx_self_check",
@@ -31,6 +33,6 @@ __all__ = [
     "onednn_prepack_available", "onednn_prepack_supported",
     "BF16_MAX_ROWS", "BF16_MIN_ROWS", "FP16_MIN_ROWS", "LONG_K", "LONG_K_MAX_ROWS", "MAX_ROWS", "MIN_ROWS",
     "PACKED_MIN_ROWS", "MatmulConfig",
-    "linear",
-    "PACKABLE_DTYPES", "PANEL", "PREPACK_ROWS", "pack_pairs", "pack_panels", "prepack", "prepare_matmuls",
+    "int8_linear", "linear",
+    "PACKABLE_DTYPES", "PANEL", "PREPACK_ROWS", "pack_int8", "pack_pairs", "pack_panels", "prepack", "prepare_matmuls",
 ]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pagedgen import ops
 from pagedgen.layers.matmul.config import MatmulConfig
+from pagedgen.layers.matmul.packing import pack_int8
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -73,3 +74,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         else:
             y = _gemm(x, weight, bias, min_rows)
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None, out_features: Optional[int] = None) -> torch.Tensor:
+    """W8A8: ``y = x @ (weight * weight_scale[:, None]).T + bias`` with x's rows quantized to int8
+    (per row, or by the static ``input_scale``), exact int32 sums and one float32 scale per output
+    (``ops.int8_linear``; batch-invariant by construction, no row blocks).
+
+    Args:
+        x: [T, K] activations (float32, bfloat16 or float16).
+        weight: [N, K] int8 (packed here on each call: slow), or packed by ``pack_int8`` (what
+            ``prepare_matmuls`` does once after loading).
+        weight_scale: [N] float32; input_scale: [1] float32 or None (dynamic per-row scales).
+        bias: [N] or None (x's dtype or float32).
+        out_features: N (default: the weight's rows).
+
+    Returns:
+        [T, N] in x's dtype.
+    """
+    n = out_features if out_features is not None else weight.shape[0]
+    if weight.dim() == 2:
+        weight = pack_int8(weight)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [T, N]
+    ops.int8_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, input_scale, bias)
+    return out

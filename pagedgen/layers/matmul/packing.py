@@ -57,6 +57,22 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-(-n // PANEL), PANEL, -(-k // 2), 2).transpose(1, 2).contiguous()  # [P, Q, PANEL, 2]
 
 
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 weight -> [ceil(N / PANEL), ceil(K / 2), PANEL, 2] int8 pairs: ``out[p, q, j, t] =
+    weight[PANEL p + j, 2 q + t]``, zeros past N and K (``pack_pairs``' layout, in bytes). The layout
+    ``ops.int8_linear`` reads: one panel row [p, q] (32 bytes) holds the input pair (2 q, 2 q + 1)'s
+    weights of PANEL consecutive outputs, sign-extended to int16 for vpmaddwd.
+
+    Raises:
+        ValueError: ``weight`` is not a 2-D int8 tensor.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.int8:
+        raise ValueError(f"pack_int8 needs a 2-D int8 weight, got {getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, k % 2, 0, -n % PANEL))  # [P * PANEL, 2 Q]
+    return padded.view(-(-n // PANEL), PANEL, -(-k // 2), 2).transpose(1, 2).contiguous()  # [P, Q, PANEL, 2]
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] float32 or bfloat16 weight -> the same matrix in oneDNN's blocked inner-product
     layout (an opaque ``is_mkldnn`` tensor of shape [N, K] and the same dtype and element size),
@@ -88,12 +104,17 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
     (the dense copy freed), and ``module.matmul = config``. An lm_head tied to its embedding that is
     converted or packed gets its own matrix; the embedding keeps its own. Returns the bytes the
     weights took in addition (0 when they are kept as they are; panels add the zero rows that pad
-    the last one)."""
+    the last one). Layers with int8 weights (``weight_scale`` set) get their weight packed by ``pack_int8`` (scales
+    and bias kept as they are)."""
     extra = 0
     for module in _matmul_modules(model):
         module.matmul = config
         for name in ("weight", "bias"):
             p = getattr(module, name)
+            if p is not None and getattr(module, "weight_scale", None) is not None:  # int8 (layers/quant.py): packed in pairs
+                if name == "weight" and p.dim() == 2:
+                    setattr(module, name, nn.Parameter(pack_int8(p), requires_grad=False))
+                continue
             if p is None:
                 continue
             panels = (config.panels or config.pairs) and name == "weight"

@@ -1,0 +1,205 @@
+// CPU kernel of pagedgen::int8_linear (schema in csrc/ops.cpp, oracle in pagedgen/ops/reference.py), the
+// W8A8 GEMM of int8 models (issue 46; pagedgen/layers/quant.py):
+//   out [M, N] = (int8 rows of input [M, K]) x (int8 weight [N, K])^T, exact int32 sums, then in float32
+//   acc * x_scale[m] * weight_scale[n] + bias[n], rounded once to out's dtype.
+// The weight is packed once at load (pagedgen.layers.quant.pack_int8) as int8 pairs in panels of 16
+// outputs, [P, Q, 16, 2] with P = ceil(N / 16), Q = ceil(K / 2), weight[p, q, j, t] = W[16 p + j, 2 q + t]
+// (zeros past N and K): bf16 pairs' layout (pack_pairs), in bytes.
+//
+// The prologue quantizes each input row once, as the reference does (float32: scale = max |x| / 127, 1 for
+// a zero row, or the static input_scale; q = clamp(rint(x / scale), -128, 127)), into pairs of int16.
+// The tile (AVX2): per pair q, one 32-byte load of the panel's 16 x 2 weights, sign-extended to int16
+// (vpmovsxbw), and per row the pair broadcast (vpbroadcastd) and vpmaddwd: each int32 lane gets
+// x[2q] * w[j, 2q] + x[2q + 1] * w[j, 2q + 1], exact (|.| <= 2 * 128 * 127), added exactly (vpaddd; no
+// overflow while K < 2^31 / (128 * 127) = 132,104, checked). Not vpmaddubsw: its int16 pair sums saturate.
+// Integer sums are exact in any order, and the write-back is the reference's float32 multiplies in its
+// order (-ffp-contract=off), so every output equals the reference's bit for bit whatever M, the row's
+// position, the tiling or the threads: batch-invariant by construction.
+//
+// Threads split the panels (each weight byte read by one thread); rows go in tiles of up to 4 (8 int32
+// accumulators). Registered in the levels with AVX2 (all of x86-64's); the AVX-512 VNNI (vpdpwssd) and
+// AMX-INT8 (tdpbssd) variants are not written yet: those levels run this AVX2 code.
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "vec.h"
+
+namespace pagedgen::cpu {
+namespace int8_gemm {  // its own namespace: the unity build (csrc/cpu_kernels.cpp) shares one with linear.cpp
+
+constexpr int kPanel = 16;         // output features per panel
+constexpr int kRows = 4;           // rows per tile
+constexpr int64_t kMaxK = 132104;  // 2^31 / (128 * 127): int32 sums cannot overflow below this
+constexpr int64_t kMinMacsPerThread = 1 << 16;  // smaller GEMMs run on one thread
+
+// One input row quantized: pairs of int16 packed in int32 (q[i] = x[2i] | x[2i + 1] << 16), and its scale.
+template <typename in_t>
+float quantize_row(const in_t* x, int64_t K, const float* static_scale, int32_t* q) {
+  float s;
+  if (static_scale != nullptr) {
+    s = *static_scale;
+  } else {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
+    s = amax / 127.0f;
+    if (!(s > 0.0f)) s = 1.0f;
+  }
+  const auto quant = [&](int64_t k) -> uint32_t {
+    if (k >= K) return 0;
+    const float v = std::nearbyint(static_cast<float>(x[k]) / s);  // round half to even (the default mode)
+    return static_cast<uint16_t>(static_cast<int16_t>(std::min(std::max(v, -128.0f), 127.0f)));
+  };
+  for (int64_t i = 0; i < (K + 1) / 2; ++i) q[i] = static_cast<int32_t>(quant(2 * i) | (quant(2 * i + 1) << 16));
+  return s;
+}
+
+#if defined(__AVX2__)
+using V8 = Vec<8>;
+using I8 = IVec<8>;
+
+// Rows r < R of a tile: q rows (ldq int32 pairs apart), panel w [Q, 16, 2] int8, scales sx[r], the panel's
+// ws[ncols] and bias[ncols] (float32) or nullptr; out rows ldo apart, ncols <= 16 valid outputs.
+template <int R, typename out_t>
+PAGEDGEN_ALWAYS_INLINE void tile(const int32_t* q, int64_t ldq, const int8_t* w, int64_t Q, const float* sx, const float* ws,
+                                 const float* bias, out_t* out, int64_t ldo, int ncols) {
+  static_assert(R >= 1 && R <= kRows);
+  const int32_t* q0 = q;
+  const int32_t* q1 = q + std::min(1, R - 1) * ldq;
+  const int32_t* q2 = q + std::min(2, R - 1) * ldq;
+  const int32_t* q3 = q + std::min(3, R - 1) * ldq;
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+#define PAGEDGEN_INT8_ROW(r)                                              \
+  {                                                                       \
+    const __m256i b = _mm256_set1_epi32(q##r[i]);                         \
+    a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(b, w0));        \
+    a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(b, w1));        \
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 2 * kPanel));
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv));       // outputs 0-7, pairs as int16
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1));  // outputs 8-15
+    PAGEDGEN_INT8_ROW(0)
+    if constexpr (R > 1) PAGEDGEN_INT8_ROW(1)
+    if constexpr (R > 2) PAGEDGEN_INT8_ROW(2)
+    if constexpr (R > 3) PAGEDGEN_INT8_ROW(3)
+  }
+#undef PAGEDGEN_INT8_ROW
+  const __m256i acc[kRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+  // the last panel's scales and bias are partial: lanes past N read as 0 and are never stored
+  const V8 ws0 = ncols >= 8 ? load<8>(ws) : load_partial<8>(ws, ncols);
+  const V8 ws1 = ncols == kPanel ? load<8>(ws + 8) : ncols > 8 ? load_partial<8>(ws + 8, ncols - 8) : V8{};
+  const V8 b0 = bias == nullptr ? V8{} : ncols >= 8 ? load<8>(bias) : load_partial<8>(bias, ncols);
+  const V8 b1 = bias == nullptr ? V8{} : ncols == kPanel ? load<8>(bias + 8) : ncols > 8 ? load_partial<8>(bias + 8, ncols - 8) : V8{};
+  for (int r = 0; r < R; ++r) {
+    const V8 s = splat<8>(sx[r]);
+    V8 y0 = __builtin_convertvector((I8)acc[r][0], V8) * s * ws0;  // (acc * sx) * ws
+    V8 y1 = __builtin_convertvector((I8)acc[r][1], V8) * s * ws1;
+    if (bias != nullptr) {
+      y0 = y0 + b0;
+      y1 = y1 + b1;
+    }
+    out_t* o = out + r * ldo;
+    if (ncols == kPanel) {
+      store<8>(o, y0);
+      store<8>(o + 8, y1);
+    } else if (ncols > 8) {
+      store<8>(o, y0);
+      store_partial<8>(o + 8, y1, ncols - 8);
+    } else {
+      store_partial<8>(o, y0, ncols);
+    }
+  }
+}
+
+template <typename out_t>
+void gemm(const int32_t* q, int64_t Q, const float* sx, int64_t M, const int8_t* weight, int64_t N, const float* ws,
+          const float* bias, out_t* out, int64_t ldo) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / std::max<int64_t>(1, M * Q * 2 * kPanel));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* w = weight + p * Q * 2 * kPanel;
+      const int ncols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+      const float* b = bias != nullptr ? bias + p * kPanel : nullptr;
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m);
+        const int32_t* qm = q + m * Q;
+        out_t* om = out + m * ldo + p * kPanel;
+        switch (rows) {
+          case 4: tile<4>(qm, Q, w, Q, sx + m, ws + p * kPanel, b, om, ldo, ncols); break;
+          case 3: tile<3>(qm, Q, w, Q, sx + m, ws + p * kPanel, b, om, ldo, ncols); break;
+          case 2: tile<2>(qm, Q, w, Q, sx + m, ws + p * kPanel, b, om, ldo, ncols); break;
+          default: tile<1>(qm, Q, w, Q, sx + m, ws + p * kPanel, b, om, ldo, ncols); break;
+        }
+      }
+    }
+  });
+}
+
+void int8_linear_cpu(const at::Tensor& out,                          // [M, N], input's dtype
+                     const at::Tensor& input,                        // [M, K] float32 / bfloat16 / float16, contiguous rows
+                     const at::Tensor& weight,                       // [ceil(N / 16), ceil(K / 2), 16, 2] int8, contiguous
+                     const at::Tensor& weight_scale,                 // [N] float32
+                     const c10::optional<at::Tensor>& input_scale,   // [1] float32 or None (dynamic, per row)
+                     const c10::optional<at::Tensor>& bias) {        // [N] float32 / bfloat16 / float16 or None
+  const auto is_float = [](c10::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };
+  TORCH_CHECK(out.device().is_cpu() && input.device().is_cpu() && weight.device().is_cpu() && weight_scale.device().is_cpu(),
+              "int8_linear (CPU kernel): tensors must be on the CPU");
+  TORCH_CHECK(is_float(input.scalar_type()) && input.dim() == 2 && input.stride(1) == 1,
+              "int8_linear: input must be float32, bfloat16 or float16 [M, K] with contiguous rows, got ", input.scalar_type(), " ",
+              input.sizes(), " strides ", input.strides());
+  const int64_t M = input.size(0), K = input.size(1), Q = (K + 1) / 2;
+  TORCH_CHECK(K < kMaxK, "int8_linear: K = ", K, " input features would overflow the int32 sums (at most ", kMaxK - 1, ")");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && (M <= 1 || out.stride(0) >= out.size(1)) &&
+                  out.scalar_type() == input.scalar_type(),
+              "int8_linear: out must be ", input.scalar_type(), " [", M, ", N] with contiguous, non-overlapping rows, got ",
+              out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
+  const int64_t N = out.size(1), P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 4 && weight.size(0) == P && weight.size(1) == Q &&
+                  weight.size(2) == kPanel && weight.size(3) == 2 && weight.is_contiguous(),
+              "int8_linear: weight must be contiguous int8 pairs [", P, ", ", Q, ", 16, 2] for N = ", N, " outputs of K = ", K,
+              " inputs, got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.dim() == 1 && weight_scale.size(0) == N,
+              "int8_linear: weight_scale must be float32 [", N, "], got ", weight_scale.scalar_type(), " ", weight_scale.sizes());
+  const bool has_static = input_scale.has_value() && input_scale->defined();
+  if (has_static)
+    TORCH_CHECK(input_scale->scalar_type() == at::kFloat && input_scale->numel() == 1 && input_scale->device().is_cpu(),
+                "int8_linear: input_scale must be float32 [1] on the CPU, got ", input_scale->scalar_type(), " ", input_scale->sizes());
+  at::assert_no_overlap(out, input);
+  TORCH_CHECK(weight_scale.is_contiguous() && weight_scale.device().is_cpu(), "int8_linear: weight_scale must be contiguous on the CPU");
+  at::Tensor b;  // the bias as float32 (exact)
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() && is_float(bias->scalar_type()),
+                "int8_linear: bias must be float32, bfloat16 or float16 [", N, "] on the CPU, got ", bias->scalar_type(), " ",
+                bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  if (M == 0 || N == 0) return;
+  const float static_scale = has_static ? input_scale->to(at::kFloat).item<float>() : 0.0f;
+  std::vector<int32_t> q(static_cast<size_t>(M * Q));
+  std::vector<float> sx(static_cast<size_t>(M));
+  dispatch_float_types(input.scalar_type(), "int8_linear (input)", [&](auto z) {
+    using in_t = decltype(z);
+    const in_t* x = input.const_data_ptr<in_t>();
+    at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) sx[m] = quantize_row(x + m * input.stride(0), K, has_static ? &static_scale : nullptr, q.data() + m * Q);
+    });
+    gemm<in_t>(q.data(), Q, sx.data(), M, weight.const_data_ptr<int8_t>(), N, weight_scale.const_data_ptr<float>(),
+               b.defined() ? b.const_data_ptr<float>() : nullptr, out.data_ptr<in_t>(), out.stride(0));
+  });
+}
+#endif  // __AVX2__
+
+}  // namespace int8_gemm
+}  // namespace pagedgen::cpu
+
+#if defined(__AVX2__)
+TORCH_LIBRARY_IMPL(pagedgen, CPU, m) { m.impl("int8_linear", &pagedgen::cpu::int8_gemm::int8_linear_cpu); }
+#endif
