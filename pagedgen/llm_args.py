@@ -19,6 +19,7 @@ import torch
 
 from pagedgen import inputs, ops
 from pagedgen.executor import BACKENDS
+from pagedgen.lora.config import LoRAConfig
 from pagedgen.pooling_params import PoolerConfig
 from pagedgen.spec_decode.config import SpeculativeConfig
 
@@ -53,10 +54,15 @@ class LLMArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
 
 INT_ARGS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "seed", "swap_space_bytes", "tensor_parallel_size", "pipeline_parallel_size")
+            "max_model_len", "seed", "swap_space_bytes", "tensor_parallel_size", "pipeline_parallel_size",
+            "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def with_plain_numbers(args: LLMArgs) -> LLMArgs:
@@ -104,6 +110,14 @@ def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.de
     if args.runner == "generate" and args.convert in ("embed", "classify"):
         raise ValueError(f"LLM convert={args.convert!r} makes a pooling model: it needs runner='pooling' or 'auto', got runner='generate'")
     PoolerConfig.from_arg(args.pooler_config)  # TypeError / ValueError naming the field
+    if not isinstance(args.enable_lora, bool):
+        raise TypeError(f"LLM enable_lora must be a bool, got {type(args.enable_lora).__name__}")
+    if args.enable_lora:
+        LoRAConfig.from_args(args.max_loras, args.max_lora_rank, args.max_cpu_loras)  # TypeError / ValueError naming the field
+        if backend is not None or tp * pp > 1 or spec_config is not None:
+            raise ValueError(f"LLM enable_lora=True runs in process only: distributed_executor_backend=None, tensor_parallel_size="
+                             f"pipeline_parallel_size=1 and no speculative_config, got {backend!r}, {tp}, {pp} and "
+                             f"{None if spec_config is None else spec_config.method!r} (LoRA with these is not supported yet)")
     if args.enforce_extension and not ops.extension_available(device.type):
         raise RuntimeError(ops.extension_error(device.type))
     return spec_config, device

@@ -60,6 +60,7 @@ class LinearBase(Module):
     """
 
     matmul: Optional[MatmulConfig] = None  # set by prepare_matmuls
+    lora = None  # a pagedgen.lora.layers.LoRALayer when LoRA is on (its add_delta adds each row's adapter delta)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, output_shards: Optional[dict] = None, layout: str = "default",
                  tp: Optional[TPGroup] = None, split: Optional[str] = None) -> None:
@@ -85,7 +86,10 @@ class LinearBase(Module):
                 p.shard_ids = tuple(self.output_shards)  # the parts a checkpoint may give separately
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size] -> [T, output_size]
-        return linear(x, self.weight, self.bias, self.matmul, self.output_size)
+        y = linear(x, self.weight, self.bias, self.matmul, self.output_size)
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
     def _shard_slice(self, shard_id: ShardId) -> tuple[int, int]:
         """(offset, size) of a part along the output features; the whole for None."""
@@ -195,7 +199,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size / tp] -> [T, output_size]
         if self.tp is None:
-            return linear(x, self.weight, self.bias, self.matmul, self.output_size)
+            return super().forward(x)
         y = self.tp.comm.all_reduce(linear(x, self.weight, None, self.matmul, self.output_size))  # [T, out], summed over ranks
         return y if self.bias is None else y.add_(self.bias)
 
