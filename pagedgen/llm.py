@@ -117,7 +117,8 @@ class LLM(PoolingCalls, RecordingCalls):
             convert "auto", "none", "embed" (pool a ``*ForCausalLM``'s hidden states) or "classify";
             pooler_config a dict of ``PoolerConfig`` fields (pooling_type LAST/MEAN/CLS/ALL/STEP...).
         enable_lora: serve PEFT LoRA adapters, one per request (``lora_request=`` of the calls;
-            docs/lora.md): Llama-family models, in process (no tensor/pipeline parallelism).
+            docs/lora.md): Llama-family generation models; with tensor parallelism and
+            speculative decoding, not with pipeline stages (ValueError).
         max_loras: adapters one step may run (device slots; more wait their turn). Default 1.
         max_lora_rank: the largest adapter rank ``r`` accepted. Default 16.
         max_cpu_loras: adapters kept loaded in host memory (LRU; default ``max_loras``).

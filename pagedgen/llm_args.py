@@ -114,10 +114,8 @@ def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.de
         raise TypeError(f"LLM enable_lora must be a bool, got {type(args.enable_lora).__name__}")
     if args.enable_lora:
         LoRAConfig.from_args(args.max_loras, args.max_lora_rank, args.max_cpu_loras)  # TypeError / ValueError naming the field
-        if backend is not None or tp * pp > 1 or spec_config is not None:
-            raise ValueError(f"LLM enable_lora=True runs in process only: distributed_executor_backend=None, tensor_parallel_size="
-                             f"pipeline_parallel_size=1 and no speculative_config, got {backend!r}, {tp}, {pp} and "
-                             f"{None if spec_config is None else spec_config.method!r} (LoRA with these is not supported yet)")
+        if pp > 1:
+            raise ValueError(f"LLM enable_lora=True needs pipeline_parallel_size=1, got {pp} (LoRA with pipeline stages is not supported yet)")
     if args.enforce_extension and not ops.extension_available(device.type):
         raise RuntimeError(ops.extension_error(device.type))
     return spec_config, device

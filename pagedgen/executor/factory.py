@@ -68,7 +68,7 @@ class ExecutorConfig:
     pipeline_parallel_size: int = 1
     draft: Optional[tuple[str, Any, ModelConfig]] = None
     pooling: bool = False  # a pooling model (LLM(runner="pooling")): the runner pools instead of sampling
-    lora: Optional[tuple] = None  # LoRA on: (LoRAConfig, ModelShapes); in process only (llm_args.py)
+    lora: Optional[tuple] = None  # LoRA on: (LoRAConfig, ModelShapes), for the in-process runner or the workers
 
 
 @dataclass(frozen=True)
@@ -124,5 +124,6 @@ def make_executor(config: ExecutorConfig, cache_config: CacheConfig, models: Loa
         num_threads=torch.get_num_threads() if world == 1 else max(1, cores // world),
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        lora=config.lora,
     )
     return MultiprocExecutor(spec) if config.backend == "mp" else PicklingExecutor(spec)

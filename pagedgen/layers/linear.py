@@ -200,7 +200,10 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size / tp] -> [T, output_size]
         if self.tp is None:
             return super().forward(x)
-        y = self.tp.comm.all_reduce(linear(x, self.weight, None, self.matmul, self.output_size))  # [T, out], summed over ranks
+        partial = linear(x, self.weight, None, self.matmul, self.output_size)  # [T, out], this rank's input features
+        if self.lora is not None:  # this rank's share of the delta: its columns of A (the all-reduce sums the shrink)
+            self.lora.add_delta(x, partial)
+        y = self.tp.comm.all_reduce(partial)  # [T, out], summed over ranks
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -39,7 +39,10 @@ class LoRALayer:
 
     Args:
         base: the projection (its ``input_size``, ``output_shards`` / ``output_size``, ``matmul``
-            config, and the device of its weight), after ``prepare_matmuls``.
+            config, and the device of its weight), after ``prepare_matmuls``. Under tensor
+            parallelism A and B are sharded like the weight they adapt: a column-parallel
+            projection keeps A whole and its rows of each part's B; a row-parallel one its columns
+            of A and B whole, its partial delta added before the all-reduce (which sums the shrink).
         num_parts: its parts along the output features (1, 2 or 3).
         max_loras, max_rank: the slots and their width.
         batch: the step's row groups (shared).
@@ -62,11 +65,15 @@ class LoRALayer:
         if not parts:
             self.clear_slot(slot)
             return
-        R, device = self.rank, self.base.weight.device
-        a = torch.zeros(self.num_parts * R, self.base.input_size)  # [P R, in] float32
-        b = torch.zeros(self.base.output_size, self.num_parts * R)  # [out, P R]
+        R, device, base = self.rank, self.base.weight.device, self.base
+        a = torch.zeros(self.num_parts * R, base.input_size)  # [P R, in] float32 (per rank)
+        b = torch.zeros(base.output_size, self.num_parts * R)  # [out, P R]
         for p, (pa, pb) in parts.items():
             r = pa.shape[0]
+            if base.tp is not None and base.tp_split == "in":  # row-parallel: this rank's input columns of A
+                pa = pa.narrow(1, base.tp.rank * base.input_size, base.input_size)
+            elif base.tp is not None:  # column-parallel: this rank's rows of the part's B, as of its weight
+                pb = pb.narrow(0, base.tp.rank * self.part_sizes[p], self.part_sizes[p])
             a[p * R : p * R + r] = pa
             off = self.part_offsets[p]
             b[off : off + self.part_sizes[p], p * R : p * R + r] = pb * scale  # scale folded in float32, rounded once

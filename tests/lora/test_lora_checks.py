@@ -121,9 +121,7 @@ def test_llm_arguments(stories_path):
         LLM(stories_path, enable_lora=True, max_lora_rank=0)
     with pytest.raises(TypeError, match="enable_lora must be a bool"):
         LLM(stories_path, enable_lora="yes")
-    with pytest.raises(ValueError, match="enable_lora=True runs in process only.*'ngram'"):
-        LLM(stories_path, enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="enable_lora=True runs in process only"):
-        LLM(stories_path, enable_lora=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="enable_lora=True runs in process only"):
-        LLM(stories_path, enable_lora=True, distributed_executor_backend="pickle")
+    with pytest.raises(ValueError, match="enable_lora=True needs pipeline_parallel_size=1, got 2"):
+        LLM(stories_path, enable_lora=True, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_lora=True: LoRA adapters run on generation models only"):
+        LLM(stories_path, enable_lora=True, convert="embed")

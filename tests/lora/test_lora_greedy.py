@@ -150,3 +150,32 @@ def test_a_request_does_not_depend_on_its_batch(stories_path, mixed, adapters, p
         alone = llm.generate([prompts[i]], GREEDY, lora_request=adapters[i % 4], use_tqdm=False)[0].outputs[0]
         assert alone.token_ids == outs[i].outputs[0].token_ids
         assert alone.logprobs == outs[i].outputs[0].logprobs
+
+
+@pytest.mark.parametrize("kwargs", [dict(distributed_executor_backend="pickle"), dict(tensor_parallel_size=2, num_kv_blocks=24, max_model_len=192)],
+                         ids=["pickled-boundary", "tp2-preemption"])
+def test_through_worker_processes_and_tensor_parallelism(stories_path, mixed, adapters, prompts, kwargs):
+    """The step records carry each sequence's adapter; under TP = 2 each rank holds its shard of A
+    or B (column-parallel: B's rows, row-parallel: A's columns, the all-reduce summing the shrink)."""
+    _, outs = mixed
+    with LLM(stories_path, enable_lora=True, max_loras=3, **kwargs) as llm:
+        got = llm.generate(prompts, GREEDY, lora_request=[adapters[i % 4] for i in range(len(prompts))], use_tqdm=False)
+        if "tensor_parallel_size" in kwargs:
+            assert len(llm.llm_engine.executor.worker_pids) == 2 and llm.get_stats().num_preemptions > 0
+    assert _tokens(got) == _tokens(outs)
+    for a, b in zip(got, outs):
+        mine, ref = a.outputs[0], b.outputs[0]
+        diffs = [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(mine.logprobs, ref.logprobs, mine.token_ids)]
+        assert max(diffs) < 1e-4 if "tensor_parallel_size" in kwargs else max(diffs) == 0.0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters(stories_path, mixed, adapters, prompts, method):
+    """Drafts (n-gram lookup, or the base model as the draft model) are verified by the target with
+    each request's adapter: greedy tokens equal speculation off."""
+    _, outs = mixed
+    config = {"method": method, "num_speculative_tokens": 3, **({"prompt_lookup_min": 1} if method == "ngram" else {"model": stories_path})}
+    llm = LLM(stories_path, enable_lora=True, max_loras=3, speculative_config=config)
+    got = llm.generate(prompts[:32], GREEDY, lora_request=[adapters[i % 4] for i in range(32)], use_tqdm=False)
+    assert _tokens(got) == _tokens(outs[:32])
+    assert llm.get_stats().num_accepted_tokens > 0
