@@ -4,11 +4,12 @@ transformers with PEFT's ``merge_and_unload()`` (fp32, stories260K): greedy toke
 within 1e-4. Then the same outputs through prefix caching, recompute and swap preemption, n > 1,
 one slot for three adapters, beam search, the request-level engine and a stream; a request's bits
 do not depend on its batch."""
+import os
+
 import pytest
-import torch
 
 import lora_adapters as la
-from conftest import story_openings
+from conftest import ROOT, story_openings
 from pagedgen import LLM, LoRARequest, SamplingParams
 
 MAX_TOKENS = 12
@@ -139,6 +140,11 @@ def test_parallel_samples_beams_engine_and_stream(stories_path, mixed, adapters,
     assert done == {"x": outs[1].outputs[0].token_ids, "y": outs[2].outputs[0].token_ids}
     from pagedgen import BeamSearchParams
 
+    template = open(os.path.join(ROOT, "examples", "chat_template.jinja")).read()
+    chat = llm.chat([{"role": "user", "content": prompts[7]}], GREEDY, chat_template=template, lora_request=adapters[2], use_tqdm=False)[0]
+    again = llm.generate([chat.prompt_token_ids], GREEDY, lora_request=adapters[2], use_tqdm=False)[0]
+    plain = llm.generate([chat.prompt_token_ids], GREEDY, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == again.outputs[0].token_ids != plain.outputs[0].token_ids
     beams = llm.beam_search([prompts[5]], BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS, ignore_eos=True), lora_request=adapters[1])
     assert beams[0].sequences[0].output_token_ids == outs[5].outputs[0].token_ids  # beam width 1: greedy
 
