@@ -27,7 +27,8 @@ from pagedgen.layers.matmul import linear, pack_pairs, pack_panels
 class LoRABatch:
     """The step's rows grouped by adapter slot, shared by every adapted layer (set by ``LoRAManager.prepare``).
 
-    ``groups``: (slot, row indices [Tg] int64 on the model's device, or None for every row of the step).
+    ``groups``: (slot, its rows: indices [Tg] int64 on the model's device, a ``slice`` when they
+    are one run, or None for every row of the step).
     Empty: no row has an adapter, and the layers add nothing.
     """
 
@@ -90,12 +91,13 @@ class LoRALayer:
             a = self.a[slot]
             if a is None:  # the slot's adapter does not adapt this projection
                 continue
-            xs = x if rows is None else x.index_select(0, rows)  # [Tg, in]
+            gather = isinstance(rows, torch.Tensor)
+            xs = x.index_select(0, rows) if gather else x if rows is None else x[rows]  # [Tg, in]
             d = linear(linear(xs, a, None, config, pr), self.b[slot], None, config, out)  # [Tg, P R] -> [Tg, out]
-            if rows is None:
-                y.add_(d)
-            else:
+            if gather:
                 y.index_add_(0, rows, d)
+            else:
+                (y if rows is None else y[rows]).add_(d)
 
 
 def pack(w: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:

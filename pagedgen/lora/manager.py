@@ -52,7 +52,7 @@ class LoRAManager:
         requests = {}
         for i, seq in enumerate(seqs):
             lr = seq.lora_request
-            if lr is not None:
+            if lr is not None and query_start_loc[i + 1] > query_start_loc[i]:
                 rows.setdefault(lr.lora_int_id, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
                 requests[lr.lora_int_id] = lr
         self.batch.groups = []
@@ -64,7 +64,13 @@ class LoRAManager:
         groups = []
         for lora_id, idx in rows.items():
             slot = self._slot(requests[lora_id], rows)
-            groups.append((slot, None if len(idx) == total else torch.tensor(idx, dtype=torch.int64).to(self.device)))
+            if len(idx) == total:
+                sel = None  # every row: no gather
+            elif idx[-1] - idx[0] + 1 == len(idx):
+                sel = slice(idx[0], idx[-1] + 1)  # one run of rows (a prefill, neighbours of one adapter): views
+            else:
+                sel = torch.tensor(idx, dtype=torch.int64).to(self.device)  # [Tg]
+            groups.append((slot, sel))
         self.batch.groups = groups
 
     def clear(self) -> None:
