@@ -7,6 +7,7 @@ The API follows vLLM's offline one, so switching is one import::
 from pagedgen.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedgen.engine.llm_engine import LLMEngine
 from pagedgen.llm import LLM
+from pagedgen.lora.request import LoRARequest
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.pooling_outputs import (
     ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
@@ -19,6 +20,7 @@ from pagedgen.structured_output.params import StructuredOutputsParams
 __all__ = [
     "LLM",
     "LLMEngine",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "RequestOutput",

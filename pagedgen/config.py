@@ -93,9 +93,13 @@ class SchedulerConfig:
         max_model_len: most tokens (prompt + output) of one sequence.
         preemption_mode: "recompute" (free the blocks, prefill again later) or "swap" (copy the
             blocks to CPU swap space and back); swap falls back to recompute when swap space is full.
+        max_loras: with LoRA on, the most distinct adapters among the running sequences (so a step
+            never needs more adapter slots than the worker has); a request whose adapter would be
+            one more waits (0: LoRA off).
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     preemption_mode: str = "recompute"
+    max_loras: int = 0  # LoRA on: the most distinct adapters in the running set (LLM's max_loras); 0: LoRA off

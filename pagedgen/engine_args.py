@@ -68,6 +68,10 @@ class EngineArgs:
     convert: str = _arg("auto", name="convert", choices=("auto", "none", "embed", "classify"))
     pooler_config: Optional[dict[str, Any]] = _arg(None, name="pooler_config", metavar="JSON")
     quantization: Optional[str] = _arg(None, name="quantization", choices=("int8", "compressed-tensors"))
+    enable_lora: bool = _arg(False, name="enable_lora")
+    max_loras: int = _arg(1, name="max_loras")
+    max_lora_rank: int = _arg(16, name="max_lora_rank")
+    max_cpu_loras: Optional[int] = _arg(None, name="max_cpu_loras")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, title: str = "engine (LLM arguments)") -> argparse.ArgumentParser:

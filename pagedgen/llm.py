@@ -17,10 +17,10 @@ from pagedgen.call_lock import CallLock
 from pagedgen.engine import offline
 from pagedgen.engine.build import build_engine
 from pagedgen.engine.llm_engine import LLMEngine
-from pagedgen.engine.stats import EngineStats
-from pagedgen.engine.step_log import StepLog
 from pagedgen.llm_args import LLMArgs, check_use_tqdm, with_plain_numbers
 from pagedgen.llm_pooling import PoolingCalls
+from pagedgen.llm_recording import RecordingCalls
+from pagedgen.lora.request import LoRARequest
 from pagedgen.outputs import RequestOutput
 from pagedgen.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ PromptsType = Union[str, Seq[str], Seq[Seq[int]]]
 ChatMessage = dict  # {"role": str, "content": str}
 
 
-class LLM(PoolingCalls):
+class LLM(PoolingCalls, RecordingCalls):
     """Loads a Hugging Face checkpoint (an architecture of pagedgen.model.registry) and generates
     completions for lists of prompts.
 
@@ -122,6 +122,12 @@ class LLM(PoolingCalls):
         quantization: None (the checkpoint's ``quantization_config``, or float weights), "int8"
             (a float checkpoint's linear layers quantized at load: int8 W8A8) or "compressed-tensors"
             (int8 W8A8 weights read from the checkpoint). ValueError for others (docs/quantization.md).
+        enable_lora: serve PEFT LoRA adapters, one per request (``lora_request=`` of the calls;
+            docs/lora.md): Llama-family generation models; with tensor parallelism and
+            speculative decoding, not with pipeline stages (ValueError).
+        max_loras: adapters one step may run (device slots; more wait their turn). Default 1.
+        max_lora_rank: the largest adapter rank ``r`` accepted. Default 16.
+        max_cpu_loras: adapters kept loaded in host memory (LRU; default ``max_loras``).
 
     Raises:
         FileNotFoundError: the folder, config.json or the safetensors weights are missing (of the
@@ -162,6 +168,10 @@ class LLM(PoolingCalls):
         convert: str = "auto",
         pooler_config: Optional[dict[str, Any]] = None,
         quantization: Optional[str] = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: Optional[int] = None,
     ) -> None:
         args = LLMArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -174,6 +184,7 @@ class LLM(PoolingCalls):
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             speculative_config=speculative_config, runner=runner, convert=convert, pooler_config=pooler_config,
             quantization=quantization,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
         )
         # the argument checks first (llm_args.py: errors before anything is loaded), then the configs,
         # the tokenizer, the model, the KV cache's size, the executor and the engine (engine/build.py)
@@ -226,7 +237,7 @@ class LLM(PoolingCalls):
 
     # ----- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptsType, sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *, use_tqdm: bool = True,
-                 on_error: Optional[str] = None) -> list[RequestOutput]:
+                 on_error: Optional[str] = None, lora_request: Union[LoRARequest, Seq[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Generate completions for every prompt; results in the order of ``prompts``.
 
         Args:
@@ -240,6 +251,8 @@ class LLM(PoolingCalls):
                 (vLLM's behaviour): it finishes "stop" at that point, with a warning. "return": it
                 finishes "error", its output's ``error`` says why, the other requests complete.
                 "raise": RuntimeError naming the prompt and why, the call's other requests aborted.
+            lora_request: a LoRARequest for all prompts, or one (or None: the base model) per
+                prompt (``LLM(enable_lora=True)``; docs/lora.md).
 
         Returns:
             one RequestOutput per prompt (``request_id`` and ``index`` its position), holding its
@@ -254,7 +267,7 @@ class LLM(PoolingCalls):
         """
         check_use_tqdm(use_tqdm)
         with self._lock.held("generate"):
-            return offline.generate(self.llm_engine, prompts, sampling_params, use_tqdm, on_error)
+            return offline.generate(self.llm_engine, prompts, sampling_params, use_tqdm, on_error, lora_request)
 
     def chat(
         self,
@@ -266,6 +279,7 @@ class LLM(PoolingCalls):
         continue_final_message: bool = False,
         use_tqdm: bool = True,
         on_error: Optional[str] = None,
+        lora_request: Union[LoRARequest, Seq[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template.
 
@@ -277,7 +291,7 @@ class LLM(PoolingCalls):
             continue_final_message: let the reply continue the last message (no end-of-turn after
                 it); not together with ``add_generation_prompt``.
             use_tqdm: show a progress bar.
-            on_error: as in ``generate``.
+            on_error, lora_request: as in ``generate``.
 
         Returns:
             one RequestOutput per conversation; ``prompt`` is the rendered text. The rendered text
@@ -293,9 +307,10 @@ class LLM(PoolingCalls):
         check_use_tqdm(use_tqdm)
         with self._lock.held("chat"):
             return offline.chat(self.llm_engine, messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
-                                use_tqdm, on_error)
+                                use_tqdm, on_error, lora_request)
 
-    def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptsType, params: BeamSearchParams, *, use_tqdm: bool = True,
+                    lora_request: Union[LoRARequest, Seq[Optional[LoRARequest]], None] = None) -> list[BeamSearchOutput]:
         """Beam search for each prompt; beams of one prompt share their common history's KV blocks.
 
         Each step, every running beam's next-token log-probabilities are computed in the shared
@@ -310,6 +325,7 @@ class LLM(PoolingCalls):
             params: a BeamSearchParams (beam_width, max_tokens, ignore_eos, length_penalty,
                 early_stopping).
             use_tqdm: show a progress bar of finished prompts.
+            lora_request: as in ``generate``.
 
         Returns:
             one BeamSearchOutput per prompt, in input order, its sequences best first.
@@ -322,7 +338,7 @@ class LLM(PoolingCalls):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         check_use_tqdm(use_tqdm)
         with self._lock.held("beam_search"):
-            return offline.beam_search(self.llm_engine, prompts, params, use_tqdm)
+            return offline.beam_search(self.llm_engine, prompts, params, use_tqdm, lora_request)
 
     def generate_stream(
         self,
@@ -332,6 +348,7 @@ class LLM(PoolingCalls):
         max_in_flight: Optional[int] = None,
         use_tqdm: bool = False,
         on_error: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> Iterator[RequestOutput]:
         """Generate for prompts pulled lazily from any iterable, yielding results as they finish.
 
@@ -347,6 +364,7 @@ class LLM(PoolingCalls):
             max_in_flight: most requests in flight (default: 4 * max_num_seqs).
             use_tqdm: show a progress bar of finished requests.
             on_error: as in ``generate`` ("raise": after the outputs finished before it are yielded).
+            lora_request: one LoRARequest (or None) for every item.
 
         Yields:
             RequestOutputs in the order they finish, each with ``index`` (and ``request_id``, as
@@ -362,35 +380,5 @@ class LLM(PoolingCalls):
         KeyboardInterrupt (from the source too), aborts the requests in flight. The stream holds the LLM's lock until it is exhausted or closed.
         """
         check_use_tqdm(use_tqdm)
-        outputs = offline.stream(self.llm_engine, prompts, sampling_params, max_in_flight, use_tqdm, on_error)  # checks now, runs when pulled
+        outputs = offline.stream(self.llm_engine, prompts, sampling_params, max_in_flight, use_tqdm, on_error, lora_request)  # checks now, runs when pulled
         return self._lock.held_over("generate_stream", outputs)
-
-    def get_stats(self) -> EngineStats:
-        """KV cache and scheduling counters since this LLM was made (see ``EngineStats``)."""
-        return self.llm_engine.stats()
-
-    def start_recording(self) -> StepLog:
-        """Record the figures of every engine step from now on (running / waiting / swapped
-        sequences, KV blocks in use and their utilisation, prefill and decode tokens, preemptions)
-        into a new ``StepLog``, returned; draw it with ``pagedgen.plot.steps``. Costs a few
-        microseconds per step; a second call stops the current log and starts a new one.
-        Named after vLLM's ``LLM.start_profile``/``stop_profile``."""
-        engine = self.llm_engine
-        if engine.step_log is not None:
-            engine.step_log.stop()
-        engine.step_log = StepLog(engine.scheduler, engine.block_manager, engine.num_generated_tokens)
-        return engine.step_log
-
-    def stop_recording(self) -> StepLog:
-        """Stop recording; returns the ``StepLog`` that ``start_recording`` returned (it keeps
-        what it recorded).
-
-        Raises:
-            RuntimeError: not recording (``start_recording`` was not called, or already stopped).
-        """
-        log = self.llm_engine.step_log
-        if log is None:
-            raise RuntimeError("not recording: call LLM.start_recording() first")
-        log.stop()
-        self.llm_engine.step_log = None
-        return log

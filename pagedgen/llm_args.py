@@ -19,6 +19,7 @@ import torch
 
 from pagedgen import inputs, ops
 from pagedgen.executor import BACKENDS
+from pagedgen.lora.config import LoRAConfig
 from pagedgen.pooling_params import PoolerConfig
 from pagedgen.spec_decode.config import SpeculativeConfig
 
@@ -55,10 +56,15 @@ class LLMArgs:
     convert: str = "auto"
     pooler_config: Any = None
     quantization: Optional[str] = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
 
 INT_ARGS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "seed", "swap_space_bytes", "tensor_parallel_size", "pipeline_parallel_size")
+            "max_model_len", "seed", "swap_space_bytes", "tensor_parallel_size", "pipeline_parallel_size",
+            "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def with_plain_numbers(args: LLMArgs) -> LLMArgs:
@@ -109,6 +115,12 @@ def check_llm_args(args: LLMArgs) -> tuple[Optional[SpeculativeConfig], torch.de
     if ops.kv_quant.check_kv_cache_dtype(args.kv_cache_dtype) != "auto" and device.type == "cuda":
         raise ValueError(f"LLM kv_cache_dtype={args.kv_cache_dtype!r} runs on the CPU only for now (no CUDA kernel "
                          "reads the 1-byte cache yet): pass kv_cache_dtype='auto' or device='cpu'")
+    if not isinstance(args.enable_lora, bool):
+        raise TypeError(f"LLM enable_lora must be a bool, got {type(args.enable_lora).__name__}")
+    if args.enable_lora:
+        LoRAConfig.from_args(args.max_loras, args.max_lora_rank, args.max_cpu_loras)  # TypeError / ValueError naming the field
+        if pp > 1:
+            raise ValueError(f"LLM enable_lora=True needs pipeline_parallel_size=1, got {pp} (LoRA with pipeline stages is not supported yet)")
     if args.enforce_extension and not ops.extension_available(device.type):
         raise RuntimeError(ops.extension_error(device.type))
     return spec_config, device

@@ -8,7 +8,7 @@ import dataclasses
 import difflib
 import sys
 
-from pagedgen.cli import structured
+from pagedgen.cli import lora, structured
 from pagedgen.cli.errors import EXIT_USAGE
 from pagedgen.cli.readers import FORMATS
 from pagedgen.engine_args import EngineArgs
@@ -196,4 +196,5 @@ def build_parser() -> argparse.ArgumentParser:
                     help="same as --no-enable-prefix-caching (kept for compatibility)")
     add_sampling_args(ap)
     structured.add_args(ap)
+    lora.add_args(ap)
     return ap

@@ -15,6 +15,7 @@ import time
 from typing import Iterator, Optional
 
 from pagedgen.cli import checks, openai_batch, readers, resume, sidecar, structured
+from pagedgen.cli import lora as cli_lora
 from pagedgen.cli import progress as progress_mod
 from pagedgen.cli.args import ENGINE_TRUNCATES, build_parser
 from pagedgen.cli.errors import EXIT_INTERNAL, EXIT_USAGE, CLIError, is_out_of_memory, one_line, user_error_types
@@ -75,6 +76,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
 
     with _UserErrors(""):
         params = structured.with_constraint(sampling_params_from_args(args), args)
+    loras = cli_lora.adapters(args)  # --lora NAME=PATH: turns on enable_lora
     engine_args = EngineArgs.from_cli_args(args)
     fmt = _check_input(args)
     out_sidecar, out_errors = sidecar.paths_for(args.output)
@@ -98,6 +100,8 @@ def _run(args, held: contextlib.ExitStack) -> int:
     fingerprint = _params_fingerprint(args, fmt, params, spec)
     if speculative is not None:
         fingerprint["speculative_config"] = speculative
+    if loras:
+        fingerprint["lora"] = cli_lora.fingerprint(args, loras)
     sidecar.check_owner(args.output, args.overwrite)
     sidecar.check_errors_file_not_shared(args.output)
     state = _existing_state(args, fmt, out_sidecar, out_errors, model_fp, fingerprint)
@@ -125,6 +129,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
     if spec.mode == "messages" and spec.chat_template is None and not getattr(llm.tokenizer, "chat_template", None):
         raise CLIError("the tokenizer has no chat template: pass one with --chat-template FILE")
     checks.check_params_fit_model(llm, params, args.model)
+    cli_lora.check(llm, loras)
 
     car, done, scans = state
     fresh = args.overwrite or car is None
@@ -164,7 +169,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
     gc.freeze()
     rc = None
     try:
-        rc = _generate(args, llm, fmt, spec, params, car, done, out_errors, scans[0].rows if scans else 0)
+        rc = _generate(args, llm, fmt, spec, params, car, done, out_errors, scans[0].rows if scans else 0, loras)
         return rc
     finally:
         gc.unfreeze()
@@ -338,7 +343,7 @@ def _remaining(rows: Iterator, done: resume.DoneSet, tracker: sidecar.InputTrack
                        f"({expect['rows']}); pass --overwrite to start again")
 
 
-def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_output: int) -> int:
+def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_output: int, loras=None) -> int:
     max_in_flight = args.max_in_flight or 2 * llm.scheduler_config.max_num_seqs
     tracker = sidecar.InputTracker(keep_from=car.input_rows, lines=fmt not in ("json", "parquet"))
     stats = progress_mod.RunStats()
@@ -353,6 +358,7 @@ def _generate(args, llm, fmt, spec, params, car, done, out_errors, rows_in_outpu
     writer = RowWriter(Appender(args.output), Appender(out_errors), ordered=not args.unordered, max_buffered=args.reorder_buffer,
                        flush_rows=args.flush_rows, flush_seconds=args.flush_seconds, before_write=before_write)
     builder = RequestBuilder(llm.tokenizer, spec, params, llm.scheduler_config.max_model_len)
+    builder.adapters = cli_lora.RowAdapters(loras, args.lora_field) if loras else None
     counter = None
     if args.input != "-" and not args.no_tqdm:
         counter = progress_mod.RowCounter(args.input, fmt)

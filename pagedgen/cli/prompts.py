@@ -61,6 +61,7 @@ class Request:
     prompt: dict
     params: SamplingParams
     openai: Optional[openai_batch.OpenAIRequest] = None
+    lora: Optional[object] = None  # its LoRARequest (cli/lora.py), None for the base model
 
 
 MISSING_FIELD = "no field "  # how a row without the prompt's field is reported (main.py words the stop for it)
@@ -94,8 +95,16 @@ class RequestBuilder:
         self.max_model_len = max_model_len
         self.rows_with_schema = 0  # rows that had their own --schema-field (a run with none warns)
         self._custom_ids: dict[str, int] = {}  # OpenAI batch: custom_id -> its line (stdin is not read twice)
+        self.adapters = None  # cli/lora.py's RowAdapters when --lora is given: a row's adapter
 
     def build(self, row: Row) -> Request:
+        """The row's Request (with its adapter under ``--lora``); BadRow when it cannot run."""
+        request = self._build(row)
+        if self.adapters is not None:
+            request.lora = self.adapters.default if self.spec.mode == "openai" else self.adapters(row.fields)
+        return request
+
+    def _build(self, row: Row) -> Request:
         if row.error is not None:
             raise BadRow(row.error)
         fields = row.fields

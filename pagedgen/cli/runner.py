@@ -167,7 +167,7 @@ def _admit(engine, row: Row, request: Request, in_flight: dict, skip: bool, task
         if scorer is not None:
             scorer.add(row.index, request.prompt["pair"])
         elif task == "generate":
-            engine.add_request(str(row.index), request.prompt, request.params, on_error="return" if skip else None)
+            engine.add_request(str(row.index), request.prompt, request.params, on_error="return" if skip else None, lora_request=request.lora)
         else:
             engine.add_pooling_request(str(row.index), request.prompt, None, _POOLING_TASKS[task])
     except (ValueError, TypeError) as exc:  # the engine's validation of the request

@@ -164,9 +164,9 @@ class BlockManager:
         """1 - physical blocks used / blocks unshared tables would need (0.0 when idle)."""
         return 1.0 - self.num_used_blocks / self._logical_blocks if self._logical_blocks else 0.0
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached full blocks holding a prefix of ``token_ids[:-1]``, in order (changes nothing)."""
-        return self._prefix_cache.match(token_ids) if self.enable_prefix_caching else []
+    def match_prefix(self, token_ids: Sequence[int], salt: Optional[bytes] = None) -> list[int]:
+        """Cached full blocks holding a prefix of ``token_ids[:-1]`` under ``salt`` (a LoRA adapter's key), in order (changes nothing)."""
+        return self._prefix_cache.match(token_ids, salt) if self.enable_prefix_caching else []
 
     def blocks_needed(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> int:
         """Free blocks that ``allocate(seq_id, num_tokens, ..., prefix_blocks)`` would take, net of
@@ -206,6 +206,7 @@ class BlockManager:
         num_tokens: int,
         token_ids: Optional[Sequence[int]] = None,
         prefix_blocks: Sequence[int] = (),
+        salt: Optional[bytes] = None,
     ) -> None:
         """Grow the sequence's blocks so that they hold ``num_tokens`` tokens in all.
 
@@ -214,6 +215,7 @@ class BlockManager:
             token_ids: the sequence's tokens (at least ``num_tokens``); needed with prefix caching
                 to name the blocks that become full.
             prefix_blocks: cached blocks from ``match_prefix`` that start an empty block table.
+            salt: the sequence's prefix-cache key (``Sequence.cache_salt``: its LoRA adapter's; None: the base model).
 
         Takes new blocks only for slots past the last block's end, plus one copy-on-write block when
         the last block is shared and partly filled. Blocks that become full enter the prefix cache.
@@ -224,7 +226,7 @@ class BlockManager:
         old = self._num_tokens.get(seq_id, 0)
         if num_tokens < old:
             raise ValueError(f"sequence {seq_id} cannot shrink from {old} to {num_tokens} tokens")
-        if not prefix_blocks and self.append_in_place(seq_id, num_tokens, token_ids):
+        if not prefix_blocks and self.append_in_place(seq_id, num_tokens, token_ids, salt):
             return
         if prefix_blocks and self._tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already holds blocks: prefix blocks start a table")
@@ -268,9 +270,9 @@ class BlockManager:
                 self._filled[block] = fill
         self._num_tokens[seq_id] = num_tokens
         if self.enable_prefix_caching and token_ids is not None:
-            self._name_full_blocks(seq_id, num_tokens, token_ids)
+            self._name_full_blocks(seq_id, num_tokens, token_ids, salt)
 
-    def append_in_place(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None) -> bool:
+    def append_in_place(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None, salt: Optional[bytes] = None) -> bool:
         """The common decode case of ``allocate``: when the sequence's new tokens (up to
         ``num_tokens`` in all) fit its last block and that block is not shared, record them and
         return True; otherwise change nothing and return False."""
@@ -289,7 +291,7 @@ class BlockManager:
         self._filled[last] = fill
         self._num_tokens[seq_id] = num_tokens
         if fill == bs and self.enable_prefix_caching and token_ids is not None:
-            self._name_full_blocks(seq_id, num_tokens, token_ids)
+            self._name_full_blocks(seq_id, num_tokens, token_ids, salt)
         return True
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
@@ -432,9 +434,9 @@ class BlockManager:
         self._ref_counts[block] = 1
         return block
 
-    def _name_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
-        """Name the sequence's blocks that are now full and offer them to the prefix cache."""
-        self._prefix_cache.name_full_blocks(self._tables[seq_id], self._hashes[seq_id], self._released.get(seq_id, 0), num_tokens, token_ids)
+    def _name_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int], salt: Optional[bytes] = None) -> None:
+        """Name the sequence's blocks that are now full (under ``salt``) and offer them to the prefix cache."""
+        self._prefix_cache.name_full_blocks(self._tables[seq_id], self._hashes[seq_id], self._released.get(seq_id, 0), num_tokens, token_ids, salt)
 
     # ----- after an aborted step (block_pool_check.py) ----------------------------------------------
     def check(self) -> list[str]:

@@ -13,8 +13,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
-    """Name of a full block: sha256 over the parent block's name and this block's token ids."""
-    h = hashlib.sha256(parent or b"root")
+def hash_block(parent: Optional[bytes], token_ids: Sequence[int], salt: Optional[bytes] = None) -> bytes:
+    """Name of a full block: sha256 over the parent block's name and this block's token ids. A
+    first block (no parent) starts from ``salt`` (a LoRA adapter's key: ``Sequence.cache_salt``)
+    or, for the base model, from b"root", so equal tokens under two adapters get two names."""
+    h = hashlib.sha256(parent or salt or b"root")
     h.update(array("q", token_ids).tobytes())
     return h.digest()

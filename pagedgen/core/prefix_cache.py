@@ -50,13 +50,14 @@ class PrefixCache:
         h = self._names[block]
         return h is not None and self._blocks.get(h) == block
 
-    def match(self, token_ids: Sequence[int]) -> list[int]:
-        """Findable full blocks holding a prefix of ``token_ids[:-1]``, in order (changes nothing)."""
+    def match(self, token_ids: Sequence[int], salt: Optional[bytes] = None) -> list[int]:
+        """Findable full blocks holding a prefix of ``token_ids[:-1]`` under ``salt`` (the adapter's
+        key, ``hash_block``), in order (changes nothing)."""
         blocks: list[int] = []
         parent = None
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt)
             block = self._blocks.get(parent)
             if block is None:
                 break
@@ -64,7 +65,7 @@ class PrefixCache:
         return blocks
 
     def name_full_blocks(self, table: list[int], hashes: list[bytes], released: int, num_tokens: int,
-                         token_ids: Sequence[int]) -> None:
+                         token_ids: Sequence[int], salt: Optional[bytes] = None) -> None:
         """Name a sequence's blocks that are now full and offer them to the cache.
 
         Args:
@@ -75,11 +76,12 @@ class PrefixCache:
                 offered: they hold no block).
             num_tokens: its tokens held in its blocks.
             token_ids: its tokens (at least ``num_tokens``).
+            salt: its adapter's key (``hash_block``; None: the base model).
         """
         bs = self.block_size
         while len(hashes) < num_tokens // bs:
             i = len(hashes)
-            name = hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            name = hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], salt)
             hashes.append(name)
             block = table[i]
             if i >= released and self._names[block] is None and name not in self._blocks:

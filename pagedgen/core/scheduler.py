@@ -219,8 +219,11 @@ class Scheduler:
         while the token budget, ``max_num_seqs`` (sequences computing in this step, counting the
         completions a parallel-sampling request forks into) and free blocks allow."""
         bm, cpu, limit = self.block_manager, self.cpu_block_manager, self.config.max_num_seqs
+        loras = {s.lora_int_id for s in self.running} - {0} if self.config.max_loras else None  # adapters running
         while self.swapped and budget > 0 and len(self._planned) < limit:
             seq = self.swapped[0]
+            if loras is not None and not self._lora_fits(seq, loras):
+                return budget
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate_copy(cpu.num_tokens(seq.seq_id), cpu.num_released(seq.seq_id), n):
                 return budget
@@ -232,10 +235,12 @@ class Scheduler:
                 budget -= n
         while self.waiting and not self.swapped and budget > 0 and len(self._planned) + 1 + len(self.waiting[0].pending_forks) <= limit:
             seq = self.waiting[0]
+            if loras is not None and not self._lora_fits(seq, loras):
+                break  # its adapter would be one more than the slots: it waits (FCFS)
             # pooling other than LAST (MEAN, CLS, ALL, STEP) needs every prompt position's hidden state:
             # no prefix-cache hits then
             every_row = seq.pooling is not None and seq.pooling.needs_all_rows
-            prefix = bm.match_prefix(seq.token_ids) if seq.num_computed_tokens == 0 and not every_row else []
+            prefix = bm.match_prefix(seq.token_ids, seq.cache_salt) if seq.num_computed_tokens == 0 and not every_row else []
             if prefix and seq.prompt_logprobs is not None:
                 # prompt logprobs need the logits from position len(prompt_logprobs) - 1 on (all of
                 # them unless prompt_logprob_start says otherwise): cached blocks only before it
@@ -252,12 +257,22 @@ class Scheduler:
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
                 seq.num_computed_tokens = cached
-            bm.allocate(seq.seq_id, seq.num_computed_tokens, seq.token_ids, prefix)
+            bm.allocate(seq.seq_id, seq.num_computed_tokens, seq.token_ids, prefix, seq.cache_salt)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._plan(seq, n, out)
             budget -= n
         return budget
+
+    def _lora_fits(self, seq: Sequence, loras: set) -> bool:
+        """Whether ``seq``'s adapter can run beside ``loras`` (then added to them): at most
+        ``max_loras`` distinct adapters among the running sequences."""
+        lora = seq.lora_int_id
+        if lora and lora not in loras:
+            if len(loras) >= self.config.max_loras:
+                return False
+            loras.add(lora)
+        return True
 
     def _plan_in_place(self, i: int, budget: int, out: SchedulerOutput) -> tuple[int, int]:
         """Plan ``running[i:]`` while each sequence's next tokens fit the last block it holds (the
@@ -275,13 +290,13 @@ class Scheduler:
             token_ids, c = seq.token_ids, seq.num_computed_tokens
             n = len(token_ids) - c
             if n == 1:  # a decode token, or the last prompt token (prefill)
-                if not append_in_place(seq.seq_id, c + 1, token_ids):
+                if not append_in_place(seq.seq_id, c + 1, token_ids, seq.cache_salt):
                     break
                 if c >= seq.num_prompt_tokens:
                     num_decode += 1
             elif n:
                 n = min(n, budget)
-                if not append_in_place(seq.seq_id, c + n, token_ids):
+                if not append_in_place(seq.seq_id, c + n, token_ids, seq.cache_salt):
                     break
             else:  # nothing to compute
                 i += 1
@@ -297,7 +312,7 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Allocate the slots of ``n`` more tokens of a running sequence and add it to the step."""
-        self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids)
+        self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n, seq.token_ids, salt=seq.cache_salt)
         self._planned.append(seq)
         self._grown.append(seq)
         out.num_new_tokens.append(n)

@@ -78,12 +78,17 @@ class Sequence:
     # data), and once its prompt is computed, the worker's result (an opaque CPU tensor)
     pooling: Optional[Any] = None
     pooled: Optional[Any] = None
+    # the request's LoRARequest (pagedgen/lora/request.py; plain data), None for the base model
+    lora_request: Optional[Any] = None
     # what append_token checks at every token, computed once from the fields above: the token ids
     # that may end the sequence (stop tokens, EOS unless ignore_eos) and the length it ends at
     _stop_ids: frozenset = field(init=False, repr=False)
     _max_len: int = field(init=False, repr=False)
     # the sampler's fast path (one argmax): greedy, no logprobs, nothing that changes the logits
     plain_greedy: bool = field(init=False, repr=False)
+    # the prefix cache's key of its blocks (core/blocks.py hash_block's root): None for the base
+    # model, one per adapter, so no block computed under one adapter is reused under another
+    cache_salt: Optional[bytes] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         params = self.sampling_params
@@ -91,6 +96,12 @@ class Sequence:
         limit = self.max_model_len
         self._max_len = limit if params.max_tokens is None else min(limit, self.num_prompt_tokens + params.max_tokens)
         self.plain_greedy = params.greedy and params.logprobs is None and not params.changes_logits
+        self.cache_salt = None if self.lora_request is None else b"lora:%d" % self.lora_request.lora_int_id
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id (0: the base model)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def fork(self, seq_id: int, index: int, detokenizer=None) -> "Sequence":
         """A copy of this sequence's state under a new id (the block manager forks its blocks)."""

@@ -33,6 +33,8 @@ from pagedgen.engine.processor import RequestProcessor
 from pagedgen.executor.factory import ExecutorConfig, LoadedModels, load_models, make_executor, profile_kv_cache_bytes
 from pagedgen.layers.matmul import MatmulConfig, choose_matmul
 from pagedgen.llm_args import LLMArgs, check_llm_args, cores_problem
+from pagedgen.lora.config import LoRAConfig
+from pagedgen.lora.peft import LoRAChecker, ModelShapes
 from pagedgen.model import loader
 from pagedgen.spec_decode.draft_checks import check_draft_tokenizer, check_speculative_model, naming_the_draft
 from pagedgen.structured_output.grammar import GrammarCompiler
@@ -99,13 +101,15 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
         with naming_the_draft(spec_config.model):
             check_draft_tokenizer(spec_config.model, tokenizer)  # ValueError before any weights load
 
-    use_graphs = device.type == "cuda" and not args.enforce_eager and pooling is None  # pooling steps are prefills: no decode graphs
+    lora = _lora(args, hf_config, model_config, pooling)  # (LoRAConfig, ModelShapes) or None
+    # pooling steps are prefills: no decode graphs; LoRA's row groups change every step: none either
+    use_graphs = device.type == "cuda" and not args.enforce_eager and pooling is None and lora is None
     executor_config = ExecutorConfig(
         backend=backend, model=model, hf_config=hf_config, model_config=model_config, device=device,
         matmul_config=matmul_config, max_model_len=max_model_len, seed=args.seed,
         cuda_graph_max_seqs=args.max_num_seqs if use_graphs else 0, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         draft=None if draft is None else (spec_config.model, *draft),
-        pooling=pooling is not None,
+        pooling=pooling is not None, lora=lora,
     )
     models = load_models(executor_config)
     cache_config = _cache_config(args, model_config, None if draft is None else draft[1], device, models, max_model_len, max_num_batched_tokens)
@@ -114,14 +118,31 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         preemption_mode=args.preemption_mode,
+        max_loras=0 if lora is None else lora[0].max_loras,
     )
     executor = make_executor(executor_config, cache_config, models)
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, eos_token_ids)  # structured outputs, compiled on first use
     processor = RequestProcessor(tokenizer, model_config.vocab_size, max_model_len, args.max_num_seqs, grammars)
+    if lora is not None:
+        processor.loras = LoRAChecker(*lora)
     engine = LLMEngine(cache_config, scheduler_config, executor, processor, eos_token_ids, spec_config)
     engine.pooling = pooling
     engine.quantization = model_config.quantization
     return BuiltEngine(engine, tokenizer, model_config, matmul_config, device, models)
+
+
+def _lora(args: LLMArgs, hf_config, model_config: ModelConfig, pooling) -> Optional[tuple[LoRAConfig, ModelShapes]]:
+    """LoRA's config and the shapes an adapter must fit, when ``enable_lora``; ValueError for a
+    pooling model or a model without the Llama family's gated MLP."""
+    if not args.enable_lora:
+        return None
+    if pooling is not None:
+        raise ValueError("LLM enable_lora=True: LoRA adapters run on generation models only, not with a pooling model (runner='pooling')")
+    intermediate = getattr(hf_config, "intermediate_size", None)
+    if not isinstance(intermediate, int):
+        raise ValueError(f"LLM enable_lora=True: {model_config.architecture} is not supported; LoRA runs on the Llama family "
+                         "(Llama, Mistral, Qwen2/3, Gemma)")
+    return LoRAConfig.from_args(args.max_loras, args.max_lora_rank, args.max_cpu_loras), ModelShapes.of(model_config, intermediate)
 
 
 def _cache_config(args: LLMArgs, model_config: ModelConfig, draft_config: Optional[ModelConfig], device: torch.device,

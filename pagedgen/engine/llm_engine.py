@@ -96,7 +96,8 @@ class LLMEngine:
         self.speculator = None if speculative_config is None else Speculator(speculative_config)
 
     # ----- the request API -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None, *, on_error: Optional[str] = None) -> None:
+    def add_request(self, request_id: str, prompt, sampling_params: Optional[Params] = None, *, on_error: Optional[str] = None,
+                    lora_request=None) -> None:
         """Queue a request; it runs in the next ``step`` calls.
 
         Args:
@@ -108,6 +109,7 @@ class LLMEngine:
             on_error: None (vLLM's behaviour) or "return": a completion that fails alone
                 mid-generation finishes "error", why in its output's ``error`` (see
                 ``LLM.generate``; the engine itself never raises for it).
+            lora_request: a LoRARequest (``LLM(enable_lora=True)``), or None for the base model.
 
         Raises:
             TypeError / ValueError: a bad id, prompt or parameter, naming the request id and the
@@ -122,8 +124,9 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: this engine runs a pooling model; add_request generates (use LLM.embed / classify / encode)")
         if on_error not in (None, "return"):
             raise ValueError(f"request {request_id!r} on_error must be None (vLLM's behaviour) or 'return', got {on_error!r}")
+        lora = self.processor.loras.check_one(lora_request, f"request {request_id!r}")  # ValueError naming the adapter
         request = self.processor.process(request_id, prompt, sampling_params)
-        request.on_error = on_error
+        request.on_error, request.lora_request = on_error, lora
         self.enqueue(request)
 
     def add_pooling_request(self, request_id: str, prompt, pooling_params=None, task: str = "embed",
@@ -259,6 +262,7 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.scheduler_config.max_model_len,
+            lora_request=request.lora_request,
             seed=seed,
             detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,

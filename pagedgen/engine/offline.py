@@ -41,28 +41,29 @@ def check_on_error(on_error) -> None:
         raise ValueError(f"on_error must be None (vLLM's behaviour), 'return' or 'raise', got {on_error!r}")
 
 
-def generate(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool, on_error: Optional[str] = None) -> list[RequestOutput]:
+def generate(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool, on_error: Optional[str] = None,
+             lora_request=None) -> list[RequestOutput]:
     """``LLM.generate``: the prompts checked and tokenized, run to the end; one RequestOutput per
     prompt, in input order."""
     check_generates(engine, "generate")
     check_on_error(on_error)
-    return run(engine, engine.processor.process_batch(prompts, sampling_params), use_tqdm, on_error=on_error)
+    return run(engine, with_loras(engine, engine.processor.process_batch(prompts, sampling_params), lora_request), use_tqdm, on_error=on_error)
 
 
 def chat(engine: LLMEngine, messages, sampling_params, chat_template: Optional[str], add_generation_prompt: bool,
-         continue_final_message: bool, use_tqdm: bool, on_error: Optional[str] = None) -> list[RequestOutput]:
+         continue_final_message: bool, use_tqdm: bool, on_error: Optional[str] = None, lora_request=None) -> list[RequestOutput]:
     """``LLM.chat``: the conversations rendered, tokenized and run to the end, in input order."""
     check_generates(engine, "chat")
     check_on_error(on_error)
     requests = engine.processor.process_chats(messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
-    return run(engine, requests, use_tqdm, on_error=on_error)
+    return run(engine, with_loras(engine, requests, lora_request), use_tqdm, on_error=on_error)
 
 
-def beam_search(engine: LLMEngine, prompts, params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
+def beam_search(engine: LLMEngine, prompts, params: BeamSearchParams, use_tqdm: bool, lora_request=None) -> list[BeamSearchOutput]:
     """``LLM.beam_search``: one BeamSearchOutput per prompt, in input order, its finished beams best
     first, each scored ``cum_logprob / length ** length_penalty`` (engine/beam_group.py)."""
     check_generates(engine, "beam_search")
-    outputs = run(engine, engine.processor.beam_batch(prompts, params), use_tqdm, desc="Beam search")
+    outputs = run(engine, with_loras(engine, engine.processor.beam_batch(prompts, params), lora_request), use_tqdm, desc="Beam search")
     return [
         BeamSearchOutput([
             BeamSearchSequence(
@@ -77,6 +78,14 @@ def beam_search(engine: LLMEngine, prompts, params: BeamSearchParams, use_tqdm: 
         ])
         for out in outputs
     ]
+
+
+def with_loras(engine: LLMEngine, requests: list[Request], lora_request) -> list[Request]:
+    """``requests`` with their adapters: ``lora_request`` one LoRARequest (or None) for all, or one
+    per request; ValueError / TypeError naming ``prompts[i]`` and the adapter (pagedgen/lora/peft.py)."""
+    for request, lora in zip(requests, engine.processor.loras.check_all(lora_request, len(requests))):
+        request.lora_request = lora
+    return requests
 
 
 def run(engine: LLMEngine, requests: list[Request], use_tqdm: bool, desc: str = "Processed prompts",
@@ -116,7 +125,7 @@ def raise_failed(out: RequestOutput, on_error: Optional[str]) -> None:
 
 
 def stream(engine: LLMEngine, prompts: Iterable, sampling_params: Optional[SamplingParams], max_in_flight: Optional[int],
-           use_tqdm: bool, on_error: Optional[str] = None) -> Iterator[RequestOutput]:
+           use_tqdm: bool, on_error: Optional[str] = None, lora_request=None) -> Iterator[RequestOutput]:
     """``LLM.generate_stream``: the arguments checked now (TypeError / ValueError), the prompts run
     as the returned generator is pulled (see ``LLM.generate_stream`` for its contract)."""
     check_generates(engine, "generate_stream")
@@ -124,6 +133,9 @@ def stream(engine: LLMEngine, prompts: Iterable, sampling_params: Optional[Sampl
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
     default = engine.processor.check_params(sampling_params, "sampling_params")
+    if isinstance(lora_request, (list, tuple)):
+        raise TypeError("generate_stream lora_request must be one LoRARequest (or None) for every item, not a list")
+    lora = engine.processor.loras.check_one(lora_request, "generate_stream")
     if max_in_flight is None:
         max_in_flight = 4 * engine.scheduler_config.max_num_seqs
     elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, numbers.Integral):
@@ -134,11 +146,11 @@ def stream(engine: LLMEngine, prompts: Iterable, sampling_params: Optional[Sampl
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     total = len(prompts) if hasattr(prompts, "__len__") else None
-    return _stream(engine, iter(prompts), default, max_in_flight, use_tqdm, total, on_error)
+    return _stream(engine, iter(prompts), default, max_in_flight, use_tqdm, total, on_error, lora)
 
 
 def _stream(engine: LLMEngine, items: Iterator, default: SamplingParams, max_in_flight: int, use_tqdm: bool,
-            total: Optional[int], on_error: Optional[str] = None) -> Iterator[RequestOutput]:
+            total: Optional[int], on_error: Optional[str] = None, lora=None) -> Iterator[RequestOutput]:
     """Keep up to ``max_in_flight`` requests queued or running, pulling the next items as requests
     finish; yield each RequestOutput as it finishes. A bad item's error (naming ``prompts[i]``) or
     the source's exception is raised after the items before it have finished and been yielded."""
@@ -154,7 +166,7 @@ def _stream(engine: LLMEngine, items: Iterator, default: SamplingParams, max_in_
                 if error is None:  # a bad item comes before the source's failure
                     error = source_error
                 for request in requests:  # those before a bad item; its error is raised at the end
-                    request.on_error = on_error
+                    request.on_error, request.lora_request = on_error, lora
                     engine.enqueue(request)
                 index += len(batch)
             if not engine.has_unfinished_requests():

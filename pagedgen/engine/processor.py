@@ -19,6 +19,7 @@ from pagedgen.beam_search import BeamSearchParams
 from pagedgen.core.sequence import Sequence
 from pagedgen.engine.beam_group import BeamGroup
 from pagedgen.engine.detokenizer import Detokenizer
+from pagedgen.lora.peft import LoRAChecker
 from pagedgen.outputs import CompletionOutput, RequestOutput
 from pagedgen.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from pagedgen.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class Request:
     on_error: Optional[str] = None
     errors: dict = field(default_factory=dict)
     pooling: Optional[object] = None  # a pooling request's PoolingSpec (engine/pooling.py); params then SamplingParams(max_tokens=1)
+    lora_request: Optional[object] = None  # its LoRARequest (pagedgen/lora/request.py), None for the base model
 
     @property
     def is_finished(self) -> bool:
@@ -89,6 +91,7 @@ class RequestProcessor:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.grammars = grammars
+        self.loras = LoRAChecker(None, None)  # the lora_request checks (pagedgen/lora/peft.py); engine/build.py sets LoRA's when on
         self._last_checked: Optional[tuple[SamplingParams, SamplingParams]] = None  # (caller's object, checked copy)
 
     # ----- in ------------------------------------------------------------------------------------

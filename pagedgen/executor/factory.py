@@ -31,6 +31,7 @@ from pagedgen.sample.sampler import Sampler
 from pagedgen.spec_decode.draft_checks import naming_the_draft
 from pagedgen.worker import kv_profile
 from pagedgen.worker.model_runner import ModelRunner
+from pagedgen.lora.manager import LoRAManager
 from pagedgen.worker.worker import WorkerSpec
 
 
@@ -67,6 +68,7 @@ class ExecutorConfig:
     pipeline_parallel_size: int = 1
     draft: Optional[tuple[str, Any, ModelConfig]] = None
     pooling: bool = False  # a pooling model (LLM(runner="pooling")): the runner pools instead of sampling
+    lora: Optional[tuple] = None  # LoRA on: (LoRAConfig, ModelShapes), for the in-process runner or the workers
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ def make_executor(config: ExecutorConfig, cache_config: CacheConfig, models: Loa
     worker) built from a ``WorkerSpec``, each worker with cores // ranks torch threads."""
     if config.backend is None:
         runner = ModelRunner(models.model, cache_config, Sampler(config.seed), cuda_graph_max_seqs=config.cuda_graph_max_seqs,
-                             max_model_len=config.max_model_len, draft_model=models.draft_model, pooling=config.pooling)
+                             max_model_len=config.max_model_len, draft_model=models.draft_model, pooling=config.pooling,
+                             lora=None if config.lora is None else LoRAManager(models.model, *config.lora))
         return InProcessExecutor(runner)
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -122,5 +125,6 @@ def make_executor(config: ExecutorConfig, cache_config: CacheConfig, models: Loa
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
         quantization=config.model_config.quantization,
+        lora=config.lora,
     )
     return MultiprocExecutor(spec) if config.backend == "mp" else PicklingExecutor(spec)

@@ -49,6 +49,7 @@ class NewSequence:
     index: int
     num_prompt_logprobs: Optional[int]
     is_beam: bool
+    lora_request: Optional[Any] = None  # its LoRARequest (plain data), None for the base model
 
     @classmethod
     def of(cls, seq: Sequence) -> "NewSequence":
@@ -62,6 +63,7 @@ class NewSequence:
             index=seq.index,
             num_prompt_logprobs=None if seq.prompt_logprobs is None else len(seq.prompt_logprobs),
             is_beam=seq.beam_group is not None,
+            lora_request=seq.lora_request,
         )
 
     def mirror(self, max_model_len: int) -> Sequence:
@@ -79,6 +81,7 @@ class NewSequence:
             index=self.index,
             prompt_logprobs=None if self.num_prompt_logprobs is None else [None] * self.num_prompt_logprobs,
             beam_group=True if self.is_beam else None,
+            lora_request=self.lora_request,
         )
 
 

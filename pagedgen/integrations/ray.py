@@ -29,6 +29,7 @@ import numpy as np
 from pagedgen import inputs
 from pagedgen.engine.pooling import pair_encoding
 from pagedgen.engine_args import EngineArgs
+from pagedgen.lora.request import LoRARequest
 from pagedgen.sampling_args import sampling_params_from_dict
 from pagedgen.sampling_params import SamplingParams
 
@@ -62,6 +63,8 @@ class LLMPredictor:
             as ``LLM.score`` does (a cross-encoder's sigmoid(logit) or the cosine of two embeddings;
             column ``score``).
         pair_column: with ``task="score"``, the column of each row's second text.
+        lora_request: a ``LoRARequest`` (or a dict of its fields) every row runs with (docs/lora.md);
+            it turns on ``enable_lora`` unless ``llm_kwargs`` says otherwise.
         **llm_kwargs: ``LLM``'s keyword arguments (``EngineArgs`` fields: dtype, max_num_seqs,
             max_model_len, kv_cache_memory_bytes, device, seed, ...); strings are converted.
 
@@ -83,6 +86,7 @@ class LLMPredictor:
         chat_template: Optional[str] = None,
         task: str = "generate",
         pair_column: str = "text_2",
+        lora_request=None,
         **llm_kwargs,
     ) -> None:
         if task not in ("generate",) + tuple(POOLING_COLUMNS):
@@ -104,8 +108,13 @@ class LLMPredictor:
         self.columns = {"prompt": prompt_column, "messages": messages_column, "token_ids": token_ids_column}
         self.pair_column = pair_column
         self.chat_template = chat_template
+        if isinstance(lora_request, dict):  # from a Ray job's JSON config
+            lora_request = LoRARequest(**lora_request)
+        if lora_request is not None:
+            llm_kwargs.setdefault("enable_lora", True)
         self.llm = EngineArgs.from_dict({"model": model, **llm_kwargs}).create_llm()
         self.tokenizer = self.llm.tokenizer
+        self.lora_request = self.llm.processor.loras.check_one(lora_request, "LLMPredictor")  # ValueError naming the adapter, at start
 
     # ----- one row -------------------------------------------------------------------------------
     def _prompt_ids(self, kind: str, value) -> list[int]:
@@ -189,7 +198,7 @@ class LLMPredictor:
             return self._pooled(batch, valid, prompts, errors)
         texts, reasons = [""] * num_rows, [""] * num_rows
         num_prompt, num_generated = [0] * num_rows, [0] * num_rows
-        outputs = self.llm.generate(prompts, self.sampling_params, use_tqdm=False) if prompts else []
+        outputs = self.llm.generate(prompts, self.sampling_params, use_tqdm=False, lora_request=self.lora_request) if prompts else []
         for i, out in zip(valid, outputs):
             completion = out.outputs[0]
             texts[i], reasons[i] = completion.text, completion.finish_reason or ""

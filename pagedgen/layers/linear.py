@@ -61,6 +61,7 @@ class LinearBase(Module):
     """
 
     matmul: Optional[MatmulConfig] = None  # set by prepare_matmuls
+    lora = None  # a pagedgen.lora.layers.LoRALayer when LoRA is on (its add_delta adds each row's adapter delta)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, output_shards: Optional[dict] = None, layout: str = "default",
                  tp: Optional[TPGroup] = None, split: Optional[str] = None) -> None:
@@ -88,7 +89,10 @@ class LinearBase(Module):
                 p.shard_ids = tuple(self.output_shards)  # the parts a checkpoint may give separately
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size] -> [T, output_size]
-        return self._matmul(x, self.bias)
+        y = self._matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [T, input_size] @ W^T + bias -> [T, output_size]: the float GEMM, or W8A8 for int8 weights."""
@@ -204,8 +208,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size / tp] -> [T, output_size]
         if self.tp is None:
-            return self._matmul(x, self.bias)
-        y = self.tp.comm.all_reduce(self._matmul(x, None))  # [T, out], summed over ranks
+            return super().forward(x)
+        partial = self._matmul(x, None)  # [T, out], this rank's input features
+        if self.lora is not None:  # this rank's share of the delta: its columns of A (the all-reduce sums the shrink)
+            self.lora.add_delta(x, partial)
+        y = self.tp.comm.all_reduce(partial)  # [T, out], summed over ranks
         return y if self.bias is None else y.add_(self.bias)
 
 

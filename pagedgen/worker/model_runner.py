@@ -134,6 +134,8 @@ class ModelRunner:
             model with a KV cache of the same blocks (spec_decode/draft_model.py); None without one.
         pooling: run a pooling model (``LLM(runner="pooling")``): every sequence's final hidden
             states are pooled (worker/pooler.py) instead of sampled.
+        lora: a ``LoRAManager`` (pagedgen/lora/manager.py) when LoRA is on: before each forward it
+            loads the step's adapters into their slots and groups the rows by adapter.
     """
 
     def __init__(
@@ -146,8 +148,10 @@ class ModelRunner:
         pp=None,
         draft_model=None,
         pooling: bool = False,
+        lora=None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.pooler = PoolingRunner() if pooling else None
         self.pp = pp if pp is not None and pp.size > 1 else None
         self.cache_config = cache_config
@@ -345,6 +349,8 @@ class ModelRunner:
                 hidden = self.model.pooled_hidden(input_ids, positions, attn, self.kv_caches, rows, types_d)
             return StepOutput([], [], pooled=self.pooler.outputs(items, hidden, self.model.compute_head))
         (input_ids, positions, attn, logits_indices), sampling, beams, prompt_plan = self.prepare(batch)
+        if self.lora is not None:  # each sequence's rows with its adapter (no CUDA graphs with LoRA: engine/build.py)
+            self.lora.prepare(batch.seqs, list(accumulate(plan.num_new_tokens, initial=0)))
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], len(batch.seqs), attn.block_tables.shape[1]):
             logits = self.graphs.run(input_ids, positions, attn)[logits_indices]  # pure decode step
         else:

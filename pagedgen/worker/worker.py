@@ -36,6 +36,7 @@ from pagedgen.distributed.communicator import init_process_group, make_channel, 
 from pagedgen.distributed.group import PPGroup, TPGroup, stage_layers
 from pagedgen.executor.messages import StepRecord, StepReply
 from pagedgen.layers.matmul import MatmulConfig, prepare_matmuls
+from pagedgen.lora.manager import LoRAManager
 from pagedgen.model import loader
 from pagedgen.sample.sampler import Sampler
 from pagedgen.worker.model_runner import ModelRunner, StepOutput
@@ -65,6 +66,7 @@ class WorkerSpec:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: str = ""  # the resolved method (ModelConfig.quantization): each rank quantizes or reads its shards
+    lora: Optional[tuple] = None  # LoRA on: (LoRAConfig, ModelShapes); each rank's slots hold its shard of A or B
 
     @property
     def world_size(self) -> int:
@@ -108,7 +110,8 @@ class Worker:
             self.pp = PPGroup(self.pp_rank, pp_size, start, end, prev, nxt)
         model = loader.load_model(spec.model, hf_config, model_config, spec.device, self.tp, self.pp)
         prepare_matmuls(model, spec.matmul_config)
-        self.runner = ModelRunner(model, spec.cache_config, Sampler(spec.seed), spec.cuda_graph_max_seqs, spec.max_model_len, self.pp)
+        lora = None if spec.lora is None else LoRAManager(model, *spec.lora)
+        self.runner = ModelRunner(model, spec.cache_config, Sampler(spec.seed), spec.cuda_graph_max_seqs, spec.max_model_len, self.pp, lora=lora)
         self.seqs: dict[int, Sequence] = {}  # the sequence mirrors, by seq id
 
     @property

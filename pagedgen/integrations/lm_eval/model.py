@@ -31,13 +31,15 @@ from pagedgen import arg_utils
 from pagedgen.engine_args import EngineArgs
 from pagedgen.integrations.lm_eval import scoring
 from pagedgen.llm import LLM
+from pagedgen.lora.request import LoRARequest
 from pagedgen.sampling_args import sampling_params_from_dict
 from pagedgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedgen")
 
 #: model_args of the backend itself (the rest are EngineArgs fields, i.e. LLM's keyword arguments).
-LM_ARGS = ("pretrained", "max_length", "batch_size", "max_batch_size", "max_gen_toks", "add_bos_token", "prefix_token_id", "chat_template")
+LM_ARGS = ("pretrained", "max_length", "batch_size", "max_batch_size", "max_gen_toks", "add_bos_token", "prefix_token_id", "chat_template",
+           "lora_local_path")
 #: gen_kwargs set by the backend itself, not passed through to SamplingParams.
 _OWN_SAMPLING = ("max_tokens", "stop", "n", "logprobs", "prompt_logprobs", "prompt_logprob_start", "detokenize")
 
@@ -50,6 +52,16 @@ def _typed(name: str, value, tp):
         except ValueError as exc:
             raise ValueError(f"pagedgen model_args {name}: {exc}") from None
     return value
+
+
+def _adapter_rank(path) -> int:
+    """The ``r`` of a PEFT adapter folder's adapter_config.json (0 when it cannot be read: the LLM's check then says why)."""
+    try:
+        with open(os.path.join(os.fspath(path), "adapter_config.json")) as f:
+            r = json.load(f).get("r", 0)
+        return r if isinstance(r, int) else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 @register_model("pagedgen")
@@ -72,6 +84,9 @@ class PagedGenLM(TemplateLM):
             token (default: BOS, else EOS, as hf).
         chat_template: a Jinja chat template (or a path to a file holding one) used instead of the
             tokenizer's when lm_eval runs with ``apply_chat_template``.
+        lora_local_path: a PEFT LoRA adapter folder every request runs with (lm_eval's vllm
+            backend's name; docs/lora.md): turns on ``enable_lora`` and, unless given, sets
+            ``max_lora_rank`` to the adapter's rank when it is over 16.
         **engine_args: ``LLM``'s keyword arguments (``EngineArgs`` fields: dtype, block_size,
             num_kv_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
             max_model_len (an alias of max_length), enable_prefix_caching, device, seed, ...);
@@ -94,6 +109,7 @@ class PagedGenLM(TemplateLM):
         add_bos_token: Optional[bool] = None,
         prefix_token_id: Optional[int] = None,
         chat_template: Optional[str] = None,
+        lora_local_path: Optional[str] = None,
         **engine_args,
     ) -> None:
         super().__init__()
@@ -124,6 +140,9 @@ class PagedGenLM(TemplateLM):
             self.llm = pretrained
         elif isinstance(pretrained, (str, os.PathLike)):
             values = {"model": os.fspath(pretrained), **engine_args}
+            if lora_local_path is not None:
+                values.setdefault("enable_lora", True)
+                values.setdefault("max_lora_rank", max(16, _adapter_rank(lora_local_path)))
             if max_length is not None:
                 values["max_model_len"] = max_length
             if max_batch_size is not None and "max_num_seqs" not in values:
@@ -139,6 +158,8 @@ class PagedGenLM(TemplateLM):
         self.tokenizer = self.llm.tokenizer
         self._chat_template = self._read_template(chat_template)
         self._device = self.llm.device
+        lora = None if lora_local_path is None else LoRARequest("lora_local_path", 1, os.fspath(lora_local_path))
+        self.lora_request = self.llm.processor.loras.check_one(lora, "model_args lora_local_path")  # ValueError naming it, before any request
 
     @staticmethod
     def _read_template(chat_template: Optional[str]) -> Optional[str]:
@@ -229,7 +250,7 @@ class PagedGenLM(TemplateLM):
         """(logprob, is_greedy) per (cache key, context ids, continuation ids), in one generate call."""
         prompts = [scoring.scoring_prompt(i, ctx, cont, self.max_length) for i, (_, ctx, cont) in enumerate(requests)]
         conts = [cont for _, _, cont in requests]
-        outputs = self.llm.generate(prompts, scoring.scoring_params(prompts, conts), use_tqdm=not disable_tqdm)
+        outputs = self.llm.generate(prompts, scoring.scoring_params(prompts, conts), use_tqdm=not disable_tqdm, lora_request=self.lora_request)
         results = []
         for (key, _, cont), out in zip(requests, outputs):
             answer = scoring.continuation_score(out, cont)
@@ -299,7 +320,7 @@ class PagedGenLM(TemplateLM):
             prompts.append(self.tok_encode(context, left_truncate_len=self.max_length - sp.max_tokens) or [self.prefix_token_id])
             params.append(sp)
             stops.append(until)
-        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, lora_request=self.lora_request)
         texts = []
         for r, out, until in zip(requests, outputs, stops):
             text = postprocess_generated_text(self.tok_decode(out.outputs[0].token_ids), until, None)
