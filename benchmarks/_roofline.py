@@ -397,6 +397,30 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
     return out
 
 
+def layer_weights_per_token(cfg: dict) -> int:
+    """Weights one token row multiplies through the layers (no embedding, no lm_head / pooler head),
+    parameters, from a config.json: BERT / XLM-R encoders (q, k, v, o [h, h], intermediate [I, h],
+    output [h, I] per layer) or a Llama-shaped decoder (``gemm_shapes``)."""
+    if cfg.get("model_type") in ("bert", "xlm-roberta", "roberta"):
+        h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        return cfg["num_hidden_layers"] * (4 * h * h + 2 * h * inter)
+    return weights_per_row(gemm_shapes(cfg))[0]
+
+
+def matmul_peak(dtype: str, device: str = "cpu") -> dict:
+    """This machine's matmul peak now, what a benchmark's "share of the matmul peak" divides by:
+    ``measure`` with no shapes, i.e. torch.mm FLOP/s (square, in ``dtype``, before and after; for
+    bf16/fp16 on a CPU also float32, which a GEMM computing in float32 reaches). Returns measure's
+    dict (``peak`` in FLOP/s, ``problems``, ``load``)."""
+    return measure([], 1, 1, dtype, device)
+
+
+def share_line(name: str, flops: float, seconds: float, peak: dict) -> str:
+    """One line: ``flops`` of model matmuls in ``seconds`` as GFLOP/s and a share of ``peak["peak"]``."""
+    rate = flops / seconds
+    return f"  {name}: {rate / 1e9:,.1f} GFLOP/s of model matmuls, {rate / peak['peak']:.1%} of the matmul peak {peak['peak'] / 1e9:,.1f} GFLOP/s"
+
+
 def machine(device: str = "cpu") -> dict:
     """CPU model name, the matmul-relevant CPU flags, core count, torch threads and CPU capability."""
     import torch

@@ -37,7 +37,8 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _launch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _launch, _roofline
+import _roofline  # noqa: E402
 SHARED = os.environ.get("PAGEDGEN_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
 TINYSTORIES = os.path.join(SHARED, "data", "tinystories_valid_first1000", "tinystories_valid_first1000.jsonl")
 GPT2_TOKENIZER = os.path.join(SHARED, "models", "gpt2-tokenizer")
@@ -193,7 +194,15 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         make_checkpoint(args.model, folder)
+        from transformers import AutoTokenizer
+
+        cfg = json.load(open(os.path.join(folder, "config.json")))
+        tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(folder)(texts)["input_ids"])
+        flops_per_sentence = 2 * _roofline.layer_weights_per_token(cfg) * tokens / len(texts)
+        print(_roofline.describe_machine(_roofline.machine()))
+        print(f"{tokens:,} tokens ({tokens / len(texts):.1f} per sentence); model matmuls {flops_per_sentence / 1e6:,.1f} MFLOP per sentence")
         for dtype in args.dtypes.split(","):
+            peak = _roofline.matmul_peak(dtype)
             best, best_bs = 0.0, None
             for bs in (int(b) for b in args.batch_sizes.split(",")):  # the peer at its best batch size
                 p = (SentenceTransformers(folder, dtype, texts, bs) if peer == "sentence-transformers"
@@ -225,7 +234,11 @@ def main(argv=None) -> int:
                 print(f"{dtype}: pagedgen {ours:,.1f} sentences/s, {name}{extra} {medians[name]:,.1f}: {ours / medians[name]:.2f}x; "
                       f"min cosine {cosine:.6f}; runs {', '.join(f'{r:,.1f}' for r in rates[name])} vs "
                       f"{', '.join(f'{r:,.1f}' for r in rates['pagedgen'])}")
-            results[dtype] = dict(rates=rates, peer_batch_size=best_bs)
+            for name, rate in medians.items():
+                print(_roofline.share_line(f"{dtype} {name}", flops_per_sentence * rate, 1.0, peak))
+            if peak["problems"]:
+                print(f"  matmul peak not to be trusted: {'; '.join(peak['problems'])}")
+            results[dtype] = dict(rates=rates, peer_batch_size=best_bs, peak_flops=peak["peak"])
     return 0
 
 

@@ -216,11 +216,22 @@ def main(argv=None) -> None:
         for task in args.tasks:  # warm-up, untimed
             for backend in backends:
                 evaluate(lms[backend], task, tm, limit=args.warmup_docs)
+        import _roofline
+
+        peak = _roofline.matmul_peak(dtype, args.device)  # the same run's matmul peak, before the timed repeats
+        with open(os.path.join(folder, "config.json")) as f:
+            w = _roofline.layer_weights_per_token(json.load(f))
+        rows = {}  # task -> token rows pagedgen's model computed (prefill + decode; prefix-cache hits not recomputed)
         runs = {b: {t: [] for t in args.tasks} for b in backends}
         for _ in range(args.repeats):  # interleaved: every backend sees the same machine load
             for task in args.tasks:
                 for backend in backends:
+                    before = lms["pagedgen"].llm.get_stats() if backend == "pagedgen" else None
                     runs[backend][task].append(evaluate(lms[backend], task, tm))
+                    if before is not None:
+                        after = lms["pagedgen"].llm.get_stats()
+                        rows[task] = (after.num_prefill_tokens + after.num_decode_tokens
+                                      - before.num_prefill_tokens - before.num_decode_tokens)
         if "vllm" in lms:
             lms["vllm"].close()
         results = {b: dict(build_s=build_s[b], times={t: statistics.median(s for s, _ in runs[b][t]) for t in args.tasks},
@@ -235,11 +246,18 @@ def main(argv=None) -> None:
         if task != "all":
             line += "   " + " / ".join(f"{results[b]['scores'][task]:.6g}" for b in backends)
         print(line)
+    print(_roofline.describe_machine(_roofline.machine(args.device)))
+    print(f"share of the matmul peak: 2 x {w / 1e6:,.1f}M layer weights x the {sum(rows.values()):,} token rows pagedgen "
+          "computed (lm_head and attention not counted; every backend charged the same work)")
+    for b in backends:
+        print(_roofline.share_line(b, 2 * w * sum(rows.values()), sum(results[b]["times"].values()), peak))
+    if peak["problems"]:
+        print(f"  matmul peak not to be trusted: {'; '.join(peak['problems'])}")
     print("model construction (not in the task times): " + ", ".join(f"{b} {build_s[b]:.1f} s" for b in backends))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "lm_eval_tasks.json"), "w") as f:
-            json.dump(dict(args=vars(args), results=results), f, indent=2)
+            json.dump(dict(args=vars(args), results=results, token_rows=rows, peak_flops=peak["peak"]), f, indent=2)
 
 
 if __name__ == "__main__":

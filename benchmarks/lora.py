@@ -25,6 +25,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _roofline  # noqa: E402
+from _launch import vllm_env, vllm_venv_problem  # noqa: E402
 from _workload import RANDOM_MODELS, SHARED, WORKLOADS, ensure_random_model, fold_ids, load_workload, model_info  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -79,7 +81,10 @@ def run_vllm(venv: str, job: dict) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         json.dump(job, open(job_file, "w"))
-        subprocess.run([os.path.join(venv, "bin", "python"), "-c", _VLLM_SNIPPET, job_file, out_file], check=True)
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   **vllm_env(4, f"0-{torch.get_num_threads() - 1}"))  # the CPU backend's variables (it fails without them)
+        env.pop("PYTHONPATH", None)
+        subprocess.run([os.path.join(venv, "bin", "python"), "-c", _VLLM_SNIPPET, job_file, out_file], check=True, env=env)
         result = json.load(open(out_file))
     return statistics.median(result["times"]), result["tokens"]
 
@@ -98,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-venv", default=None, help="a venv with vLLM's CPU build (benchmarks/setup_vllm.sh)")
     ap.add_argument("--quick", action="store_true", help="stories260K fp32, 16 prompts of at most 16 tokens, one round: checks that it runs")
     args = ap.parse_args(argv)
+    if args.vllm_venv and vllm_venv_problem(args.vllm_venv):
+        raise SystemExit(vllm_venv_problem(args.vllm_venv))
     if args.quick:
         args.model, args.dtype = os.path.join(SHARED, "models", "stories260K"), "float32"
         args.num_prompts, args.min_tokens, args.max_tokens, args.rounds = 16, 4, 16, 1
@@ -124,6 +131,8 @@ def main(argv=None) -> int:
         reqs = [loras[i] for i in lora_of]
         base.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
         lora.generate(prompts[:8], params[:8], lora_request=reqs[:8], use_tqdm=False)
+        peak = _roofline.matmul_peak(args.dtype)  # the same run's matmul peak, before the timed rounds
+        flops = _roofline.workload_flops(_roofline.gemm_shapes(cfg), _roofline.workload_rows([len(p) for p in prompts], limits))
         times = {"base": [], "lora": []}
         for _ in range(args.rounds):  # alternated, so that a noisy moment hits both
             start = time.perf_counter()
@@ -136,12 +145,16 @@ def main(argv=None) -> int:
         rate = {k: tokens / statistics.median(v) for k, v in times.items()}
         print(f"base model alone: {rate['base']:,.1f} output tok/s (median of {args.rounds})")
         print(f"{args.num_adapters} adapters: {rate['lora']:,.1f} output tok/s: {rate['lora'] / rate['base']:.2f}x the base (target >= 0.8x)")
+        print(_roofline.describe_machine(_roofline.machine()))
+        for k, v in times.items():  # the base model's matmuls (the adapters' shrink and expand not counted)
+            print(_roofline.share_line(k, flops, statistics.median(v), peak))
         if args.vllm_venv:
             job = dict(model=folder, dtype=args.dtype, max_loras=max(1, args.num_adapters), rank=args.rank, max_model_len=max_model_len,
                        adapters=adapters, prompts=prompts, limits=limits, lora_of=lora_of, rounds=args.rounds)
             seconds, vtokens = run_vllm(args.vllm_venv, job)
             vrate = vtokens / seconds
             print(f"vLLM CPU, {args.num_adapters} adapters: {vrate:,.1f} output tok/s: pagedgen {rate['lora'] / vrate:.2f}x (target >= 1.5x)")
+            print(_roofline.share_line("vLLM CPU", flops, seconds, peak))
     return 0
 
 
