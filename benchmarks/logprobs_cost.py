@@ -85,6 +85,11 @@ def throughput(args, folder: str) -> dict:
     }
     useful = sum(limits)
     llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:8]], settings["on"][:8], use_tqdm=False)  # warm-up
+    import _roofline
+
+    peak = _roofline.matmul_peak(args.dtype)  # the same run's matmul peak, before the timed runs
+    with open(os.path.join(folder, "config.json")) as f:
+        flops = _roofline.workload_flops(_roofline.gemm_shapes(json.load(f)), _roofline.workload_rows([len(p) for p in prompts], limits))
     runs: dict[str, list[float]] = {"off": [], "on": []}
     tokens = {}
     for _ in range(args.repeats):
@@ -97,7 +102,10 @@ def throughput(args, folder: str) -> dict:
     return {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "requests": len(prompts),
             "output_tokens": useful, "logprobs": args.logprobs, "tok_s_off": runs["off"], "tok_s_on": runs["on"],
             "median_off": off, "median_on": on, "ratio": on / off, "target": TARGET,
-            "same_tokens": tokens["off"] == tokens["on"]}
+            "same_tokens": tokens["off"] == tokens["on"], "peak_flops": peak["peak"], "peak_problems": peak["problems"],
+            "machine": _roofline.describe_machine(_roofline.machine()),
+            # the workload's matmul FLOPs (the lm_head on sampled rows only) per second, each setting
+            "share": {name: flops * statistics.median(r) / useful / peak["peak"] for name, r in runs.items()}}
 
 
 def memory_child(args, folder: str, setting: str) -> dict:
@@ -160,6 +168,9 @@ def main(argv=None):
               f"{t['threads']} threads: without logprobs {t['median_off']:.0f} tok/s, with logprobs={t['logprobs']} and "
               f"prompt_logprobs=0 {t['median_on']:.0f} tok/s: {t['ratio']:.3f}x (target >= {TARGET}x: "
               f"{'met' if t['ratio'] >= TARGET else 'NOT met'}); same tokens: {t['same_tokens']}")
+        print(f"  {t['machine']}")
+        print(f"  share of the matmul peak {t['peak_flops'] / 1e9:,.1f} GFLOP/s: off {t['share']['off']:.1%}, on {t['share']['on']:.1%}"
+              + (f" (peak not to be trusted: {'; '.join(t['peak_problems'])})" if t["peak_problems"] else ""))
     if args.skip != "memory":
         m = report["memory"] = memory(args)
         mib = 1 << 20
