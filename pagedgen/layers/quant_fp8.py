@@ -53,13 +53,6 @@ def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale
 
 
-def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] float8_e4m3fn weight and [N] float32 scales -> the [N, K] weight in ``dtype``:
-    ``float32(weight) * scale`` (exact in float32: 4 significant bits times 24), rounded once to ``dtype``."""
-    w = weight.float() * weight_scale.float()[:, None]
-    return w if w.dtype == dtype else w.to(dtype)
-
-
 def _scale_loader(module: LinearBase, loader):
     """The loader of ``weight_scale``: a per-channel scale ([N, 1] or [N]) goes through the layer's own
     loader (fused parts, tensor-parallel shards); a per-tensor one ([1] or []) is repeated over the

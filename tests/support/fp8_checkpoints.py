@@ -39,7 +39,7 @@ def quantize_fp8(w: torch.Tensor, strategy: str = "channel") -> tuple[torch.Tens
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32(q) * scale: the fake-quantized float weight (exact in float32)."""
+    """float32(q) * scale: the fake-quantized float weight (one float32 rounding, as pagedgen's fp8_linear does it)."""
     return q.float() * (scale[:, None] if scale.dim() == 1 else scale)
 
 

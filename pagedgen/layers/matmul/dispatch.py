@@ -104,7 +104,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
                config: Optional[MatmulConfig] = None) -> torch.Tensor:
     """FP8 W8A16: ``y = x @ (float32(weight) * weight_scale[:, None]).T + bias``. On each call the
-    weight is dequantized (exact in float32), rounded once to the model's weight dtype
+    weight is dequantized in float32 (``float32(weight) * weight_scale``, one float32 rounding: 4
+    significant bits times 24 may need 28), rounded once more to the model's weight dtype
     (``config.weight_dtype``, else x's) and laid out as the float model's weights are (``config``:
     panels / bf16 pairs for pagedgen's own GEMMs, else dense in the row blocks), then ``linear``
     runs it: the float model's GEMM, so as batch-invariant as the float model is. Only the 1-byte
@@ -125,7 +126,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         raise ValueError(f"fp8_linear needs a [N, K] float8_e4m3fn weight and [N] scales, got {weight.dtype} {tuple(weight.shape)} "
                          f"and {tuple(weight_scale.shape)}")
     dtype = config.weight_dtype if config is not None else x.dtype
-    w = weight.float() * weight_scale.float()[:, None]  # [N, K] float32, exact
+    w = weight.float() * weight_scale.float()[:, None]  # [N, K] float32 (the fake-quantized weight, as transformers would hold it)
     w = w if w.dtype == dtype else w.to(dtype)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
