@@ -62,6 +62,7 @@ class LinearBase(Module):
     """
 
     matmul: Optional[MatmulConfig] = None  # set by prepare_matmuls
+    weight_block_k = 0  # FP8 with block-wise scales: the input features of one scale block (layers/quant_fp8.py)
     lora = None  # a pagedgen.lora.layers.LoRALayer when LoRA is on (its add_delta adds each row's adapter delta)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, output_shards: Optional[dict] = None, layout: str = "default",
@@ -98,7 +99,7 @@ class LinearBase(Module):
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [T, input_size] @ W^T + bias -> [T, output_size]: the float GEMM, or W8A8 for int8 weights, W8A16 for FP8 ones."""
         if self.weight_scale is not None and self.weight.dtype == torch.float8_e4m3fn:  # FP8 W8A16 (layers/quant_fp8.py)
-            return fp8_linear(x, self.weight, self.weight_scale, bias, self.matmul)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.matmul, self.weight_block_k)
         if self.weight_scale is not None:
             return int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.output_size)
         return linear(x, self.weight, bias, self.matmul, self.output_size)

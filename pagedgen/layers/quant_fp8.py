@@ -6,7 +6,10 @@ A quantized ``LinearBase`` holds
 - ``weight``: [out, in] ``torch.float8_e4m3fn`` (1 byte per weight), symmetric;
 - ``weight_scale``: [out] float32, ``W[n, :] = float32(weight[n, :]) * weight_scale[n]`` (a
   checkpoint's per-tensor scale is repeated over the rows of its part: exact, and a fused q/k/v or
-  gate/up layer keeps each part's own scale);
+  gate/up layer keeps each part's own scale); or, for block-wise checkpoints (``weight_block_size``
+  [bn, bk], one ``weight_scale_inv`` per bn x bk block), [out, ceil(in / bk)] float32: each block
+  row repeated over its bn rows at load (``W[n, k] = weight[n, k] * weight_scale[n, k // bk]``),
+  and ``weight_block_k = bk``;
 - ``input_scale``: None (activations stay in the model dtype: W8A16);
 
 and its forward runs ``pagedgen.layers.matmul.fp8_linear``: the weight dequantized to the
@@ -26,6 +29,7 @@ from torch import nn
 
 from pagedgen.layers.linear import LinearBase
 from pagedgen.layers.loading import read
+from pagedgen.layers.loading import check_shape
 from pagedgen.layers.quant import _flat_scale, _param
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -70,15 +74,68 @@ def _scale_loader(module: LinearBase, loader):
     return load
 
 
-def make_fp8_params(module: LinearBase) -> None:
+def _block_scale_loader(module: LinearBase, bn: int, bk: int):
+    """The loader of a block-wise ``weight_scale_inv`` [ceil(rows / bn), ceil(in / bk)] of one part
+    (or the whole layer): its block rows repeated over their bn rows, then this rank's rows (a
+    column-parallel layer) or block columns (a row-parallel one) copied into place."""
+    def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is not None and shard_id not in module.global_output_shards:
+            raise KeyError(f"unknown shard {shard_id!r} (this layer has {list(module.global_output_shards)})")
+        rows = module.global_output_size if shard_id is None else module.global_output_shards[shard_id]
+        cols = module.input_size * (module.tp.size if module.tp_split == "in" else 1)
+        if not check_shape(loaded, (-(-rows // bn), -(-cols // bk))):  # WeightShapeError naming the shapes
+            return
+        full = read(loaded).float().repeat_interleave(bn, dim=0)[:rows]  # [rows, ceil(cols / bk)]
+        if module.tp_split == "in":
+            kb = module.input_size // bk
+            full = full.narrow(1, module.tp.rank * kb, kb)
+        parts = [shard_id] if shard_id is not None else (list(module.output_shards) or [None])
+        g_off = 0
+        with torch.no_grad():
+            for sid in parts:
+                l_off, l_size = module._shard_slice(sid)
+                start = g_off + (module.tp.rank * l_size if module.tp_split == "out" else 0)
+                param.narrow(0, l_off, l_size).copy_(full.narrow(0, start, l_size))
+                if shard_id is None and sid is not None:
+                    g_off += module.global_output_shards[sid]
+    return load
+
+
+def _check_blocks(module: LinearBase, bn: int, bk: int) -> None:
+    """ValueError unless ``module``'s fused parts and tensor-parallel shards fall on whole blocks."""
+    if module.layout != "default":
+        raise ValueError(f"block-wise FP8 scales on a {module.layout!r} layer are not supported")
+    parts = list(module.global_output_shards.values()) if len(module.global_output_shards) > 1 else []
+    if any(p % bn for p in parts):
+        raise ValueError(f"weight_block_size rows {bn} do not divide the fused parts {parts}: their scale blocks would straddle two parts")
+    if module.tp_split == "out" and any(s % bn for s in (list(module.output_shards.values()) or [module.output_size])):
+        raise ValueError(f"weight_block_size rows {bn} do not divide this rank's output rows {module.output_size}: "
+                         "use a tensor_parallel_size whose shards fall on whole blocks")
+    if module.tp_split == "in" and module.input_size % bk:
+        raise ValueError(f"weight_block_size columns {bk} do not divide this rank's input features {module.input_size}: "
+                         "use a tensor_parallel_size whose shards fall on whole blocks")
+
+
+def make_fp8_params(module: LinearBase, block: tuple = ()) -> None:
     """Give ``module`` (built on the meta device, not loaded) the parameters of an FP8 checkpoint:
     ``weight`` float8_e4m3fn (loaded by the layer's own loader: fused parts, tensor-parallel shards)
     and ``weight_scale`` [out] float32 (per channel, or a part's per-tensor scale repeated over its
-    rows; sharded with the rows, whole on a row-parallel layer)."""
+    rows; sharded with the rows, whole on a row-parallel layer). With ``block`` (bn, bk): the
+    checkpoint's ``weight_scale_inv`` blocks instead, held as [out, ceil(in / bk)] (the module
+    docstring); ValueError when fused parts or shards do not fall on whole blocks."""
     loader = module.weight_loader if module.tp is None else module.sharded_weight_loader
     old = module.weight
+    if block:
+        _check_blocks(module, *block)
     module.weight = _param(tuple(old.shape), FP8_DTYPE, old)
     module.weight.weight_loader = loader
+    if block:
+        bn, bk = block
+        scale = _param((module.output_size, -(-module.input_size // bk)), torch.float32, old)
+        scale.weight_loader = _block_scale_loader(module, bn, bk)
+        module.weight_scale_inv = scale  # the checkpoint's name; finish_fp8 makes it weight_scale
+        module.weight_block_k = bk
+        return
     scale = _param((module.output_size,), torch.float32, old)
     scale.weight_loader = _scale_loader(module, loader)
     module.weight_scale = scale
@@ -86,7 +143,10 @@ def make_fp8_params(module: LinearBase) -> None:
 
 def finish_fp8(module: LinearBase) -> None:
     """After loading: ValueError for a ``weight_scale`` that is not finite and > 0, or an FP8 weight
-    that holds a NaN (e4m3fn has no infinities)."""
+    that holds a NaN (e4m3fn has no infinities). A block-wise ``weight_scale_inv`` becomes ``weight_scale``."""
+    if getattr(module, "weight_scale_inv", None) is not None:
+        module.weight_scale = module.weight_scale_inv
+        del module.weight_scale_inv
     s = module.weight_scale
     if not bool(torch.isfinite(s).all() and (s > 0).all()):
         raise ValueError(f"a weight_scale of the checkpoint is not finite and > 0 (min {float(s.min())}, max {float(s.max())})")

@@ -17,9 +17,10 @@ linear layers (the per-layer work is ``pagedgen.layers.quant``'s). docs/quantiza
                                                           model dtype (W8A16, also for a config that
                                                           asks for dynamic per-token FP8 activations)
     None / "fp8"      quant_method "fp8" (vLLM's format)  float8_e4m3fn weights + per-tensor
-                                                          ``weight_scale``, W8A16 (block-wise
-                                                          ``weight_block_size`` and static activation
-                                                          scales refused)
+                                                          ``weight_scale``, or block-wise
+                                                          ``weight_scale_inv`` with ``weight_block_size``
+                                                          (DeepSeek-V3 / Qwen3-FP8), W8A16 (static
+                                                          activation scales refused)
     "fp8"             no quantization_config              the float checkpoint's linear layers quantized
                                                           to float8_e4m3fn at load, per output channel
 
@@ -59,6 +60,7 @@ class QuantScheme:
         ignore: compressed-tensors' ``ignore`` entries (fp8's ``ignored_layers``): module names, or ``re:`` regexes over them.
         weights: "int8" (W8A8, layers/quant.py) or "fp8" (float8_e4m3fn, W8A16, layers/quant_fp8.py).
         online: the float checkpoint's layers are quantized after loading.
+        block: fp8's ``weight_block_size`` (rows, columns) of one ``weight_scale_inv``; () for none.
     """
 
     method: str
@@ -66,6 +68,7 @@ class QuantScheme:
     ignore: tuple = ()
     weights: str = "int8"
     online: bool = False
+    block: tuple = ()
 
     def ignores(self, names: list) -> bool:
         """True when the checkpoint module names ``names`` (the parts of one layer) are all ignored;
@@ -197,17 +200,17 @@ def _float_quantized_scheme(qc: dict, field: str) -> QuantScheme:
 
 def _fp8_scheme(qc: dict, field: str) -> QuantScheme:
     """vLLM's / transformers' ``fp8`` format: per-tensor FP8 e4m3 weights, W8A16."""
-    if qc.get("weight_block_size") is not None:
-        raise ValueError(f"{field}.weight_block_size={qc.get('weight_block_size')!r}: block-wise FP8 weights (weight_scale_inv "
-                         "per 128 x 128 block, as DeepSeek-V3 / Qwen3-FP8 ship) are not supported yet; pagedgen runs per-tensor "
-                         "and per-channel FP8 scales")
+    block = qc.get("weight_block_size")
+    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
+                              or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"{field}.weight_block_size must be two positive ints [rows, columns] (e.g. [128, 128]), got {block!r}")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"{field}.activation_scheme={qc.get('activation_scheme')!r} is not supported: pagedgen runs FP8 "
                          "weights with activations in the model dtype (W8A16), from a 'dynamic' checkpoint")
     if qc.get("kv_cache_scheme") is not None:
         raise ValueError(f"{field}.kv_cache_scheme is set: a quantized KV cache from the checkpoint is not supported yet")
     key = "ignored_layers" if qc.get("ignored_layers") is not None else "modules_to_not_convert"  # vLLM's / transformers' name
-    return QuantScheme("fp8", ignore=_ignore_list(qc, key, field), weights="fp8")
+    return QuantScheme("fp8", ignore=_ignore_list(qc, key, field), weights="fp8", block=tuple(block or ()))
 
 
 def _check_args(args: dict, where: str, strategies: tuple, dynamic: tuple, kind: str = "int") -> None:
@@ -242,8 +245,11 @@ def before_loading(model: nn.Module, plan: Optional[QuantScheme]) -> None:
     and their scales (``make_int8_params`` / ``make_fp8_params``) before the plan maps the
     checkpoint's tensors to them."""
     if plan is not None and not plan.online:
-        for _, module in quantized_linears(model, plan):
-            make_fp8_params(module) if plan.weights == "fp8" else make_int8_params(module, plan.static_input)
+        for name, module in quantized_linears(model, plan):
+            try:
+                make_fp8_params(module, plan.block) if plan.weights == "fp8" else make_int8_params(module, plan.static_input)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
 
 
 def after_loading(model: nn.Module, plan: Optional[QuantScheme]) -> None:

@@ -5,10 +5,11 @@
   fake-quantized (every token its argmax for >= 99%, logprobs within 1e-2), and equal pagedgen's
   float model loading the fake-quantized weights bit for bit (the same GEMM runs);
 - compressed-tensors ``float-quantized`` checkpoints (per channel: online fp8's bits; per tensor;
-  a config asking for dynamic FP8 activations runs W8A16) and vLLM's ``fp8`` format (per tensor),
-  detected from config.json (tests/support/fp8_checkpoints.py writes them);
+  a config asking for dynamic FP8 activations runs W8A16) and vLLM's ``fp8`` format (per tensor, and
+  block-wise ``weight_scale_inv`` with ``weight_block_size``), detected from config.json
+  (tests/support/fp8_checkpoints.py writes them);
 - batch invariance bit for bit; every family of the registry; perplexity within 2% of float;
-- bad input (block-wise ``weight_block_size``, static activations, a float tensor where FP8 is
+- bad input (blocks that straddle fused parts or a malformed ``weight_block_size``, static activations, a float tensor where FP8 is
   declared, a missing / misshapen / non-positive scale, fp8 on an int8 checkpoint) is a ValueError
   naming the field before any weight is read or used.
 """
@@ -131,6 +132,20 @@ def test_fp8_checkpoints_are_detected_and_follow_their_oracle(fmt, strategy, act
         _check_against_oracle(outs, oracle)
 
 
+def test_block_wise_fp8_checkpoint_follows_its_oracle(tmp_path, stories_path, hf_model, prompts):
+    """DeepSeek-V3 / Qwen3-FP8's layout at a block size stories260K's shapes allow: [4, 8] (the last
+    block column of down_proj's 172 inputs is partial)."""
+    from transformers import AutoModelForCausalLM
+
+    fc.write_fp8(stories_path, str(tmp_path), fmt="fp8", block=(4, 8), model=hf_model)
+    llm = LLM(str(tmp_path), quantization="fp8", **KW)
+    qkv, down = llm.model.model.layers[0].self_attn.qkv_proj, llm.model.model.layers[0].mlp.down_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (128, 8) and qkv.weight_block_k == 8
+    assert down.weight_scale.shape == (64, 22) and not hasattr(down, "weight_scale_inv")
+    oracle = fc.fake_quantize_fp8(AutoModelForCausalLM.from_pretrained(stories_path, dtype="float32").eval(), (4, 8))
+    _check_against_oracle(llm.generate(prompts[:32], GREEDY, use_tqdm=False), oracle)
+
+
 def test_batch_invariance_bit_for_bit(online, online_outs, prompts):
     for i in (0, 17, 63):
         alone = online.generate([prompts[i]], GREEDY, use_tqdm=False)[0]
@@ -177,7 +192,8 @@ def _edit_config(folder: str, edit) -> None:
 
 
 @pytest.mark.parametrize("fmt, edit, match", [
-    ("fp8", lambda c: c.update(weight_block_size=[128, 128]), r"weight_block_size=\[128, 128\]: block-wise FP8"),
+    ("fp8", lambda c: c.update(weight_block_size=[128, 128]), r"qkv_proj: weight_block_size rows 128 do not divide the fused parts \[64, 32, 32\]"),
+    ("fp8", lambda c: c.update(weight_block_size=[128]), r"weight_block_size must be two positive ints"),
     ("fp8", lambda c: c.update(activation_scheme="static"), r"activation_scheme='static' is not supported"),
     ("compressed-tensors", lambda c: c["config_groups"]["group_0"]["weights"].update(type="int"), r"weights.type='int'"),
     ("compressed-tensors", lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="block"), r"weights.strategy='block'"),
@@ -215,6 +231,19 @@ def test_missing_or_misshapen_scales_are_refused(channel_ckpt, tmp_path, change,
     _rewrite(str(tmp_path / "ckpt"), change)
     with pytest.raises(ValueError, match=match):
         LLM(str(tmp_path / "ckpt"), **KW)
+
+
+def test_missing_or_misshapen_block_scales_are_refused(tmp_path, stories_path, hf_model):
+    fc.write_fp8(stories_path, str(tmp_path / "src"), fmt="fp8", block=(4, 8), model=hf_model)
+    for i, (change, match) in enumerate([
+        (lambda s: s.pop("model.layers.1.mlp.up_proj.weight_scale_inv"), r"weight 'model.layers.1.mlp.up_proj.weight_scale_inv' is missing"),
+        (lambda s: s.__setitem__("model.layers.0.self_attn.o_proj.weight_scale_inv", torch.ones(16, 7)),
+         r"o_proj.weight_scale_inv' has shape \(16, 7\)"),
+    ]):
+        shutil.copytree(tmp_path / "src", tmp_path / str(i))
+        _rewrite(str(tmp_path / str(i)), change)
+        with pytest.raises(ValueError, match=match):
+            LLM(str(tmp_path / str(i)), **KW)
 
 
 def test_fp8_on_a_quantized_checkpoint_and_int8_on_an_fp8_one_are_refused(channel_ckpt, tmp_path, stories_path, hf_model):

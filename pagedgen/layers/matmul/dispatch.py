@@ -102,8 +102,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               config: Optional[MatmulConfig] = None) -> torch.Tensor:
-    """FP8 W8A16: ``y = x @ (float32(weight) * weight_scale[:, None]).T + bias``. On each call the
+               config: Optional[MatmulConfig] = None, block_k: int = 0) -> torch.Tensor:
+    """FP8 W8A16: ``y = x @ (float32(weight) * weight_scale[:, None]).T + bias`` (block-wise scales:
+    ``weight_scale[n, k // block_k]`` for ``weight[n, k]``). On each call the
     weight is dequantized in float32 (``float32(weight) * weight_scale``, one float32 rounding: 4
     significant bits times 24 may need 28), rounded once more to the model's weight dtype
     (``config.weight_dtype``, else x's) and laid out as the float model's weights are (``config``:
@@ -113,20 +114,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
     Args:
         x: [T, K] activations (float32, bfloat16 or float16).
-        weight: [N, K] float8_e4m3fn. weight_scale: [N] float32. bias: [N] or None.
+        weight: [N, K] float8_e4m3fn. weight_scale: [N] float32, or [N, ceil(K / block_k)] with
+            ``block_k`` > 0. bias: [N] or None.
         config: the model's MatmulConfig (None: a plain ``F.linear`` in x's dtype).
 
     Returns:
         [T, N] in x's dtype.
 
     Raises:
-        ValueError: ``weight`` is not a 2-D float8_e4m3fn tensor or ``weight_scale`` not [N].
+        ValueError: ``weight`` is not a 2-D float8_e4m3fn tensor or ``weight_scale`` not of the shape above.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (weight.shape[0],):
-        raise ValueError(f"fp8_linear needs a [N, K] float8_e4m3fn weight and [N] scales, got {weight.dtype} {tuple(weight.shape)} "
-                         f"and {tuple(weight_scale.shape)}")
+    n, k = weight.shape if weight.dim() == 2 else (-1, -1)
+    want = (n, -(-k // block_k)) if block_k > 0 else (n,)
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != want:
+        raise ValueError(f"fp8_linear needs a [N, K] float8_e4m3fn weight and {list(want)} scales (block_k={block_k}), got "
+                         f"{weight.dtype} {tuple(weight.shape)} and {tuple(weight_scale.shape)}")
+    if block_k > 0:
+        weight_scale = weight_scale.float().repeat_interleave(block_k, dim=1)[:, :k]  # [N, K]
+    else:
+        weight_scale = weight_scale.float()[:, None]
     dtype = config.weight_dtype if config is not None else x.dtype
-    w = weight.float() * weight_scale.float()[:, None]  # [N, K] float32 (the fake-quantized weight, as transformers would hold it)
+    w = weight.float() * weight_scale  # [N, K] float32 (the fake-quantized weight, as transformers would hold it)
     w = w if w.dtype == dtype else w.to(dtype)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
