@@ -94,7 +94,7 @@ def resolve_quantization(quantization: Optional[str], hf_config) -> str:
     Raises:
         TypeError: ``quantization`` not a str or None.
         ValueError: an unknown or unsupported method (naming the allowed ones), a method the
-            checkpoint does not have, "int8" on a checkpoint that is already quantized, or a
+            checkpoint does not have, "int8" / "fp8" on a checkpoint that is already quantized otherwise, or a
             ``quantization_config`` pagedgen cannot run (naming the field).
     """
     if quantization is not None and not isinstance(quantization, str):
@@ -111,7 +111,7 @@ def resolve_quantization(quantization: Optional[str], hf_config) -> str:
                 raise ValueError(f"LLM quantization={quantization!r} is not supported yet (issue 46); supported: {QUANTIZATION_METHODS}")
             raise ValueError(f"LLM quantization must be None or one of {QUANTIZATION_METHODS}, got {quantization!r}")
         if saved is not None and q != saved:
-            what = "a float checkpoint" if q in ONLINE else "this checkpoint"
+            what = {"int8": "a float checkpoint", "fp8": "a float checkpoint or one in the fp8 format"}.get(q, "this checkpoint")
             raise ValueError(f"LLM quantization={quantization!r} does not fit the checkpoint: its config.json has "
                              f"quantization_config.quant_method={saved!r} (quantization={q!r} needs {what}); pass quantization=None")
         if q == "compressed-tensors" and saved is None:
