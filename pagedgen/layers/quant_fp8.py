@@ -116,12 +116,13 @@ def _check_blocks(module: LinearBase, bn: int, bk: int) -> None:
                          "use a tensor_parallel_size whose shards fall on whole blocks")
 
 
-def make_fp8_params(module: LinearBase, block: tuple = ()) -> None:
+def make_fp8_params(module: LinearBase, block: tuple = (), block_scale_name: str = "weight_scale_inv") -> None:
     """Give ``module`` (built on the meta device, not loaded) the parameters of an FP8 checkpoint:
     ``weight`` float8_e4m3fn (loaded by the layer's own loader: fused parts, tensor-parallel shards)
     and ``weight_scale`` [out] float32 (per channel, or a part's per-tensor scale repeated over its
     rows; sharded with the rows, whole on a row-parallel layer). With ``block`` (bn, bk): the
-    checkpoint's ``weight_scale_inv`` blocks instead, held as [out, ceil(in / bk)] (the module
+    checkpoint's block scales (named ``block_scale_name``: fp8's ``weight_scale_inv``,
+    compressed-tensors' ``weight_scale``) instead, held as [out, ceil(in / bk)] (the module
     docstring); ValueError when fused parts or shards do not fall on whole blocks."""
     loader = module.weight_loader if module.tp is None else module.sharded_weight_loader
     old = module.weight
@@ -133,7 +134,7 @@ def make_fp8_params(module: LinearBase, block: tuple = ()) -> None:
         bn, bk = block
         scale = _param((module.output_size, -(-module.input_size // bk)), torch.float32, old)
         scale.weight_loader = _block_scale_loader(module, bn, bk)
-        module.weight_scale_inv = scale  # the checkpoint's name; finish_fp8 makes it weight_scale
+        setattr(module, block_scale_name, scale)  # the checkpoint's name; finish_fp8 makes it weight_scale
         module.weight_block_k = bk
         return
     scale = _param((module.output_size,), torch.float32, old)

@@ -60,7 +60,9 @@ class QuantScheme:
         ignore: compressed-tensors' ``ignore`` entries (fp8's ``ignored_layers``): module names, or ``re:`` regexes over them.
         weights: "int8" (W8A8, layers/quant.py) or "fp8" (float8_e4m3fn, W8A16, layers/quant_fp8.py).
         online: the float checkpoint's layers are quantized after loading.
-        block: fp8's ``weight_block_size`` (rows, columns) of one ``weight_scale_inv``; () for none.
+        block: the (rows, columns) of one block-wise scale (fp8's ``weight_block_size``,
+            compressed-tensors' ``block_structure``); () for none.
+        block_scale_name: the checkpoint's name of the block scales (fp8: ``weight_scale_inv``).
     """
 
     method: str
@@ -69,6 +71,7 @@ class QuantScheme:
     weights: str = "int8"
     online: bool = False
     block: tuple = ()
+    block_scale_name: str = "weight_scale"
 
     def ignores(self, names: list) -> bool:
         """True when the checkpoint module names ``names`` (the parts of one layer) are all ignored;
@@ -187,30 +190,40 @@ def _float_quantized_scheme(qc: dict, field: str) -> QuantScheme:
     groups = qc.get("config_groups") or {}
     if not groups:
         raise ValueError(f"{field}.config_groups is missing or empty")
+    blocks = set()
     for gname, g in groups.items():
         where = f"{field}.config_groups.{gname}"
         if "Linear" not in (g.get("targets") or []):
             raise ValueError(f"{where}.targets={g.get('targets')!r}: pagedgen runs groups that target 'Linear'")
-        _check_args(g.get("weights") or {}, f"{where}.weights", ("channel", "tensor"), dynamic=(False,), kind="float")
+        w = g.get("weights") or {}
+        _check_args(w, f"{where}.weights", ("channel", "tensor", "block"), dynamic=(False,), kind="float")
+        blocks.add(_block(w.get("block_structure"), f"{where}.weights.block_structure") if w.get("strategy") == "block" else ())
         a = g.get("input_activations")
-        if a is not None:
-            _check_args(a, f"{where}.input_activations", ("token",), dynamic=(True,), kind="float")
-    return QuantScheme("compressed-tensors", ignore=_ignore_list(qc, "ignore", field), weights="fp8")
+        if a is not None:  # FP8_DYNAMIC's per token, FP8_BLOCK's per group of 128: accepted, run as W8A16
+            _check_args(a, f"{where}.input_activations", ("token", "group"), dynamic=(True,), kind="float")
+    if len(blocks) > 1:
+        raise ValueError(f"{field}.config_groups mix block structures {sorted(blocks)}: not supported")
+    return QuantScheme("compressed-tensors", ignore=_ignore_list(qc, "ignore", field), weights="fp8", block=blocks.pop())
+
+
+def _block(block, where: str) -> tuple:
+    """(rows, columns) of a block-wise scale; ValueError naming ``where`` unless two positive ints."""
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        raise ValueError(f"{where} must be two positive ints [rows, columns] (e.g. [128, 128]), got {block!r}")
+    return tuple(block)
 
 
 def _fp8_scheme(qc: dict, field: str) -> QuantScheme:
     """vLLM's / transformers' ``fp8`` format: per-tensor FP8 e4m3 weights, W8A16."""
     block = qc.get("weight_block_size")
-    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
-                              or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"{field}.weight_block_size must be two positive ints [rows, columns] (e.g. [128, 128]), got {block!r}")
+    block = () if block is None else _block(block, f"{field}.weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"{field}.activation_scheme={qc.get('activation_scheme')!r} is not supported: pagedgen runs FP8 "
                          "weights with activations in the model dtype (W8A16), from a 'dynamic' checkpoint")
     if qc.get("kv_cache_scheme") is not None:
         raise ValueError(f"{field}.kv_cache_scheme is set: a quantized KV cache from the checkpoint is not supported yet")
     key = "ignored_layers" if qc.get("ignored_layers") is not None else "modules_to_not_convert"  # vLLM's / transformers' name
-    return QuantScheme("fp8", ignore=_ignore_list(qc, key, field), weights="fp8", block=tuple(block or ()))
+    return QuantScheme("fp8", ignore=_ignore_list(qc, key, field), weights="fp8", block=block, block_scale_name="weight_scale_inv")
 
 
 def _check_args(args: dict, where: str, strategies: tuple, dynamic: tuple, kind: str = "int") -> None:
@@ -247,7 +260,10 @@ def before_loading(model: nn.Module, plan: Optional[QuantScheme]) -> None:
     if plan is not None and not plan.online:
         for name, module in quantized_linears(model, plan):
             try:
-                make_fp8_params(module, plan.block) if plan.weights == "fp8" else make_int8_params(module, plan.static_input)
+                if plan.weights == "fp8":
+                    make_fp8_params(module, plan.block, plan.block_scale_name)
+                else:
+                    make_int8_params(module, plan.static_input)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from exc
 

@@ -132,13 +132,16 @@ def test_fp8_checkpoints_are_detected_and_follow_their_oracle(fmt, strategy, act
         _check_against_oracle(outs, oracle)
 
 
-def test_block_wise_fp8_checkpoint_follows_its_oracle(tmp_path, stories_path, hf_model, prompts):
-    """DeepSeek-V3 / Qwen3-FP8's layout at a block size stories260K's shapes allow: [4, 8] (the last
-    block column of down_proj's 172 inputs is partial)."""
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+def test_block_wise_fp8_checkpoint_follows_its_oracle(fmt, tmp_path, stories_path, hf_model, prompts):
+    """DeepSeek-V3 / Qwen3-FP8's layout (fp8's ``weight_scale_inv``) and llm-compressor's FP8_BLOCK
+    (compressed-tensors ``strategy: block``, with FP8_BLOCK's dynamic per-group activations run as
+    W8A16) at a block size stories260K's shapes allow: [4, 8] (the last block column of down_proj's
+    172 inputs is partial)."""
     from transformers import AutoModelForCausalLM
 
-    fc.write_fp8(stories_path, str(tmp_path), fmt="fp8", block=(4, 8), model=hf_model)
-    llm = LLM(str(tmp_path), quantization="fp8", **KW)
+    fc.write_fp8(stories_path, str(tmp_path), fmt=fmt, block=(4, 8), activations=True, model=hf_model)
+    llm = LLM(str(tmp_path), quantization=fmt, **KW)
     qkv, down = llm.model.model.layers[0].self_attn.qkv_proj, llm.model.model.layers[0].mlp.down_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (128, 8) and qkv.weight_block_k == 8
     assert down.weight_scale.shape == (64, 22) and not hasattr(down, "weight_scale_inv")
@@ -196,7 +199,9 @@ def _edit_config(folder: str, edit) -> None:
     ("fp8", lambda c: c.update(weight_block_size=[128]), r"weight_block_size must be two positive ints"),
     ("fp8", lambda c: c.update(activation_scheme="static"), r"activation_scheme='static' is not supported"),
     ("compressed-tensors", lambda c: c["config_groups"]["group_0"]["weights"].update(type="int"), r"weights.type='int'"),
-    ("compressed-tensors", lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="block"), r"weights.strategy='block'"),
+    ("compressed-tensors", lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="group"), r"weights.strategy='group'"),
+    ("compressed-tensors", lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="block"),
+     r"weights.block_structure must be two positive ints"),
     ("compressed-tensors", lambda c: c["config_groups"]["group_0"].update(
         input_activations=dict(num_bits=8, type="float", symmetric=True, dynamic=False, strategy="tensor")),
      r"input_activations.strategy='tensor' is not supported"),

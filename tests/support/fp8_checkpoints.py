@@ -12,7 +12,9 @@ The layouts (every ``nn.Linear`` not in the ignore list; the checkpoint's other 
   ``<module>.weight_scale`` [] float32 per tensor; ``quantization_config`` ``{quant_method: fp8,
   activation_scheme: dynamic, ignored_layers: [...]}``; block-wise (DeepSeek-V3, Qwen3-FP8):
   ``<module>.weight_scale_inv`` [ceil(out / bn), ceil(in / bk)] float32, one per bn x bk block (the
-  weight is ``float32(q) * scale_inv`` despite the name), and ``weight_block_size: [bn, bk]``.
+  weight is ``float32(q) * scale_inv`` despite the name), and ``weight_block_size: [bn, bk]``;
+  compressed-tensors' block strategy (llm-compressor's ``FP8_BLOCK``) stores the same blocks as
+  ``<module>.weight_scale`` with ``strategy: block, block_structure: [bn, bk]``.
 
 The quantizer is minmax, symmetric: ``scale = max |W| / 448`` (per row or per tensor),
 ``q = float8_e4m3fn(clamp(W / scale, -448, 448))``; the real weight is ``float32(q) * scale``.
@@ -66,7 +68,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block=None) -> torch.Tensor
 def write_fp8(src: str, dst: str, fmt: str = "compressed-tensors", strategy: str = "channel", activations: bool = False,
               ignore=("lm_head",), model: nn.Module = None, block=None) -> None:
     """Save the float checkpoint ``src`` in ``dst`` as an FP8 checkpoint in ``fmt`` ("compressed-tensors"
-    or "fp8", the module docstring's layouts; "fp8" is per tensor, or block-wise with ``block`` (bn, bk)),
+    or "fp8", the module docstring's layouts; "fp8" is per tensor; either block-wise with ``block`` (bn, bk)),
     copying ``src``'s other files.
     ``activations``: compressed-tensors' config asks for dynamic per-token FP8 activations.
     ``model``: the transformers model of ``src`` (to find its ``nn.Linear`` modules; loaded if None)."""
@@ -74,14 +76,14 @@ def write_fp8(src: str, dst: str, fmt: str = "compressed-tensors", strategy: str
     from transformers import AutoModelForCausalLM
 
     model = model if model is not None else AutoModelForCausalLM.from_pretrained(src, dtype="float32")
-    strategy = (tuple(block) if block else "tensor") if fmt == "fp8" else strategy
+    strategy = tuple(block) if block else "tensor" if fmt == "fp8" else strategy
     state = load_file(os.path.join(src, "model.safetensors"))
     for n in linear_names(model, ignore):
         dtype = state[n + ".weight"].dtype
         q, s = quantize_fp8(state[n + ".weight"], strategy)
         state[n + ".weight"] = q
-        if block:
-            state[n + ".weight_scale_inv"] = s.float()
+        if isinstance(strategy, tuple):
+            state[n + (".weight_scale_inv" if fmt == "fp8" else ".weight_scale")] = s.float() if fmt == "fp8" else s.to(dtype)
             continue
         state[n + ".weight_scale"] = s.float() if fmt == "fp8" else (s[:, None] if strategy == "channel" else s.reshape(1)).to(dtype)
     os.makedirs(dst, exist_ok=True)
@@ -96,12 +98,15 @@ def write_fp8(src: str, dst: str, fmt: str = "compressed-tensors", strategy: str
         if block:
             config["quantization_config"]["weight_block_size"] = list(block)
     else:
-        act = dict(num_bits=8, type="float", symmetric=True, dynamic=True, strategy="token") if activations else None
+        act = dict(num_bits=8, type="float", symmetric=True, dynamic=True, strategy="group" if block else "token") if activations else None
+        weights = dict(num_bits=8, type="float", symmetric=True, dynamic=False, strategy="block" if block else strategy)
+        if block:
+            weights["block_structure"] = list(block)
         config["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "ignore": list(ignore), "kv_cache_scheme": None,
             "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None, "input_activations": act,
-                                          "weights": dict(num_bits=8, type="float", symmetric=True, dynamic=False, strategy=strategy)}},
+                                          "weights": weights}},
         }
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
