@@ -121,7 +121,7 @@ def test_fp8_checkpoints_are_detected_and_follow_their_oracle(fmt, strategy, act
     assert llm.model_config.quantization == fmt
     qkv = llm.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (128,)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    outs = llm.generate(prompts[:32], GREEDY, use_tqdm=False)
     if strategy == "channel":  # the same quantizer as online fp8: the same bits
         for a, b in zip(outs, online_outs):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids and _logprobs(a) == _logprobs(b)
