@@ -1,17 +1,21 @@
-"""int8 W8A8 against the float model (issue 46), side by side in one run: pagedgen on a random-weight
-checkpoint in ``--dtype`` (bf16 by default), pagedgen on the same checkpoint quantized to int8 W8A8 in
-compressed-tensors' ``int-quantized`` layout (per-channel weights, dynamic per-token activations:
-written here from the float one), and optionally vLLM's CPU backend on that W8A8 checkpoint (in its
-own venv, ``--vllm-venv``). Per model and batch size: output tokens/s (medians of ``--repeats`` runs,
-``ignore_eos``), the ratio W8A8 / float, the resident bytes of the weights, and how many greedy
-completions of the two agree.
+"""Quantized weights against the float model (issue 46), side by side in one run: pagedgen on a
+random-weight checkpoint in ``--dtype`` (bf16 by default), pagedgen on the same checkpoint quantized
+(``--scheme``: "int8", W8A8 in compressed-tensors' ``int-quantized`` layout, per-channel weights and
+dynamic per-token activations; "fp8", FP8 e4m3 W8A16 in its ``float-quantized`` layout, per-channel
+weights; written here from the float one), and optionally vLLM's CPU backend on that checkpoint (in
+its own venv, ``--vllm-venv``). Per model and batch size: output tokens/s (medians of ``--repeats``
+runs, ``ignore_eos``), the ratio quantized / float, the resident bytes of the weights, and how many
+greedy completions of the two agree.
 
     python benchmarks/quantized.py                                     # random-135m and random-1b, bf16 baseline
+    python benchmarks/quantized.py --scheme fp8                        # FP8 W8A16 instead of int8 W8A8
     python benchmarks/quantized.py --models random-135m --batch-sizes 1,8 --vllm-venv benchmarks/.vllm-venv
-    python benchmarks/quantized.py --quick                             # stories260K, tiny sizes: a smoke test
+    python benchmarks/quantized.py --quick [--scheme fp8]              # stories260K, tiny sizes: a smoke test
 
 Targets (issue 46): W8A8 >= 1.7x bf16 on the Xeon with AMX, >= 1.4x on AVX-512 VNNI and AVX2 kinds;
 resident weights <= 55% of bf16. The AVX2 kernel is the only int8 kernel so far (every level runs it).
+FP8 W8A16 dequantizes each weight per call into the float GEMM (no FP8 kernel yet): expect it slower
+than bf16 until one lands; its resident weights are about half of bf16's.
 Timings are only meaningful on a quiet machine; say which machine kind ran them.
 """
 from __future__ import annotations
@@ -46,13 +50,18 @@ print(json.dumps(sorted(rates)[len(rates) // 2]))
 """
 
 
-def write_w8a8(src: str, dst: str) -> None:
-    """``src``'s float checkpoint as compressed-tensors W8A8 (int8 per-channel weights of the decoder's
-    projections, dynamic per-token activations) in ``dst``, one tensor at a time."""
+def write_quantized(src: str, dst: str, scheme: str = "int8") -> None:
+    """``src``'s float checkpoint as compressed-tensors W8A8 (``scheme`` "int8": int8 per-channel
+    weights of the decoder's projections, dynamic per-token activations) or FP8 W8A16 ("fp8": e4m3
+    per-channel weights, ``float-quantized``) in ``dst``, one tensor at a time."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from pagedgen.layers.quant import quantize_weight_int8
+    from pagedgen.layers.quant_fp8 import quantize_weight_fp8
+
+    quantize = quantize_weight_fp8 if scheme == "fp8" else quantize_weight_int8
+    kind = "float" if scheme == "fp8" else "int"
 
     os.makedirs(dst, exist_ok=True)
     state = {}
@@ -60,7 +69,7 @@ def write_w8a8(src: str, dst: str) -> None:
         for name in f.keys():
             t = f.get_tensor(name)
             if QUANTIZED.search(name):
-                q, s = quantize_weight_int8(t)
+                q, s = quantize(t)
                 state[name], state[name[: -len("weight")] + "weight_scale"] = q, s[:, None].to(t.dtype)
             else:
                 state[name] = t
@@ -71,10 +80,10 @@ def write_w8a8(src: str, dst: str) -> None:
                 b.write(a.read())
     config = json.load(open(os.path.join(src, "config.json")))
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed", "ignore": ["lm_head"],
+        "quant_method": "compressed-tensors", "format": f"{kind}-quantized", "quantization_status": "compressed", "ignore": ["lm_head"],
         "kv_cache_scheme": None, "config_groups": {"group_0": {
-            "targets": ["Linear"], "weights": dict(num_bits=8, type="int", symmetric=True, dynamic=False, strategy="channel"),
-            "input_activations": dict(num_bits=8, type="int", symmetric=True, dynamic=True, strategy="token")}},
+            "targets": ["Linear"], "weights": dict(num_bits=8, type=kind, symmetric=True, dynamic=False, strategy="channel"),
+            "input_activations": None if scheme == "fp8" else dict(num_bits=8, type="int", symmetric=True, dynamic=True, strategy="token")}},
     }
     json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
 
@@ -99,12 +108,13 @@ def measure(llm, prompts, max_tokens: int, repeats: int) -> tuple[float, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="random-135m,random-1b", help="random-135m, random-1b or checkpoint folders, comma-separated")
+    ap.add_argument("--scheme", default="int8", choices=("int8", "fp8"), help="int8 W8A8 or FP8 W8A16 weights")
     ap.add_argument("--dtype", default="bfloat16", help="the float baseline's and the activations' dtype")
     ap.add_argument("--batch-sizes", default="1,8,64", help="prompts per generate call (= max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--vllm-venv", default=None, help="a venv with vLLM's CPU backend: also run it on the W8A8 checkpoint")
+    ap.add_argument("--vllm-venv", default=None, help="a venv with vLLM's CPU backend: also run it on the quantized checkpoint")
     ap.add_argument("--quick", action="store_true", help="stories260K in float32, batch 4, 8 tokens, 1 repeat (a smoke test)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -116,38 +126,38 @@ def main() -> None:
     results = []
     for model in args.models.split(","):
         src = _workload.ensure_random_model(model, args.dtype)[0] if model in _workload.RANDOM_MODELS else model
-        dst = os.path.join(tempfile.gettempdir(), f"pagedgen-w8a8-{os.path.basename(src.rstrip('/'))}")
+        dst = os.path.join(tempfile.gettempdir(), f"pagedgen-{args.scheme}-{os.path.basename(src.rstrip('/'))}")
         if not os.path.isfile(os.path.join(dst, "config.json")):
-            write_w8a8(src, dst)
+            write_quantized(src, dst, args.scheme)
         vocab = json.load(open(os.path.join(src, "config.json")))["vocab_size"]
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             g = torch.Generator().manual_seed(batch)
             prompts = [{"prompt_token_ids": torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()} for _ in range(batch)]
-            row = {"model": model, "batch": batch, "dtype": args.dtype}
+            row = {"model": model, "batch": batch, "dtype": args.dtype, "scheme": args.scheme}
             kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=args.prompt_len + args.max_tokens + 8)
             float_llm = LLM(src, **kw)
             row["float_tok_s"], float_tokens = measure(float_llm, prompts, args.max_tokens, args.repeats)
             row["float_weight_bytes"] = weight_bytes(float_llm.model)
             del float_llm
-            w8a8 = LLM(dst, **kw)
-            row["w8a8_tok_s"], w8a8_tokens = measure(w8a8, prompts, args.max_tokens, args.repeats)
-            row["w8a8_weight_bytes"] = weight_bytes(w8a8.model)
-            del w8a8
-            row["speedup"] = row["w8a8_tok_s"] / row["float_tok_s"]
-            row["weight_share"] = row["w8a8_weight_bytes"] / row["float_weight_bytes"]
-            row["same_greedy"] = sum(a == b for a, b in zip(float_tokens, w8a8_tokens)) / batch
+            quant = LLM(dst, **kw)
+            row["quant_tok_s"], quant_tokens = measure(quant, prompts, args.max_tokens, args.repeats)
+            row["quant_weight_bytes"] = weight_bytes(quant.model)
+            del quant
+            row["speedup"] = row["quant_tok_s"] / row["float_tok_s"]
+            row["weight_share"] = row["quant_weight_bytes"] / row["float_weight_bytes"]
+            row["same_greedy"] = sum(a == b for a, b in zip(float_tokens, quant_tokens)) / batch
             if args.vllm_venv:
                 with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                     json.dump([p["prompt_token_ids"] for p in prompts], f)
                 proc = subprocess.run([os.path.join(args.vllm_venv, "bin", "python"), "-c", _VLLM_SNIPPET, dst, f.name,
                                        str(args.max_tokens), str(args.repeats)], capture_output=True, text=True)
-                row["vllm_w8a8_tok_s"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+                row["vllm_quant_tok_s"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
                 if proc.returncode != 0:
                     print(f"vLLM failed: {proc.stderr[-1500:]}", file=sys.stderr)
             results.append(row)
-            print(f"{model} batch {batch}: {args.dtype} {row['float_tok_s']:.1f} tok/s, W8A8 {row['w8a8_tok_s']:.1f} tok/s "
+            print(f"{model} batch {batch}: {args.dtype} {row['float_tok_s']:.1f} tok/s, {args.scheme} {row['quant_tok_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x), weights {row['weight_share']:.0%} of {args.dtype}, same greedy {row['same_greedy']:.0%}"
-                  + (f", vLLM W8A8 {row['vllm_w8a8_tok_s']} tok/s" if args.vllm_venv else ""), flush=True)
+                  + (f", vLLM {args.scheme} {row['vllm_quant_tok_s']} tok/s" if args.vllm_venv else ""), flush=True)
     if args.out:
         json.dump({"cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "results": results},
                   open(args.out, "w"), indent=1)

@@ -29,7 +29,8 @@ class ModelConfig:
             over at most this many most recent tokens (Mistral's ``sliding_window``; the largest
             when layers differ), so blocks that fall wholly out of it are no longer read and go
             back to the pool (``CacheConfig.sliding_window``).
-        quantization: "" (float weights), "int8" (quantized at load) or "compressed-tensors" (int8
+        quantization: "" (float weights), "int8" (quantized at load), "fp8" (FP8 W8A16: quantized at
+            load, or read from an ``fp8``-format checkpoint) or "compressed-tensors" (int8 or FP8
             weights read from the checkpoint): ``pagedgen.model.quantization``, docs/quantization.md.
     """
 

@@ -17,6 +17,9 @@ from pagedgen.cli.errors import CLIError
 from pagedgen.cli.json_array import iter_json_array
 from pagedgen.progress import bar_options
 
+# how the closing summary names the model's weights (ModelConfig.quantization, docs/quantization.md)
+_QUANT_LABELS = {"int8": "int8 W8A8", "fp8": "FP8 W8A16", "compressed-tensors": "compressed-tensors (int8 W8A8 or FP8 W8A16)"}
+
 _BLANK_LINE = re.compile(rb"^[ \t\r]*\n", re.M)
 _CHUNK = 4 << 20
 
@@ -133,7 +136,8 @@ def summary(stats: RunStats, engine_stats, output: str, errors: Optional[str], c
             f"{e.peak_used_blocks:,} of {e.num_kv_blocks:,} blocks"
             f"{'' if getattr(e, 'kv_cache_dtype', 'auto') == 'auto' else ', kv_cache_dtype ' + e.kv_cache_dtype}), {e.num_preemptions:,} preemptions, "
             f"prefix-cache hit rate {e.prefix_cache_hit_rate:.1%}"
-            + (f"; int8 W8A8 weights (quantization={e.quantization!r})" if getattr(e, "quantization", "") else "")
+            + (f"; {_QUANT_LABELS.get(e.quantization, 'quantized')} weights (quantization={e.quantization!r})"
+               if getattr(e, "quantization", "") else "")
         )
         if getattr(e, "num_draft_tokens", 0):  # speculative decoding (docs/speculative.md)
             rates = ", ".join(f"{r:.0%}" for r in e.acceptance_rate_per_position)

@@ -36,7 +36,7 @@ from torch import nn
 
 from pagedgen.distributed.group import TPGroup, shard_size, tp_size
 from pagedgen.layers.loading import check_shape, read
-from pagedgen.layers.matmul import MatmulConfig, int8_linear, linear
+from pagedgen.layers.matmul import MatmulConfig, fp8_linear, int8_linear, linear
 from pagedgen.layers.module import Module
 
 ShardId = Union[str, int, None]
@@ -50,7 +50,8 @@ def _param(*shape: int) -> nn.Parameter:
 
 class LinearBase(Module):
     """``y = x W^T + b`` over ``[T, input_size]`` rows; W: [output_size, input_size] (model dtype, or
-    int8 with ``weight_scale``/``input_scale``: W8A8, ``pagedgen.layers.quant``).
+    int8 with ``weight_scale``/``input_scale``: W8A8, ``pagedgen.layers.quant``; or float8_e4m3fn with
+    ``weight_scale``: W8A16, ``pagedgen.layers.quant_fp8``).
 
     Args:
         input_size, output_size: features in and out.
@@ -61,6 +62,7 @@ class LinearBase(Module):
     """
 
     matmul: Optional[MatmulConfig] = None  # set by prepare_matmuls
+    weight_block_k = 0  # FP8 with block-wise scales: the input features of one scale block (layers/quant_fp8.py)
     lora = None  # a pagedgen.lora.layers.LoRALayer when LoRA is on (its add_delta adds each row's adapter delta)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, output_shards: Optional[dict] = None, layout: str = "default",
@@ -95,7 +97,9 @@ class LinearBase(Module):
         return y
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [T, input_size] @ W^T + bias -> [T, output_size]: the float GEMM, or W8A8 for int8 weights."""
+        """x [T, input_size] @ W^T + bias -> [T, output_size]: the float GEMM, or W8A8 for int8 weights, W8A16 for FP8 ones."""
+        if self.weight_scale is not None and self.weight.dtype == torch.float8_e4m3fn:  # FP8 W8A16 (layers/quant_fp8.py)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.matmul, self.weight_block_k)
         if self.weight_scale is not None:
             return int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.output_size)
         return linear(x, self.weight, bias, self.matmul, self.output_size)

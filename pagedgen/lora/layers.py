@@ -79,7 +79,7 @@ class LoRALayer:
             off = self.part_offsets[p]
             b[off : off + self.part_sizes[p], p * R : p * R + r] = pb * scale  # scale folded in float32, rounded once
         config, w = self.base.matmul, self.base.weight
-        dtype = w.dtype if w.is_floating_point() else torch.float32  # int8 W8A8 weights: A and B stay float
+        dtype = w.dtype if w.is_floating_point() and w.element_size() > 1 else torch.float32  # int8 / FP8 weights: A and B stay float
         self.a[slot], self.b[slot] = pack(a.to(device), config, dtype), pack(b.to(device), config, dtype)
 
     def clear_slot(self, slot: int) -> None:

@@ -48,6 +48,8 @@ _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 # safetensors dtype names -> torch dtypes of floating-point tensors
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INT8 = "I8"  # the int8 weights of a quantized checkpoint (pagedgen.model.quantization)
+# the quantized weights' dtypes: the parameter's torch dtype -> the safetensors dtype the checkpoint must have
+_QUANTIZED = {torch.int8: (_INT8, "an int8 (I8)"), torch.float8_e4m3fn: ("F8_E4M3", "an FP8 e4m3 (F8_E4M3)")}
 
 
 @dataclass
@@ -179,15 +181,16 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
             )
         param_name, shard_id = target
         param = params[param_name]
-        int8 = param.dtype == torch.int8  # a quantized layer's weight (its scales are float)
-        if int8 and dtype != _INT8:
+        quant = _QUANTIZED.get(param.dtype)  # a quantized layer's weight (its scales are float)
+        if quant is not None and dtype != quant[0]:
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, but config.json's quantization_config "
-                             f"(quantization={model.config.quantization!r}) makes it an int8 (I8) weight")
-        if not int8 and dtype not in _FLOAT_DTYPES:
-            hint = " (int8 weights need config.json's quantization_config to name their layer)" if dtype == _INT8 else ""
+                             f"(quantization={model.config.quantization!r}) makes it {quant[1]} weight")
+        if quant is None and dtype not in _FLOAT_DTYPES:
+            hint = (" (quantized weights need config.json's quantization_config to name their layer)"
+                    if dtype in (q for q, _ in _QUANTIZED.values()) else "")
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; only floating-point (unquantised) weights are supported{hint}")
         try:
-            weight_loader(param)(param, torch.empty(shape, dtype=torch.int8 if int8 else _FLOAT_DTYPES[dtype], device="meta"), shard_id)
+            weight_loader(param)(param, torch.empty(shape, dtype=param.dtype if quant else _FLOAT_DTYPES[dtype], device="meta"), shard_id)
         except WeightShapeError as exc:
             shape_errors.append((order[param_name], f"weight {name!r} {exc} ({fields}): config.json does not describe these weights"))
             continue

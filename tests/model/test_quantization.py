@@ -12,7 +12,7 @@
 - batch invariance: a request's tokens and logprobs alone equal those in a batch of 64, bit for bit;
 - every family of the registry runs a W8A8 checkpoint against its fake-quantized transformers model
   (GPT-2, whose Conv1D layers a recipe leaves float: online int8);
-- bad input (an unknown method, fp8/awq not yet, int8 on a quantized checkpoint, unsupported
+- bad input (an unknown method, awq/gptq not yet, int8 on a quantized checkpoint, unsupported
   config fields, a missing or misshapen scale, float weights where int8 are declared) is a
   ValueError naming the field before any weight is read.
 """
@@ -185,7 +185,8 @@ def _group(qc_: dict) -> dict:
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda c: c.update(format="float-quantized"), r"format='float-quantized' is not supported yet"),
+    # an int8 group under the FP8 format (tests/model/test_quantization_fp8.py runs float-quantized ones)
+    (lambda c: c.update(format="float-quantized"), r"weights.type='int' is not supported \(allowed: \['float'\]\)"),
     (lambda c: c.update(format="pack-quantized"), r"format='pack-quantized'"),
     (lambda c: _group(c)["weights"].update(num_bits=4), r"weights.num_bits=4"),
     (lambda c: _group(c)["weights"].update(symmetric=False), r"weights.symmetric=False"),
@@ -204,8 +205,8 @@ def test_unsupported_configs_are_refused_naming_the_field(dynamic_ckpt, tmp_path
 
 
 @pytest.mark.parametrize("quantization, match", [
-    ("int4", r"quantization must be None or one of \('int8', 'compressed-tensors'\), got 'int4'"),
-    ("fp8", r"quantization='fp8' is not supported yet"),
+    ("int4", r"quantization must be None or one of \('int8', 'fp8', 'compressed-tensors'\), got 'int4'"),
+    ("awq", r"quantization='awq' is not supported yet"),
     ("gptq", r"quantization='gptq' is not supported yet"),
     ("compressed-tensors", r"needs a checkpoint whose config.json has a quantization_config"),
 ])

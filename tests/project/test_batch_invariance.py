@@ -12,7 +12,7 @@ and top-k, with ranks), and the prompt logprobs, with ``==`` on the floats.
 
 The sweep and the needle also run with the 1-byte KV cache (``kv_cache_dtype="int8"``, bfloat16):
 its values are quantized per token (pagedgen/ops/kv_quant.py), so the same holds bit for bit.
-The sweep runs with int8 W8A8 weights too (stories260K, ``quantization="int8"``).
+The sweep runs with int8 W8A8 and FP8 W8A16 weights too (stories260K, ``quantization="int8"`` / ``"fp8"``).
 
 Also: the "needle" (one request alone vs among 200 companions with other sampling parameters and
 lengths), repeated ``generate`` calls on one LLM (the second finds its prefixes cached), and beam
@@ -152,6 +152,12 @@ def test_sweep_is_bitwise_the_default(model_path, dtype, kv_cache_dtype):
 def test_sweep_with_int8_weights_is_bitwise_the_default(stories_path, dtype):
     """The same sweep with int8 W8A8 weights (``quantization="int8"``, docs/quantization.md)."""
     _sweep(stories_path, dtype, quantization="int8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sweep_with_fp8_weights_is_bitwise_the_default(stories_path, dtype):
+    """The same sweep with FP8 W8A16 weights (``quantization="fp8"``: dequantized into the float GEMM, docs/quantization.md)."""
+    _sweep(stories_path, dtype, quantization="fp8")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

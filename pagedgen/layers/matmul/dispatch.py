@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pagedgen import ops
 from pagedgen.layers.matmul.config import MatmulConfig
-from pagedgen.layers.matmul.packing import pack_int8
+from pagedgen.layers.matmul.packing import pack_int8, pack_pairs, pack_panels
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -99,3 +99,47 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [T, N]
     ops.int8_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, input_scale, bias)
     return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               config: Optional[MatmulConfig] = None, block_k: int = 0) -> torch.Tensor:
+    """FP8 W8A16: ``y = x @ (float32(weight) * weight_scale[:, None]).T + bias`` (block-wise scales:
+    ``weight_scale[n, k // block_k]`` for ``weight[n, k]``). On each call the
+    weight is dequantized in float32 (``float32(weight) * weight_scale``, one float32 rounding: 4
+    significant bits times 24 may need 28), rounded once more to the model's weight dtype
+    (``config.weight_dtype``, else x's) and laid out as the float model's weights are (``config``:
+    panels / bf16 pairs for pagedgen's own GEMMs, else dense in the row blocks), then ``linear``
+    runs it: the float model's GEMM, so as batch-invariant as the float model is. Only the 1-byte
+    weight stays resident; the dequantized copy lives for the call.
+
+    Args:
+        x: [T, K] activations (float32, bfloat16 or float16).
+        weight: [N, K] float8_e4m3fn. weight_scale: [N] float32, or [N, ceil(K / block_k)] with
+            ``block_k`` > 0. bias: [N] or None.
+        config: the model's MatmulConfig (None: a plain ``F.linear`` in x's dtype).
+
+    Returns:
+        [T, N] in x's dtype.
+
+    Raises:
+        ValueError: ``weight`` is not a 2-D float8_e4m3fn tensor or ``weight_scale`` not of the shape above.
+    """
+    n, k = weight.shape if weight.dim() == 2 else (-1, -1)
+    want = (n, -(-k // block_k)) if block_k > 0 else (n,)
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != want:
+        raise ValueError(f"fp8_linear needs a [N, K] float8_e4m3fn weight and {list(want)} scales (block_k={block_k}), got "
+                         f"{weight.dtype} {tuple(weight.shape)} and {tuple(weight_scale.shape)}")
+    if block_k > 0:
+        weight_scale = weight_scale.float().repeat_interleave(block_k, dim=1)[:, :k]  # [N, K]
+    else:
+        weight_scale = weight_scale.float()[:, None]
+    dtype = config.weight_dtype if config is not None else x.dtype
+    w = weight.float() * weight_scale  # [N, K] float32 (the fake-quantized weight, as transformers would hold it)
+    w = w if w.dtype == dtype else w.to(dtype)
+    if bias is not None and bias.dtype != dtype:
+        bias = bias.to(dtype)
+    if config is not None and config.pairs:
+        w = pack_pairs(w)
+    elif config is not None and config.panels:
+        w = pack_panels(w)
+    return linear(x, w, bias, config, weight.shape[0])

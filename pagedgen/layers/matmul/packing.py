@@ -105,14 +105,14 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
     converted or packed gets its own matrix; the embedding keeps its own. Returns the bytes the
     weights took in addition (0 when they are kept as they are; panels add the zero rows that pad
     the last one). Layers with int8 weights (``weight_scale`` set) get their weight packed by ``pack_int8`` (scales
-    and bias kept as they are)."""
+    and bias kept as they are); FP8 weights stay as they are."""
     extra = 0
     for module in _matmul_modules(model):
         module.matmul = config
         for name in ("weight", "bias"):
             p = getattr(module, name)
-            if p is not None and getattr(module, "weight_scale", None) is not None:  # int8 (layers/quant.py): packed in pairs
-                if name == "weight" and p.dim() == 2:
+            if p is not None and getattr(module, "weight_scale", None) is not None:  # int8 (layers/quant.py): packed in pairs;
+                if name == "weight" and p.dim() == 2 and p.dtype == torch.int8:  # FP8 (layers/quant_fp8.py): kept [N, K]
                     setattr(module, name, nn.Parameter(pack_int8(p), requires_grad=False))
                 continue
             if p is None:
