@@ -32,7 +32,9 @@ import time
 
 import torch
 
+import _roofline
 import _workload
+from _launch import vllm_env
 
 QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 _VLLM_SNIPPET = """
@@ -92,17 +94,22 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure(llm, prompts, max_tokens: int, repeats: int) -> tuple[float, list]:
+def measure(llms: dict, prompts, max_tokens: int, repeats: int) -> tuple[dict, dict]:
+    """Output tok/s (median of ``repeats``) and greedy tokens of each LLM in ``llms``, the runs
+    interleaved (one of each in turn) so that every system sees the same machine load."""
     from pagedgen import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
-    rates, outs = [], None
+    for llm in llms.values():
+        llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
+    rates, tokens = {name: [] for name in llms}, {}
     for _ in range(repeats):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        rates.append(len(prompts) * max_tokens / (time.perf_counter() - start))
-    return statistics.median(rates), [o.outputs[0].token_ids for o in outs]
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            rates[name].append(len(prompts) * max_tokens / (time.perf_counter() - start))
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    return {name: statistics.median(r) for name, r in rates.items()}, tokens
 
 
 def main() -> None:
@@ -123,6 +130,8 @@ def main() -> None:
             os.path.join(os.path.dirname(_workload.gpt2_tokenizer_dir()), "stories260K"), "float32", "4", 8, 16, 1)
     from pagedgen import LLM
 
+    peak = _roofline.matmul_peak(args.dtype)  # the same run's matmul peak, before the timed runs
+    print(_roofline.describe_machine(_roofline.machine()))
     results = []
     for model in args.models.split(","):
         src = _workload.ensure_random_model(model, args.dtype)[0] if model in _workload.RANDOM_MODELS else model
@@ -135,22 +144,23 @@ def main() -> None:
             prompts = [{"prompt_token_ids": torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()} for _ in range(batch)]
             row = {"model": model, "batch": batch, "dtype": args.dtype, "scheme": args.scheme}
             kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=args.prompt_len + args.max_tokens + 8)
-            float_llm = LLM(src, **kw)
-            row["float_tok_s"], float_tokens = measure(float_llm, prompts, args.max_tokens, args.repeats)
-            row["float_weight_bytes"] = weight_bytes(float_llm.model)
-            del float_llm
-            quant = LLM(dst, **kw)
-            row["quant_tok_s"], quant_tokens = measure(quant, prompts, args.max_tokens, args.repeats)
-            row["quant_weight_bytes"] = weight_bytes(quant.model)
-            del quant
+            llms = {"float": LLM(src, **kw), "quant": LLM(dst, **kw)}
+            rates, tokens = measure(llms, prompts, args.max_tokens, args.repeats)
+            row["float_tok_s"], row["quant_tok_s"] = rates["float"], rates["quant"]
+            row["float_weight_bytes"], row["quant_weight_bytes"] = weight_bytes(llms["float"].model), weight_bytes(llms["quant"].model)
+            float_tokens, quant_tokens = tokens["float"], tokens["quant"]
+            del llms
             row["speedup"] = row["quant_tok_s"] / row["float_tok_s"]
             row["weight_share"] = row["quant_weight_bytes"] / row["float_weight_bytes"]
             row["same_greedy"] = sum(a == b for a, b in zip(float_tokens, quant_tokens)) / batch
             if args.vllm_venv:
                 with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                     json.dump([p["prompt_token_ids"] for p in prompts], f)
+                env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                           **vllm_env(4, f"0-{torch.get_num_threads() - 1}"))  # the CPU backend's variables
+                env.pop("PYTHONPATH", None)
                 proc = subprocess.run([os.path.join(args.vllm_venv, "bin", "python"), "-c", _VLLM_SNIPPET, dst, f.name,
-                                       str(args.max_tokens), str(args.repeats)], capture_output=True, text=True)
+                                       str(args.max_tokens), str(args.repeats)], capture_output=True, text=True, env=env)
                 row["vllm_quant_tok_s"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
                 if proc.returncode != 0:
                     print(f"vLLM failed: {proc.stderr[-1500:]}", file=sys.stderr)
@@ -158,6 +168,11 @@ def main() -> None:
             print(f"{model} batch {batch}: {args.dtype} {row['float_tok_s']:.1f} tok/s, {args.scheme} {row['quant_tok_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x), weights {row['weight_share']:.0%} of {args.dtype}, same greedy {row['same_greedy']:.0%}"
                   + (f", vLLM {args.scheme} {row['vllm_quant_tok_s']} tok/s" if args.vllm_venv else ""), flush=True)
+            flops = _roofline.workload_flops(_roofline.gemm_shapes(json.load(open(os.path.join(src, "config.json")))),
+                                             _roofline.workload_rows([args.prompt_len] * batch, [args.max_tokens] * batch))
+            out_tokens = batch * args.max_tokens
+            print(_roofline.share_line(f"{args.dtype}", flops, out_tokens / row["float_tok_s"], peak) + "; "
+                  + _roofline.share_line(args.scheme, flops, out_tokens / row["quant_tok_s"], peak).strip(), flush=True)
     if args.out:
         json.dump({"cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "results": results},
                   open(args.out, "w"), indent=1)
