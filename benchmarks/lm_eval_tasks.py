@@ -124,8 +124,29 @@ def model_folder(args, tmp: str) -> tuple[str, str]:
     return args.model, (cfg.get("dtype") or cfg.get("torch_dtype") or "float32") if args.dtype == "auto" else args.dtype
 
 
+def floor_lm():
+    """lm_eval's own cost, no model: an LM answering every request at once with a constant
+    (loglikelihood -1.0, not greedy; rolling -1.0; generation ""). Its time per task is the
+    harness's floor (building requests from documents, metrics), which every backend pays too."""
+    from lm_eval.api.model import LM
+
+    class FloorLM(LM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return [(-1.0, False) for _ in requests]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return [-1.0 for _ in requests]
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return ["" for _ in requests]
+
+    return FloorLM()
+
+
 def build_lm(backend: str, folder: str, dtype: str, args):
     """The lm_eval LM of one backend (constructed once, reused for every task and repeat)."""
+    if backend == "floor":
+        return floor_lm()
     if backend == "pagedgen":
         from pagedgen.integrations.lm_eval import PagedGenLM
 
@@ -207,7 +228,7 @@ def main(argv=None) -> None:
               f"tasks: ts_mc/ts_gen {args.num_docs} docs, ts_roll {args.num_roll_docs} docs of {args.stories_per_doc} stories, "
               f"gen {args.gen_tokens} tokens; hf batch_size {args.hf_batch_size}, pagedgen max_num_seqs {args.max_num_seqs}; "
               f"median of {args.repeats}")
-        backends = ("pagedgen", "hf") + (("vllm",) if args.vllm_venv else ())
+        backends = ("pagedgen", "hf") + (("vllm",) if args.vllm_venv else ()) + ("floor",)
         lms, build_s = {}, {}
         for backend in backends:
             start = time.perf_counter()
@@ -246,10 +267,18 @@ def main(argv=None) -> None:
         if task != "all":
             line += "   " + " / ".join(f"{results[b]['scores'][task]:.6g}" for b in backends)
         print(line)
+    floor = results["floor"]["times"]
+    print("without the harness's floor (each task's time minus the floor LM's: what the backends' models and batching cost):")
+    for task in args.tasks + ["all"]:
+        t = {b: (sum(results[b]["times"].values()) if task == "all" else results[b]["times"][task]) for b in backends}
+        f0 = sum(floor.values()) if task == "all" else floor[task]
+        line = f"{task:<9} floor {f0:6.2f} s, pagedgen {t['pagedgen'] - f0:6.2f} s" + "".join(
+            f", {b} {t[b] - f0:6.2f} s ({(t[b] - f0) / max(t['pagedgen'] - f0, 1e-9):.2f}x)" for b in others if b != "floor")
+        print(line)
     print(_roofline.describe_machine(_roofline.machine(args.device)))
     print(f"share of the matmul peak: 2 x {w / 1e6:,.1f}M layer weights x the {sum(rows.values()):,} token rows pagedgen "
           "computed (lm_head and attention not counted; every backend charged the same work)")
-    for b in backends:
+    for b in (b for b in backends if b != "floor"):
         print(_roofline.share_line(b, 2 * w * sum(rows.values()), sum(results[b]["times"].values()), peak))
     if peak["problems"]:
         print(f"  matmul peak not to be trusted: {'; '.join(peak['problems'])}")
