@@ -124,10 +124,11 @@ def finish_int8(module: LinearBase) -> None:
         module.input_scale = nn.Parameter(module.input_scale.detach().amax().reshape(1), requires_grad=False)
 
 
-def quantize_linear_int8(module: LinearBase) -> int:
-    """Online quantization of a loaded float ``module`` (``quantize_weight_int8``; dynamic
-    per-row activation scales). Returns the bytes the weights took in addition (negative: saved)."""
-    q, scale = quantize_weight_int8(module.weight)
+def quantize_linear_int8(module: LinearBase, quantize=None) -> int:
+    """Online quantization of a loaded float ``module`` (``quantize``, default ``quantize_weight_int8``:
+    (weight [out, in], per-output scale [out, 1] float32); dynamic per-row activation scales).
+    Returns the bytes the weights took in addition (negative: saved)."""
+    q, scale = (quantize or quantize_weight_int8)(module.weight)
     before = module.weight.numel() * module.weight.element_size()
     module.weight = nn.Parameter(q, requires_grad=False)
     module.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -30,7 +30,7 @@ from torch import nn
 from pagedgen.layers.linear import LinearBase
 from pagedgen.layers.loading import read
 from pagedgen.layers.loading import check_shape
-from pagedgen.layers.quant import _flat_scale, _param
+from pagedgen.layers.quant import _flat_scale, _param, quantize_linear_int8
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -158,9 +158,4 @@ def finish_fp8(module: LinearBase) -> None:
 def quantize_linear_fp8(module: LinearBase) -> int:
     """Online quantization of a loaded float ``module`` (``quantize_weight_fp8``). Returns the bytes
     the weights took in addition (negative: saved)."""
-    q, scale = quantize_weight_fp8(module.weight)
-    before = module.weight.numel() * module.weight.element_size()
-    module.weight = nn.Parameter(q, requires_grad=False)
-    module.weight_scale = nn.Parameter(scale, requires_grad=False)
-    module.input_scale = None
-    return q.numel() + scale.numel() * 4 - before
+    return quantize_linear_int8(module, quantize_weight_fp8)  # the same swap, 1-byte e4m3 weights
