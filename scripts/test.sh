@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# One pytest-xdist worker a core (PAGEDGEN_TEST_WORKERS overrides: 0 runs in this process), each
+# taking whole files (module fixtures built once); tests/conftest.py gives each worker its share of
+# the cores' threads.
+exec .venv/bin/python -m pytest -n "${PAGEDGEN_TEST_WORKERS:-auto}" --dist loadfile "$@"

@@ -131,6 +131,13 @@ def executor_backend(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "in_process: reaches into the in-process model runner (skipped with --executor-backend)")
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:  # pytest-xdist: the cores are shared out among the workers (and the processes they start)
+        import torch
+
+        threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
+        os.environ["OMP_NUM_THREADS"] = threads
+        torch.set_num_threads(int(threads))
 
 
 @pytest.fixture(autouse=True)
