@@ -40,8 +40,8 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-    "silu_and_mul", "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear", "add_lora_linear", "has_kernel", "cpu_isa",
-    "cpu_isa_features",
+    "silu_and_mul", "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear", "add_lora_linear", "has_kernel",
+    "cpu_isa", "cpu_isa_features",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops

@@ -84,7 +84,8 @@ def _int8_linear(out, input, weight, weight_scale, input_scale, bias) -> None:
 
 def _add_lora_linear(out, input, lora_a, lora_b, slots, output_slices) -> None:
     # out: [M, N]; input: [M, K]; lora_a: [S, K, P R]; lora_b: [S, R, N]; slots: [M]
-    torch._check(out.shape[0] == input.shape[0] == slots.shape[0], lambda: f"out {out.shape}, input {input.shape}, slots {slots.shape} differ in rows")
+    torch._check(out.shape[0] == input.shape[0] == slots.shape[0],
+                 lambda: f"out {out.shape}, input {input.shape}, slots {slots.shape} differ in rows")
     torch._check(lora_a.shape[1] == input.shape[1], lambda: f"lora_a {lora_a.shape} does not fit input {input.shape}")
     torch._check(lora_b.shape[2] == out.shape[1], lambda: f"lora_b {lora_b.shape} does not fit out {out.shape}")
 
