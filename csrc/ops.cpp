@@ -67,6 +67,16 @@ TORCH_LIBRARY(pagedgen, m) {
   // (zeros past N and K), exact int32 sums, then float32 acc * x_scale[m] * weight_scale[n] (+ bias[n]),
   // rounded once: a row's bits never depend on the other rows. A CPU kernel only (AVX2; reference elsewhere).
   m.def("int8_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> ()");
+  // Multi-LoRA (issue 48; punica's SGMV shrink and expand in one op, vLLM's add_lora_linear): out [M, N]
+  // (input's dtype) += each row's adapter delta, for input [M, K] (float32/bf16/fp16) whose row m has the
+  // adapter slot slots[m] (int32 [M]; -1: none, the row is left as it is). lora_a [S, K, P R] holds each
+  // slot's A transposed, its P parts side by side (lora_a[s, k, p R + i] = A_p[i, k]); lora_b [S, R, N]
+  // (lora_a's dtype, float32/bf16/fp16) each slot's scaled B transposed, lora_b[s, i, n] = scale B_p[n -
+  // off_p, i] for n in output slice p, the slices' sizes output_slices (P of them, summing to N). Row m:
+  // h = x[m] @ lora_a[s] in float32 (a sum over k in order), out[m, n] += h[p R : (p + 1) R] @ lora_b[s, :, n]
+  // (a sum over i in order), rounded once: a row's bits never depend on the other rows. A CPU kernel
+  // only (built with AVX2 + FMA; slots read on the host and checked).
+  m.def("add_lora_linear(Tensor(a!) out, Tensor input, Tensor lora_a, Tensor lora_b, Tensor slots, int[] output_slices) -> ()");
   // True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (cpuid, xgetbv).
   m.def("cpu_has_amx() -> bool");
   // The levels of CPU kernels this CPU and OS can run, lowest first: a prefix of ["avx2", "avx512_bf16",

@@ -1,17 +1,18 @@
-"""The LoRA delta of one adapted projection, for a step's rows grouped by adapter.
+"""The LoRA delta of one adapted projection, for every row of a step whatever its adapter slot.
 
 A projection ``y = x W^T`` (``LinearBase``, layers/linear.py) with ``P`` parts along its output
-features (q/k/v: 3, gate/up: 2, o/down: 1) gets, for the rows of adapter slot s:
+features (q/k/v: 3, gate/up: 2, o/down: 1) gets, for each row whose sequence has the adapter in slot s:
 
-    y[rows] += (x[rows] @ A[s]^T) @ B[s]^T          shrink, then expand (punica's SGMV, per group)
-    A[s]: [P * R, in_features]                      part p's lora_A in rows [p R, p R + r)
-    B[s]: [out_features, P * R]                     part p's lora_B * scale in its output rows and
-                                                    columns [p R, p R + r): block-diagonal, zeros elsewhere
+    y[row] += (x[row] @ A[s]) @ B[s]                 shrink, then expand (punica's SGMV)
+    A[s]: [in_features, P * R]                       part p's lora_A^T in columns [p R, p R + r)
+    B[s]: [R, out_features]                          part p's (lora_B * scale)^T in rows [0, r) of
+                                                     its output columns (the part's h[p R : p R + R])
 
 R = ``max_lora_rank``; the zero rows and columns of a smaller rank or an untargeted part add exact
-zeros. Rows of the base model (no adapter) get nothing. Both matmuls go through
-``layers.matmul.linear`` with the projection's ``MatmulConfig``, so in batch-invariant mode each
-row's delta has the same bits whatever the other rows of its group (docs/determinism.md).
+zeros. Rows of the base model (slot -1) get nothing. One op per projection and step,
+``ops.add_lora_linear`` (csrc/cpu/lora.cpp: the rows tiled by slot, each slot's A and B read once per
+tile, the shrink kept in float32, each row's sums in a fixed order: a row's delta has the same bits
+whatever the other rows; docs/lora.md, docs/determinism.md).
 """
 from __future__ import annotations
 
@@ -20,36 +21,37 @@ from typing import Optional
 
 import torch
 
-from pagedgen.layers.matmul import linear, pack_pairs, pack_panels
+from pagedgen import ops
 
 
 @dataclass
 class LoRABatch:
-    """The step's rows grouped by adapter slot, shared by every adapted layer (set by ``LoRAManager.prepare``).
+    """The step's adapter slot of each row, shared by every adapted layer (set by ``LoRAManager.prepare``).
 
-    ``groups``: (slot, its rows: indices [Tg] int64 on the model's device, a ``slice`` when they
-    are one run, or None for every row of the step).
-    Empty: no row has an adapter, and the layers add nothing.
+    ``slots``: [T] int32 on the model's device, each row's slot (-1: the base model), or None when no
+    row has an adapter (the layers then add nothing). ``used``: the slots the step's rows use.
     """
 
-    groups: list = field(default_factory=list)
+    slots: Optional[torch.Tensor] = None
+    used: frozenset = field(default_factory=frozenset)
 
 
 class LoRALayer:
     """The adapter slots of one projection (``layer.lora``; ``LinearBase.forward`` calls ``add_delta``).
 
     Args:
-        base: the projection (its ``input_size``, ``output_shards`` / ``output_size``, ``matmul``
-            config, and the device of its weight), after ``prepare_matmuls``. Under tensor
-            parallelism A and B are sharded like the weight they adapt: a column-parallel
-            projection keeps A whole and its rows of each part's B; a row-parallel one its columns
-            of A and B whole, its partial delta added before the all-reduce (which sums the shrink).
+        base: the projection (its ``input_size``, ``output_shards`` / ``output_size``, and its weight's
+            dtype and device), after ``prepare_matmuls``. Under tensor parallelism A and B are sharded
+            like the weight they adapt: a column-parallel projection keeps A whole and its rows of each
+            part's B; a row-parallel one its columns of A and B whole, its partial delta added before
+            the all-reduce (which sums the shrink).
         num_parts: its parts along the output features (1, 2 or 3).
         max_loras, max_rank: the slots and their width.
-        batch: the step's row groups (shared).
+        batch: the step's row slots (shared).
 
-    A slot's A and B are kept as the base weights are (``pack``: the config's dtype, in panels or
-    bf16 pairs where the base's are), so the delta's matmuls are batch-invariant the same way.
+    ``a`` [max_loras, in, P R] and ``b`` [max_loras, R, out] are allocated once (vLLM's stacked
+    ``lora_a_stacked`` / ``lora_b_stacked``), in the base weight's dtype (float32 over int8 / FP8
+    weights); an empty slot is zeros.
     """
 
     def __init__(self, base, num_parts: int, max_loras: int, max_rank: int, batch: LoRABatch) -> None:
@@ -58,59 +60,44 @@ class LoRALayer:
         assert len(sizes) == num_parts, (sizes, num_parts)
         self.part_offsets = [sum(sizes[:p]) for p in range(num_parts)]
         self.part_sizes = sizes
-        self.a: list = [None] * max_loras  # per slot: A [P R, in], packed as the base weight
-        self.b: list = [None] * max_loras  # per slot: B * scale [out, P R], block-diagonal, packed
+        w = base.weight
+        dtype = w.dtype if w.is_floating_point() and w.element_size() > 1 else torch.float32  # int8 / FP8 weights: A and B stay float
+        self.a = torch.zeros(max_loras, base.input_size, num_parts * max_rank, dtype=dtype, device=w.device)  # [S, in, P R]
+        self.b = torch.zeros(max_loras, max_rank, base.output_size, dtype=dtype, device=w.device)  # [S, R, out]
+        self.loaded = [False] * max_loras  # whether the slot's adapter adapts this projection
 
     def set_slot(self, slot: int, parts: dict, scale: float) -> None:
         """Load one adapter into ``slot``: ``parts`` {part index: (A [r, in], B [out_part, r]) float32}; none: it adapts nothing here."""
+        self.clear_slot(slot)
         if not parts:
-            self.clear_slot(slot)
             return
-        R, device, base = self.rank, self.base.weight.device, self.base
-        a = torch.zeros(self.num_parts * R, base.input_size)  # [P R, in] float32 (per rank)
-        b = torch.zeros(base.output_size, self.num_parts * R)  # [out, P R]
+        R, base = self.rank, self.base
+        a = torch.zeros(base.input_size, self.num_parts * R)  # [in, P R] float32 (per rank)
+        b = torch.zeros(R, base.output_size)  # [R, out]
         for p, (pa, pb) in parts.items():
             r = pa.shape[0]
             if base.tp is not None and base.tp_split == "in":  # row-parallel: this rank's input columns of A
                 pa = pa.narrow(1, base.tp.rank * base.input_size, base.input_size)
             elif base.tp is not None:  # column-parallel: this rank's rows of the part's B, as of its weight
                 pb = pb.narrow(0, base.tp.rank * self.part_sizes[p], self.part_sizes[p])
-            a[p * R : p * R + r] = pa
+            a[:, p * R : p * R + r] = pa.t()
             off = self.part_offsets[p]
-            b[off : off + self.part_sizes[p], p * R : p * R + r] = pb * scale  # scale folded in float32, rounded once
-        config, w = self.base.matmul, self.base.weight
-        dtype = w.dtype if w.is_floating_point() and w.element_size() > 1 else torch.float32  # int8 / FP8 weights: A and B stay float
-        self.a[slot], self.b[slot] = pack(a.to(device), config, dtype), pack(b.to(device), config, dtype)
+            b[:r, off : off + self.part_sizes[p]] = (pb * scale).t()  # scale folded in float32, rounded once
+        self.a[slot].copy_(a)
+        self.b[slot].copy_(b)
+        self.loaded[slot] = True
 
     def clear_slot(self, slot: int) -> None:
-        self.a[slot] = self.b[slot] = None
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.loaded[slot] = False
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y [T, out] += each row's delta; x [T, in] (the projection's input)."""
-        config, pr, out = self.base.matmul, self.num_parts * self.rank, self.base.output_size
-        for slot, rows in self.batch.groups:
-            a = self.a[slot]
-            if a is None:  # the slot's adapter does not adapt this projection
-                continue
-            gather = isinstance(rows, torch.Tensor)
-            xs = x.index_select(0, rows) if gather else x if rows is None else x[rows]  # [Tg, in]
-            d = linear(linear(xs, a, None, config, pr), self.b[slot], None, config, out)  # [Tg, P R] -> [Tg, out]
-            if gather:
-                y.index_add_(0, rows, d)
-            else:
-                (y if rows is None else y[rows]).add_(d)
-
-
-def pack(w: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:
-    """``w`` [N, K] float32 as ``prepare_matmuls`` keeps a weight under ``config``: its weight dtype,
-    in panels or bf16 pairs when the config packs them; dense otherwise (no oneDNN prepack: the GEMM
-    then runs in the config's row blocks). Without a config: ``dtype``, dense."""
-    if config is None:
-        return w.to(dtype)
-    w = w.to(config.weight_dtype)
-    if config.pairs:
-        return pack_pairs(w)
-    return pack_panels(w) if config.panels else w
+        """y [T, out] += each row's delta (in place); x [T, in] (the projection's input)."""
+        slots = self.batch.slots
+        if slots is None or not any(self.loaded[s] for s in self.batch.used):  # no row's adapter adapts this projection
+            return
+        ops.add_lora_linear(y, x if x.stride(-1) == 1 else x.contiguous(), self.a, self.b, slots, self.part_sizes)
 
 
 def lora_layers(model) -> list[tuple[int, str, object]]:

@@ -1,11 +1,11 @@
 """The worker's adapters: ``max_loras`` device slots (LRU), a host cache of ``max_cpu_loras`` loaded
-adapters (LRU), and each step's row groups (vLLM's ``LoRAModelManager`` / punica's mapping, in one
+adapters (LRU), and each step's row slots (vLLM's ``LoRAModelManager`` / punica's mapping, in one
 small object).
 
     step: seqs s_0..s_{n-1}, rows [q_i, q_{i+1}) each, adapter id a_i (0: the base model)
       -> slot of each distinct a_i != 0 (loaded from the host cache, or from disk, on a miss; the
          least recently used slot not needed by this step is reused)
-      -> LoRABatch.groups = [(slot, rows of its sequences)]; every adapted layer reads it
+      -> LoRABatch.slots = [T] int32, each row's slot (-1: none); every adapted layer reads it
 
 The scheduler never plans more distinct adapters in a step than ``max_loras`` (core/scheduler.py),
 so a step always finds its slots.
@@ -46,36 +46,30 @@ class LoRAManager:
         self.num_slot_loads = 0
 
     def prepare(self, seqs: Sequence, query_start_loc: Sequence[int]) -> None:
-        """Set the step's row groups: ``seqs[i]`` (its ``lora_request``) owns rows
-        ``[query_start_loc[i], query_start_loc[i + 1])`` of the flat batch."""
-        rows: dict[int, list[int]] = {}
+        """Set the step's row slots: ``seqs[i]`` (its ``lora_request``) owns rows
+        ``[query_start_loc[i], query_start_loc[i + 1])`` of the flat batch. One [T] int32 tensor for
+        every adapted layer of the step (one host-to-device copy)."""
         requests = {}
         for i, seq in enumerate(seqs):
             lr = seq.lora_request
             if lr is not None and query_start_loc[i + 1] > query_start_loc[i]:
-                rows.setdefault(lr.lora_int_id, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
                 requests[lr.lora_int_id] = lr
-        self.batch.groups = []
-        if not rows:
+        self.batch.slots, self.batch.used = None, frozenset()
+        if not requests:
             return
-        if len(rows) > self.config.max_loras:  # the scheduler's bound; a plain error, not a wrong answer
-            raise RuntimeError(f"a step with {len(rows)} distinct adapters, more than max_loras={self.config.max_loras}")
-        total = query_start_loc[len(seqs)]
-        groups = []
-        for lora_id, idx in rows.items():
-            slot = self._slot(requests[lora_id], rows)
-            if len(idx) == total:
-                sel = None  # every row: no gather
-            elif idx[-1] - idx[0] + 1 == len(idx):
-                sel = slice(idx[0], idx[-1] + 1)  # one run of rows (a prefill, neighbours of one adapter): views
-            else:
-                sel = torch.tensor(idx, dtype=torch.int64).to(self.device)  # [Tg]
-            groups.append((slot, sel))
-        self.batch.groups = groups
+        if len(requests) > self.config.max_loras:  # the scheduler's bound; a plain error, not a wrong answer
+            raise RuntimeError(f"a step with {len(requests)} distinct adapters, more than max_loras={self.config.max_loras}")
+        slot_of = {lora_id: self._slot(lr, requests) for lora_id, lr in requests.items()}
+        rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            lr = seq.lora_request
+            rows += [-1 if lr is None else slot_of[lr.lora_int_id]] * (query_start_loc[i + 1] - query_start_loc[i])
+        self.batch.slots = torch.tensor(rows, dtype=torch.int32).to(self.device)  # [T]
+        self.batch.used = frozenset(slot_of.values())
 
     def clear(self) -> None:
         """No adapter for the next forward (a forward run outside ``prepare``: profiling, drafts)."""
-        self.batch.groups = []
+        self.batch.slots, self.batch.used = None, frozenset()
 
     def _slot(self, lora, needed) -> int:
         """The slot holding ``lora`` (loading it into the least recently used slot the step does not need)."""

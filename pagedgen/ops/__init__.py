@@ -10,7 +10,9 @@ which is transformers' (or torch's) own sequence of PyTorch ops, is the implemen
 ``packed_linear`` (the GEMM on panel-packed weights) has a CPU kernel in builds with AVX2 and FMA;
 ``pagedgen.layers.linear`` chooses it only where ``has_kernel("packed_linear")``. ``packed_linear_bf16``
 (the same GEMM for bf16 on weights packed in bf16 pairs, vdpbf16ps) has a CPU kernel in builds with
-AVX512-BF16, chosen only where ``has_kernel("packed_linear_bf16")``.
+AVX512-BF16, chosen only where ``has_kernel("packed_linear_bf16")``. ``add_lora_linear`` (every row's
+LoRA delta of one projection, by adapter slot) has a CPU kernel in builds with AVX2 and FMA; its
+reference runs elsewhere (a GPU, no AVX2).
 
 The 1-byte KV cache (``kv_cache_dtype`` int8 / fp8) goes through ``reshape_and_cache_quantized`` and
 ``paged_attention_quantized`` (``kv_quant.py``: PyTorch around the float attention op and
@@ -38,8 +40,8 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-    "silu_and_mul", "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear", "has_kernel", "cpu_isa",
-    "cpu_isa_features",
+    "silu_and_mul", "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear", "add_lora_linear", "has_kernel",
+    "cpu_isa", "cpu_isa_features",
 ]
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
@@ -227,3 +229,15 @@ def int8_linear(out, input, weight, weight_scale, input_scale=None, bias=None) -
             or a weight that is not int8 / scales that are not float32.
     """
     _fused_impl("int8_linear", input.device.type)(out, input, weight, weight_scale, input_scale, bias)
+
+
+def add_lora_linear(out, input, lora_a, lora_b, slots, output_slices) -> None:
+    """out [M, N] += each row's LoRA delta: row m of input [M, K] through the adapter in slot
+    ``slots[m]`` (int32 [M], -1: none), lora_a [S, K, P R] (A^T, parts side by side), lora_b [S, R, N]
+    ((scale B)^T), ``output_slices`` the P parts' sizes (summing to N). The CPU kernel (AVX2 + FMA;
+    batch-invariant by construction), else :func:`pagedgen.ops.reference.add_lora_linear`.
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes, dtypes or strides that do not fit, a slot outside [-1, S).
+    """
+    _fused_impl("add_lora_linear", input.device.type)(out, input, lora_a, lora_b, slots, list(output_slices))

@@ -82,6 +82,14 @@ def _int8_linear(out, input, weight, weight_scale, input_scale, bias) -> None:
     torch._check(weight.shape[1] == (input.shape[1] + 1) // 2, lambda: f"weight {weight.shape} does not fit input {input.shape}")
 
 
+def _add_lora_linear(out, input, lora_a, lora_b, slots, output_slices) -> None:
+    # out: [M, N]; input: [M, K]; lora_a: [S, K, P R]; lora_b: [S, R, N]; slots: [M]
+    torch._check(out.shape[0] == input.shape[0] == slots.shape[0],
+                 lambda: f"out {out.shape}, input {input.shape}, slots {slots.shape} differ in rows")
+    torch._check(lora_a.shape[1] == input.shape[1], lambda: f"lora_a {lora_a.shape} does not fit input {input.shape}")
+    torch._check(lora_b.shape[2] == out.shape[1], lambda: f"lora_b {lora_b.shape} does not fit out {out.shape}")
+
+
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
@@ -96,6 +104,7 @@ _FAKES = {
     "packed_linear": _packed_linear,
     "packed_linear_bf16": _packed_linear_bf16,
     "int8_linear": _int8_linear,
+    "add_lora_linear": _add_lora_linear,
 }
 
 

@@ -255,3 +255,28 @@ def int8_linear(
     if bias is not None:
         y = y + bias.float()
     out.copy_(y)
+
+
+def add_lora_linear(
+    out: torch.Tensor,  # [M, N] float32, bfloat16 or float16 (input's dtype), += each row's delta in place
+    input: torch.Tensor,  # [M, K]
+    lora_a: torch.Tensor,  # [S, K, P R]: A^T of each slot, parts side by side
+    lora_b: torch.Tensor,  # [S, R, N]: (scale B)^T of each slot, lora_a's dtype
+    slots: torch.Tensor,  # [M] int32: the row's slot, -1 for none
+    output_slices: list,  # P sizes summing to N
+) -> None:
+    """Multi-LoRA (punica's SGMV, vLLM's ``add_lora_linear``): for each row m with ``s = slots[m] >= 0``,
+    ``h = input[m] @ lora_a[s]`` in float32, then ``out[m, n] += h[p R : (p + 1) R] @ lora_b[s, :, n]``
+    for n in output slice p (``output_slices``' p-th run of columns), rounded once to out's dtype; rows
+    of slot -1 are left as they are. The kernel sums over k and i in order; this reference runs every
+    slot over every row with torch's GEMMs (no host sync: the GPU's path), so the two agree to float32
+    rounding, not bitwise."""
+    R = lora_b.shape[1]
+    x = input.float()
+    delta = torch.zeros(out.shape, dtype=torch.float32, device=out.device)  # [M, N]
+    for s in range(lora_a.shape[0]):
+        h = x @ lora_a[s].float()  # [M, P R]
+        parts = [hp @ bp for hp, bp in zip(h.split(R, dim=1), lora_b[s].float().split(list(output_slices), dim=1))]
+        d = torch.cat(parts, dim=1) if parts else delta  # [M, N]
+        delta = torch.where((slots == s)[:, None], d, delta)
+    out.copy_(torch.where((slots >= 0)[:, None], out.float() + delta, out.float()))

@@ -135,7 +135,7 @@ class ModelRunner:
         pooling: run a pooling model (``LLM(runner="pooling")``): every sequence's final hidden
             states are pooled (worker/pooler.py) instead of sampled.
         lora: a ``LoRAManager`` (pagedgen/lora/manager.py) when LoRA is on: before each forward it
-            loads the step's adapters into their slots and groups the rows by adapter.
+            loads the step's adapters into their slots and gives each row its adapter's slot.
     """
 
     def __init__(

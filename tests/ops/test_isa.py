@@ -167,6 +167,12 @@ if o.has_kernel("kv_dequantize_blocks"):
     a, b = torch.empty(3, bs, kvh, hd, dtype=torch.bfloat16), torch.empty(3, bs, kvh, hd, dtype=torch.bfloat16)
     o.kv_dequantize_blocks(a, codes, scales, torch.tensor([4, 0, 4])); ref.kv_dequantize_blocks(b, codes, scales, torch.tensor([4, 0, 4]))
     res["kv_dequantize_blocks"] = float((a.float() - b.float()).abs().max())
+if o.has_kernel("add_lora_linear"):
+    la, lb = torch.randn(3, 64, 24) * 0.1, torch.randn(3, 8, 100) * 0.1
+    inp, y0, slots = torch.randn(7, 64), torch.randn(7, 100), torch.tensor([0, -1, 2, 1, 2, 0, -1], dtype=torch.int32)
+    a, b = y0.clone(), y0.clone()
+    o.add_lora_linear(a, inp, la, lb, slots, [50, 30, 20]); ref.add_lora_linear(b, inp, la, lb, slots, [50, 30, 20])
+    res["add_lora_linear"] = float((a - b).abs().max())
 print(json.dumps(res))
 """
 
