@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pagedgen import ops
 from pagedgen.outputs import Logprob
 
 #: prompt-logprob rows whose logits (and float32 copies) are held at once: for a vocabulary of
@@ -47,18 +48,16 @@ def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k_max: int) -
     """The numbers of ``logprob_dicts`` packed on the logits' device, for one copy to the host:
     [R, 3 + 2 * k_max] float64 = (chosen id, its logprob, its rank, the top k_max logprobs, their
     ids). float64 holds float32 values and token ids (< 2**53) exactly. ``logits``: [R, V] raw
-    logits, any float dtype (float32 used as is, others converted: one [R, V] float32 copy);
-    ``token_ids``: [R] int64. Each logprob is ``logit - logsumexp(row)`` in float32; no [R, V]
-    log-softmax is made."""
-    x = logits.float()  # [R, V] float32 (no copy when it is already)
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1]
-    chosen = x.gather(1, token_ids.unsqueeze(1))  # [R, 1] logits
-    ranks = (x >= chosen).sum(dim=-1, keepdim=True)  # [R, 1]: the same order as the logprobs
-    parts = [token_ids.unsqueeze(1).double(), (chosen - lse).double(), ranks.double()]
-    if k_max:
-        top_x, top_ids = top_logprobs(x, k_max)  # [R, k_max], descending
-        parts += [(top_x - lse).double(), top_ids.double()]
-    return torch.cat(parts, dim=1)
+    logits, float32, bfloat16 or float16 (the last dim contiguous); ``token_ids``: [R] int64 in
+    [0, V); 0 <= k_max <= V. Each logprob is ``logit - logsumexp(row)`` in float32; no [R, V]
+    log-softmax is made. Through ``ops.logprob_topk``: on the CPU one kernel, two passes over each
+    row in the logits' own dtype (k_max up to ``ops.LOGPROB_TOPK_MAX``); elsewhere its PyTorch
+    reference. Raises RuntimeError (the kernel) on a token id outside [0, V)."""
+    out = torch.empty(logits.shape[0], 3 + 2 * k_max, dtype=torch.float64, device=logits.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    ops.logprob_topk(out, logits, token_ids, k_max)
+    return out
 
 
 def chunked_logprob_tensors(
@@ -92,21 +91,3 @@ def unpack_logprob_dicts(packed: torch.Tensor, num_logprobs: list[int]) -> list[
             d[int(row[3 + k_max + j])] = Logprob(row[3 + j], j + 1)
         out.append(d)
     return out
-
-
-def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of each row: (values [R, k], token ids [R, k] int64), by value descending
-    and, among equal values, by token id ascending (whatever the other rows). ``logprobs``: [R, V]
-    float32 (logits or logprobs: the same order), 1 <= k <= V."""
-    values = logprobs.topk(k, dim=-1).values  # [R, k]: the k largest values themselves are exact
-    rows, ids = (logprobs >= values[:, -1:]).nonzero(as_tuple=True)  # candidates, row-major: ids ascending
-    counts = torch.bincount(rows, minlength=logprobs.shape[0])  # [R], >= k unless a row holds NaN
-    # NOTE: nonzero above already waits for the device; this test adds no further sync
-    if bool((counts < k).any()):
-        return logprobs.topk(k, dim=-1)
-    cand = logprobs[rows, ids]
-    order = cand.sort(descending=True, stable=True).indices  # by value; stable: ids ascending among ties
-    order = order[rows[order].sort(stable=True).indices]  # then by row, keeping that order within rows
-    starts = counts.cumsum(0) - counts  # [R]: each row's first candidate
-    take = order[(starts.unsqueeze(1) + torch.arange(k, device=logprobs.device)).view(-1)].view(-1, k)  # [R, k]
-    return cand[take], ids[take]
