@@ -10,8 +10,9 @@ Throughput. The same requests (TinyStories openings, the throughput benchmark's 
 ``logprobs=5, prompt_logprobs=0`` and without logprobs, alternating run by run (off, on, off, on,
 ...) so that both see the same machine load; output tokens/s, medians compared. Target: on >= 0.9x
 off. A logprob request never takes a [rows, vocab] log-softmax (one log-sum-exp per row,
-sample/logprobs.py), but its prompt rows still go through the lm_head, which requests without
-prompt logprobs skip.
+sample/logprobs.py; on the CPU one kernel, pagedgen::logprob_topk, two passes over each row's
+logits in their own dtype), but its prompt rows still go through the lm_head, which requests
+without prompt logprobs skip.
 
 Memory. One prompt of ``--long-prompt`` tokens (2,047 by default: a 2,048-token context with the
 one sampled token), one step (``max_num_batched_tokens`` covers it), in a fresh process per setting:

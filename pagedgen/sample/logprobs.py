@@ -6,18 +6,29 @@ with the sampling settings, and a prompt token's logprob at position i is log_so
 position i - 1)[token i] (the model's prediction from the tokens before it).
 
 At the cost of what is asked: a row's log-softmax is never materialised. One log-sum-exp per row
-(``lse``, [R, 1]) and the logits of the tokens asked for give ``logit - lse``: the chosen token's,
-and the top k's, found on the logits themselves (the log-softmax is the logits shifted by one number
-per row: the same order). Prompt logprobs run over their rows in chunks of
+and the logits of the tokens asked for give ``logit - lse``: the chosen token's, and the top k's,
+found on the logits themselves (the log-softmax is the logits shifted by one number per row: the
+same order). On the CPU one kernel does it all (``ops.logprob_topk``, csrc/cpu/logprobs.cpp, for
+up to ``ops.LOGPROB_TOPK_MAX`` = 20 top logprobs, vLLM's default max_logprobs): two passes over
+each row in the logits' own dtype (bf16 read as it is), the first for the maximum, the rank count and
+the top k (a sorted buffer of k entries that a block of logits enters only when one of them beats
+its smallest), the second for the sum of exponentials; where the five passes of the PyTorch
+reference it replaced (a float32 copy, ``logsumexp``, the rank count, ``topk``, the ties'
+``nonzero``) made logprob requests cost 0.74x the throughput of the same requests without
+(benchmarks/logprobs_cost.py, issue 50). Elsewhere (a GPU, more than 20 top logprobs) that
+reference runs (``ops.reference.logprob_topk``). Prompt logprobs run over their rows in chunks of
 ``PROMPT_LOGPROB_CHUNK_ROWS`` (``chunked_logprob_tensors``): the lm_head's logits of a chunk, its
 numbers, the next chunk; so a long prompt never holds [prompt_len, vocab] floats at once
-(benchmarks/logprobs_cost.py measures it).
+(benchmarks/logprobs_cost.py measures it). The lm_head over the prompt rows is what prompt logprobs
+cost beyond that: requests without them skip it.
 
 Ranks follow vLLM: the chosen token's rank is the number of tokens at least as likely as it (1 for
 the most likely), counted on the logits; the top-k tokens get ranks 1..k in order. Equal logits
 (frequent with bf16) are ordered by token id, lowest first: ``torch.topk`` leaves the order of ties
 to its algorithm, which may vary with the number of rows, and a row's logprobs must not depend on
-the other rows of its step (docs/determinism.md).
+the other rows of its step (docs/determinism.md). The kernel sums each row in a fixed order, so a
+row's bits do not depend on the others either; its log-sum-exp is within about 1e-6 relative of
+torch's (another order of the same sum).
 """
 from __future__ import annotations
 
@@ -28,8 +39,8 @@ import torch
 from pagedgen import ops
 from pagedgen.outputs import Logprob
 
-#: prompt-logprob rows whose logits (and float32 copies) are held at once: for a vocabulary of
-#: 49,152, 256 rows are 48 MiB of float32 logits, whatever the prompt's length
+#: prompt-logprob rows whose logits are held at once (and, off the CPU kernel, their float32 copy):
+#: for a vocabulary of 49,152, 256 rows are 48 MiB of float32 logits, whatever the prompt's length
 PROMPT_LOGPROB_CHUNK_ROWS = 256
 
 
@@ -68,8 +79,7 @@ def chunked_logprob_tensors(
     chunk_rows: Optional[int] = None,  # None: PROMPT_LOGPROB_CHUNK_ROWS
 ) -> torch.Tensor:
     """``logprob_tensors`` of ``compute_logits(hidden)`` [R, 3 + 2 * k_max] float64, computed
-    ``chunk_rows`` rows at a time: at most [chunk_rows, V] logits (and their float32 copy) are held
-    at once. Every rank of a tensor-parallel group calls it with the same rows (``compute_logits``
+    ``chunk_rows`` rows at a time: at most [chunk_rows, V] logits are held at once. Every rank of a tensor-parallel group calls it with the same rows (``compute_logits``
     may gather across ranks). A row's numbers do not depend on the chunk it falls in (the lm_head's
     GEMM and the reductions are per row: docs/determinism.md)."""
     chunk_rows = chunk_rows or PROMPT_LOGPROB_CHUNK_ROWS

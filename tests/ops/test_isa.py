@@ -167,6 +167,13 @@ if o.has_kernel("kv_dequantize_blocks"):
     a, b = torch.empty(3, bs, kvh, hd, dtype=torch.bfloat16), torch.empty(3, bs, kvh, hd, dtype=torch.bfloat16)
     o.kv_dequantize_blocks(a, codes, scales, torch.tensor([4, 0, 4])); ref.kv_dequantize_blocks(b, codes, scales, torch.tensor([4, 0, 4]))
     res["kv_dequantize_blocks"] = float((a.float() - b.float()).abs().max())
+if o.has_kernel("logprob_topk"):
+    z, t = (torch.randn(7, 1003) * 3).to(torch.bfloat16), torch.randint(0, 1003, (7,))
+    a, b = torch.empty(7, 13, dtype=torch.float64), torch.empty(7, 13, dtype=torch.float64)
+    o.logprob_topk(a, z, t, 5); ref.logprob_topk(b, z, t, 5)
+    exact = [0, 2] + list(range(8, 13))   # ids, ranks, top ids: equal, else the error is 1
+    lps = [1] + list(range(3, 8))
+    res["logprob_topk"] = float((a[:, lps] - b[:, lps]).abs().max()) if torch.equal(a[:, exact], b[:, exact]) else 1.0
 print(json.dumps(res))
 """
 
