@@ -10,7 +10,7 @@
 //   out[r, 3 + k : ]      their token ids
 //
 // Pass 1, in blocks of kUnroll kLanes-wide vectors (csrc/cpu/vec.h): the running maximum, the count of
-// x >= x[t] (an int32 per lane), a NaN flag, and the top k in a sorted buffer of at most kMaxTopK
+// x >= x[t] (an int32 per lane), a NaN flag, and the top k in a sorted buffer of at most 20
 // (value, id) entries, filled first with the row's first k entries. A block whose vectors hold no
 // element strictly above the buffer's smallest value is skipped with one compare per vector; an
 // element equal to it loses, since every entry already held has a lower id (so ties go to the lowest
