@@ -4,14 +4,22 @@ long prompt's prompt logprobs.
     python benchmarks/logprobs_cost.py                    # random-135m bf16: 256 TinyStories requests, 5 runs each; 2,048-token prompt
     python benchmarks/logprobs_cost.py --quick            # smoke run: stories260K, 32 requests, 2 runs each, a 500-token prompt
     python benchmarks/logprobs_cost.py --out /tmp/lp      # also logprobs_cost.json
+    python benchmarks/logprobs_cost.py --skip throughput --skip memory   # the kernel part alone (seconds)
 
 Throughput. The same requests (TinyStories openings, the throughput benchmark's workload: first
 4..24 words, per-request max_tokens drawn once from 16..256, greedy, ignore_eos) run on one LLM with
 ``logprobs=5, prompt_logprobs=0`` and without logprobs, alternating run by run (off, on, off, on,
 ...) so that both see the same machine load; output tokens/s, medians compared. Target: on >= 0.9x
 off. A logprob request never takes a [rows, vocab] log-softmax (one log-sum-exp per row,
-sample/logprobs.py), but its prompt rows still go through the lm_head, which requests without
-prompt logprobs skip.
+sample/logprobs.py; on the CPU one kernel, pagedgen::logprob_topk, two passes over each row's
+logits in their own dtype), but its prompt rows still go through the lm_head, which requests
+without prompt logprobs skip.
+
+Kernel. One decode step's logprobs on their own: ``ops.logprob_topk`` (on the CPU the kernel of
+csrc/cpu/logprobs.cpp) against its reference (the PyTorch code it replaced: a float32 copy,
+logsumexp, the rank count, topk and the ties' nonzero) on ``--kernel-rows`` rows of random logits
+of the model's vocabulary in ``--dtype``, k = ``--logprobs``; calls alternated, medians, in
+microseconds per row, beside one argmax over the same logits (a pass over them at memory speed).
 
 Memory. One prompt of ``--long-prompt`` tokens (2,047 by default: a 2,048-token context with the
 one sampled token), one step (``max_num_batched_tokens`` covers it), in a fresh process per setting:
@@ -47,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--logprobs", type=int, default=5, help="top-k logprobs per generated token of the 'on' runs")
     ap.add_argument("--long-prompt", type=int, default=2047, help="tokens of the memory measurement's prompt")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--skip", choices=("throughput", "memory"), default=None, help="leave one part out")
+    ap.add_argument("--kernel-rows", type=int, default=256, help="logits rows of the kernel part (a decode step's)")
+    ap.add_argument("--skip", choices=("throughput", "memory", "kernel"), action="append", default=[],
+                    help="leave a part out (repeat to leave out several)")
     ap.add_argument("--quick", action="store_true", help="stories260K, 32 requests, 2 runs, a 500-token prompt: a smoke run")
     ap.add_argument("--out", default=None, help="folder for logprobs_cost.json")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)  # internal: one setting, in a fresh process
@@ -56,8 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         shared = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared")
         args.model, args.dtype = os.path.join(shared, "models", "stories260K"), "float32"
         args.num_prompts, args.repeats, args.long_prompt = min(args.num_prompts, 32), min(args.repeats, 2), min(args.long_prompt, 500)
-    if min(args.num_prompts, args.repeats, args.long_prompt) < 1 or args.max_tokens < 16 or args.logprobs < 0:
-        ap.error("--num-prompts, --repeats, --long-prompt must be >= 1, --max-tokens >= 16, --logprobs >= 0")
+        args.kernel_rows = min(args.kernel_rows, 32)
+    if min(args.num_prompts, args.repeats, args.long_prompt, args.kernel_rows) < 1 or args.max_tokens < 16 or args.logprobs < 0:
+        ap.error("--num-prompts, --repeats, --long-prompt, --kernel-rows must be >= 1, --max-tokens >= 16, --logprobs >= 0")
     return args
 
 
@@ -106,6 +117,39 @@ def throughput(args, folder: str) -> dict:
             "machine": _roofline.describe_machine(_roofline.machine()),
             # the workload's matmul FLOPs (the lm_head on sampled rows only) per second, each setting
             "share": {name: flops * statistics.median(r) / useful / peak["peak"] for name, r in runs.items()}}
+
+
+def kernel(args, folder: str) -> dict:
+    """The kernel part: ops.logprob_topk against its reference on one step's rows (see the top)."""
+    import torch
+
+    from pagedgen import ops
+    from pagedgen.ops import reference
+
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    rows, k = args.kernel_rows, args.logprobs
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(getattr(torch, args.dtype))
+    ids = torch.randint(0, vocab, (rows,), generator=gen)
+    outs = {name: torch.empty(rows, 3 + 2 * k, dtype=torch.float64) for name in ("kernel", "reference")}
+    calls = {
+        "kernel": lambda: ops.logprob_topk(outs["kernel"], logits, ids, k),
+        "reference": lambda: reference.logprob_topk(outs["reference"], logits, ids, k),
+        "argmax": lambda: ops.argmax(torch.empty(rows, dtype=torch.int64), logits),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(max(3, 4 * args.repeats)):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    us = {name: statistics.median(t) / rows * 1e6 for name, t in times.items()}
+    same = bool(torch.equal(outs["kernel"][:, [0, 2] + list(range(3 + k, 3 + 2 * k))],
+                            outs["reference"][:, [0, 2] + list(range(3 + k, 3 + 2 * k))]))
+    return {"rows": rows, "vocab": vocab, "dtype": args.dtype, "logprobs": k, "threads": torch.get_num_threads(),
+            "kernel_loaded": ops.has_kernel("logprob_topk") and k <= ops.LOGPROB_TOPK_MAX, "us_per_row": us,
+            "speedup": us["reference"] / us["kernel"], "same_ids_and_ranks": same}
 
 
 def memory_child(args, folder: str, setting: str) -> dict:
@@ -162,7 +206,7 @@ def main(argv=None):
         print(json.dumps(report))
         return report
     report = {}
-    if args.skip != "throughput":
+    if "throughput" not in args.skip:
         t = report["throughput"] = throughput(args, folder)
         print(f"throughput, {t['model']} {t['dtype']}, {t['requests']} requests, {t['output_tokens']} output tokens, "
               f"{t['threads']} threads: without logprobs {t['median_off']:.0f} tok/s, with logprobs={t['logprobs']} and "
@@ -171,7 +215,13 @@ def main(argv=None):
         print(f"  {t['machine']}")
         print(f"  share of the matmul peak {t['peak_flops'] / 1e9:,.1f} GFLOP/s: off {t['share']['off']:.1%}, on {t['share']['on']:.1%}"
               + (f" (peak not to be trusted: {'; '.join(t['peak_problems'])})" if t["peak_problems"] else ""))
-    if args.skip != "memory":
+    if "kernel" not in args.skip:
+        kr = report["kernel"] = kernel(args, folder)
+        print(f"kernel, {kr['rows']} rows of {kr['vocab']} {kr['dtype']} logits, k = {kr['logprobs']}, {kr['threads']} threads: "
+              f"logprob_topk {kr['us_per_row']['kernel']:.1f} us/row ({'the CPU kernel' if kr['kernel_loaded'] else 'NO kernel: the reference'}), "
+              f"its reference {kr['us_per_row']['reference']:.1f} us/row ({kr['speedup']:.1f}x), one argmax "
+              f"{kr['us_per_row']['argmax']:.1f} us/row; same ids and ranks: {kr['same_ids_and_ranks']}")
+    if "memory" not in args.skip:
         m = report["memory"] = memory(args)
         mib = 1 << 20
         print(f"memory, a {m['runs'][0]['prompt_tokens']}-token prompt in one step (one [prompt_len, vocab] float32 tensor: "

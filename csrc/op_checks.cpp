@@ -218,6 +218,29 @@ void block_mapping_values(const char* op, const int64_t* pairs, int64_t num_pair
   }
 }
 
+void logprob_topk(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& token_ids, int64_t k_max,
+                  c10::DeviceType kernel) {
+  const char* op = "logprob_topk";
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [num_rows, vocab] with vocab >= 1, got ",
+              logits.sizes());
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.size(0) == R, op, ": token_ids must be [", R, "] (one per row), got ",
+              token_ids.sizes());
+  TORCH_CHECK(k_max >= 0 && k_max <= std::min<int64_t>(V, kMaxLogprobTopK), op, ": k_max must be in [0, ",
+              std::min<int64_t>(V, kMaxLogprobTopK), "] (at most the vocab and ", kMaxLogprobTopK, "), got ", k_max);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == R && out.size(1) == 3 + 2 * k_max, op, ": out must be [", R, ", ",
+              3 + 2 * k_max, "] (3 + 2 * k_max columns), got ", out.sizes());
+  TORCH_CHECK(is_float(logits.scalar_type()), op, ": dtype must be float32, bfloat16 or float16, got ",
+              logits.scalar_type());
+  TORCH_CHECK(token_ids.scalar_type() == at::kLong, op, ": token_ids must be int64, got ", token_ids.scalar_type());
+  TORCH_CHECK(out.scalar_type() == at::kDouble, op, ": out must be float64, got ", out.scalar_type());
+  TORCH_CHECK((logits.stride(1) == 1 || V == 1) && out.stride(1) == 1, op, ": logits and out must have contiguous rows, got strides ",
+              logits.strides(), " and ", out.strides());
+  TORCH_CHECK(V <= INT_MAX, op, ": vocab must be below 2^31, got ", V);
+  same_device(op, kernel, logits.device(), {{"out", &out}, {"token_ids", &token_ids}});
+  writable_output(op, "out", out, {{"logits", &logits}, {"token_ids", &token_ids}});
+}
+
 void attention_shared_memory(int64_t head_size, size_t bytes, int64_t limit) {
   TORCH_CHECK(bytes <= size_t(limit), "paged_attention: head_size ", head_size, " needs ", bytes,
               " bytes of shared memory in the generic CUDA kernel, the device allows ", limit);

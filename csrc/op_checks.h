@@ -78,6 +78,18 @@ void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor&
 // 0 <= src < num_src and 0 <= dst < num_dst.
 void block_mapping_values(const char* op, const int64_t* pairs, int64_t num_pairs, int64_t num_src, int64_t num_dst);
 
+// The most top logprobs logprob_topk's kernels keep per row (vLLM's default max_logprobs); more go to
+// the PyTorch reference (pagedgen/ops/__init__.py).
+inline constexpr int kMaxLogprobTopK = 20;
+
+// logprob_topk: logits [R, V] float32 / bfloat16 / float16 with V >= 1 and contiguous rows (any row
+// stride); token_ids [R] int64 (any stride); 0 <= k_max <= min(V, kMaxLogprobTopK); out
+// [R, 3 + 2 * k_max] float64 with contiguous rows, overlapping neither input (writable_output); V
+// below 2^31; all on one device of the kernel's type. The token ids' values ([0, V)) are the
+// kernel's to check.
+void logprob_topk(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& token_ids, int64_t k_max,
+                  c10::DeviceType kernel);
+
 // A tensor an op writes (`name`, e.g. "out"): no two of its elements at one address (an `out` made by
 // as_strided or expand with a zero stride; at::has_internal_overlap), and no memory shared with any
 // of `inputs` (the kernels read their inputs after writing `out`, so neither an alias of an input

@@ -90,6 +90,13 @@ TORCH_LIBRARY(pagedgen, m) {
   // [num_rows, vocab] (the first maximal index; NaN counts as the maximum). A CPU kernel only.
   m.def("argmax(Tensor(a!) out, Tensor logits) -> ()");
 
+  // The sampler's logprobs (vLLM's, of the raw logits): for each row r of logits [num_rows, vocab]
+  // and its chosen token token_ids[r] (int64), out [num_rows, 3 + 2 * k_max] float64 = (the token,
+  // its logprob logit - logsumexp(row) in float32, its rank: how many logits are >= its logit, then
+  // the k_max largest logprobs by value descending, ties by lowest token id, then their token ids).
+  // 0 <= k_max <= min(vocab, 20). A row's result depends on that row only. A CPU kernel only.
+  m.def("logprob_topk(Tensor(a!) out, Tensor logits, Tensor token_ids, int k_max) -> ()");
+
   // The read of the 1-byte KV cache (kv_cache_dtype int8 / fp8, pagedgen/ops/kv_quant.py): out[u] =
   // codes[blocks[u]] dequantized, float(code) * float(scale) rounded to out's dtype; out [num_out,
   // block_size, num_kv_heads, head_size] float, codes [num_blocks, ...] int8 / float8, scales

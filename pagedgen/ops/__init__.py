@@ -5,7 +5,8 @@ several builds, one per instruction-set level, chosen at import (``isa.py``: ``c
 ``PAGEDGEN_CPU_ISA`` caps it).
 
 The model's fused small layers (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
-``silu_and_mul``) and the sampler's greedy ``argmax`` have CPU kernels only; elsewhere their reference,
+``silu_and_mul``), the sampler's greedy ``argmax`` and its logprobs ``logprob_topk`` (up to
+``LOGPROB_TOPK_MAX`` top logprobs) have CPU kernels only; elsewhere their reference,
 which is transformers' (or torch's) own sequence of PyTorch ops, is the implementation (no warning).
 ``packed_linear`` (the GEMM on panel-packed weights) has a CPU kernel in builds with AVX2 and FMA;
 ``pagedgen.layers.linear`` chooses it only where ``has_kernel("packed_linear")``. ``packed_linear_bf16``
@@ -40,9 +41,13 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-    "silu_and_mul", "argmax", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear", "add_lora_linear", "has_kernel",
-    "cpu_isa", "cpu_isa_features",
+    "silu_and_mul", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear",
+    "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
 ]
+
+#: the most top logprobs per row ``logprob_topk``'s kernel keeps (csrc/op_checks.h, vLLM's default
+#: max_logprobs); a larger k_max runs the reference
+LOGPROB_TOPK_MAX = 20
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
 
@@ -191,6 +196,23 @@ def argmax(out, logits) -> None:
             with a contiguous last dim, or not float32 / bfloat16 / float16.
     """
     _fused_impl("argmax", logits.device.type)(out, logits)
+
+
+def logprob_topk(out, logits, token_ids, k_max: int) -> None:
+    """out [num_rows, 3 + 2 * k_max] float64 = each row's (chosen id, its logprob, its rank, the top
+    k_max logprobs by value descending, ties by lowest id, their ids) for logits [num_rows, vocab]
+    (float32, bfloat16 or float16, read as they are; contiguous last dim, any row stride) and
+    token_ids [num_rows] int64. A logprob is ``logit - logsumexp(row)`` in float32. The CPU kernel
+    (two passes over each row; k_max <= ``LOGPROB_TOPK_MAX``), else
+    :func:`pagedgen.ops.reference.logprob_topk`: the same ids and ranks, logprobs within float32
+    rounding of the log-sum-exp (about 1e-6 relative).
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes or dtypes that do not fit together, k_max outside
+            [0, min(vocab, LOGPROB_TOPK_MAX)], a token id outside [0, vocab).
+    """
+    impl = _fused_impl("logprob_topk", logits.device.type) if k_max <= LOGPROB_TOPK_MAX else reference.logprob_topk
+    impl(out, logits, token_ids, k_max)
 
 
 def packed_linear(out, input, weight, bias=None) -> None:

@@ -60,6 +60,12 @@ def _argmax(out, logits) -> None:
     torch._check(out.shape == logits.shape[:1], lambda: f"out {out.shape} does not fit logits {logits.shape}")
 
 
+def _logprob_topk(out, logits, token_ids, k_max) -> None:
+    # out: [R, 3 + 2 * k_max]; logits: [R, V]; token_ids: [R]
+    torch._check(out.shape == (logits.shape[0], 3 + 2 * k_max), lambda: f"out {out.shape} does not fit logits {logits.shape}, k_max {k_max}")
+    torch._check(token_ids.shape == logits.shape[:1], lambda: f"token_ids {token_ids.shape} does not fit logits {logits.shape}")
+
+
 def _kv_dequantize_blocks(out, codes, scales, blocks) -> None:
     torch._check(out.shape[1:] == codes.shape[1:], lambda: f"out {out.shape} does not fit codes {codes.shape}")
 
@@ -100,6 +106,7 @@ _FAKES = {
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "argmax": _argmax,
+    "logprob_topk": _logprob_topk,
     "kv_dequantize_blocks": _kv_dequantize_blocks,
     "packed_linear": _packed_linear,
     "packed_linear_bf16": _packed_linear_bf16,

@@ -179,6 +179,47 @@ def argmax(
     out.copy_(logits.max(dim=-1).indices)
 
 
+def logprob_topk(
+    out: torch.Tensor,  # [num_rows, 3 + 2 * k_max] float64, written in place
+    logits: torch.Tensor,  # [num_rows, vocab] float32, bfloat16 or float16: the raw logits
+    token_ids: torch.Tensor,  # [num_rows] int64 in [0, vocab): the chosen token of each row
+    k_max: int,  # top logprobs per row, 0 <= k_max <= vocab
+) -> None:
+    """vLLM's logprobs of each row, packed: (chosen id, its logprob, its rank, the top k_max
+    logprobs, their ids). A logprob is ``logit - logsumexp(row)`` in float32 (no [rows, vocab]
+    log-softmax: the same order as the logits); the rank is the number of logits >= the chosen one;
+    the top k are by value descending, ties by lowest token id (``top_logprobs``). One [rows, vocab]
+    float32 copy of bf16/fp16 logits. float64 holds float32 values and token ids exactly."""
+    x = logits.float()  # [R, V] float32 (no copy when it is already)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1]
+    chosen = x.gather(1, token_ids.unsqueeze(1))  # [R, 1] logits
+    ranks = (x >= chosen).sum(dim=-1, keepdim=True)  # [R, 1]: the same order as the logprobs
+    parts = [token_ids.unsqueeze(1).double(), (chosen - lse).double(), ranks.double()]
+    if k_max:
+        top_x, top_ids = top_logprobs(x, k_max)  # [R, k_max], descending
+        parts += [(top_x - lse).double(), top_ids.double()]
+    out.copy_(torch.cat(parts, dim=1))
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row: (values [R, k], token ids [R, k] int64), by value descending
+    and, among equal values, by token id ascending (whatever the other rows; a batch holding a NaN
+    falls back to ``torch.topk``'s own order of ties). ``logprobs``: [R, V] float32 (logits or
+    logprobs: the same order), 1 <= k <= V."""
+    values = logprobs.topk(k, dim=-1).values  # [R, k]: the k largest values themselves are exact
+    rows, ids = (logprobs >= values[:, -1:]).nonzero(as_tuple=True)  # candidates, row-major: ids ascending
+    counts = torch.bincount(rows, minlength=logprobs.shape[0])  # [R], >= k unless a row holds NaN
+    # NOTE: nonzero above already waits for the device; this test adds no further sync
+    if bool((counts < k).any()):
+        return logprobs.topk(k, dim=-1)
+    cand = logprobs[rows, ids]
+    order = cand.sort(descending=True, stable=True).indices  # by value; stable: ids ascending among ties
+    order = order[rows[order].sort(stable=True).indices]  # then by row, keeping that order within rows
+    starts = counts.cumsum(0) - counts  # [R]: each row's first candidate
+    take = order[(starts.unsqueeze(1) + torch.arange(k, device=logprobs.device)).view(-1)].view(-1, k)  # [R, k]
+    return cand[take], ids[take]
+
+
 def packed_linear(
     out: torch.Tensor,  # [M, N], input's dtype, written in place
     input: torch.Tensor,  # [M, K] float32, bfloat16 or float16

@@ -6,18 +6,29 @@ with the sampling settings, and a prompt token's logprob at position i is log_so
 position i - 1)[token i] (the model's prediction from the tokens before it).
 
 At the cost of what is asked: a row's log-softmax is never materialised. One log-sum-exp per row
-(``lse``, [R, 1]) and the logits of the tokens asked for give ``logit - lse``: the chosen token's,
-and the top k's, found on the logits themselves (the log-softmax is the logits shifted by one number
-per row: the same order). Prompt logprobs run over their rows in chunks of
+and the logits of the tokens asked for give ``logit - lse``: the chosen token's, and the top k's,
+found on the logits themselves (the log-softmax is the logits shifted by one number per row: the
+same order). On the CPU one kernel does it all (``ops.logprob_topk``, csrc/cpu/logprobs.cpp, for
+up to ``ops.LOGPROB_TOPK_MAX`` = 20 top logprobs, vLLM's default max_logprobs): two passes over
+each row in the logits' own dtype (bf16 read as it is), the first for the maximum, the rank count and
+the top k (a sorted buffer of k entries that a block of logits enters only when one of them beats
+its smallest), the second for the sum of exponentials; where the five passes of the PyTorch
+reference it replaced (a float32 copy, ``logsumexp``, the rank count, ``topk``, the ties'
+``nonzero``) made logprob requests cost 0.74x the throughput of the same requests without
+(benchmarks/logprobs_cost.py, issue 50). Elsewhere (a GPU, more than 20 top logprobs) that
+reference runs (``ops.reference.logprob_topk``). Prompt logprobs run over their rows in chunks of
 ``PROMPT_LOGPROB_CHUNK_ROWS`` (``chunked_logprob_tensors``): the lm_head's logits of a chunk, its
 numbers, the next chunk; so a long prompt never holds [prompt_len, vocab] floats at once
-(benchmarks/logprobs_cost.py measures it).
+(benchmarks/logprobs_cost.py measures it). The lm_head over the prompt rows is what prompt logprobs
+cost beyond that: requests without them skip it.
 
 Ranks follow vLLM: the chosen token's rank is the number of tokens at least as likely as it (1 for
 the most likely), counted on the logits; the top-k tokens get ranks 1..k in order. Equal logits
 (frequent with bf16) are ordered by token id, lowest first: ``torch.topk`` leaves the order of ties
 to its algorithm, which may vary with the number of rows, and a row's logprobs must not depend on
-the other rows of its step (docs/determinism.md).
+the other rows of its step (docs/determinism.md). The kernel sums each row in a fixed order, so a
+row's bits do not depend on the others either; its log-sum-exp is within about 1e-6 relative of
+torch's (another order of the same sum).
 """
 from __future__ import annotations
 
@@ -25,10 +36,11 @@ from typing import Callable, Optional
 
 import torch
 
+from pagedgen import ops
 from pagedgen.outputs import Logprob
 
-#: prompt-logprob rows whose logits (and float32 copies) are held at once: for a vocabulary of
-#: 49,152, 256 rows are 48 MiB of float32 logits, whatever the prompt's length
+#: prompt-logprob rows whose logits are held at once (and, off the CPU kernel, their float32 copy):
+#: for a vocabulary of 49,152, 256 rows are 48 MiB of float32 logits, whatever the prompt's length
 PROMPT_LOGPROB_CHUNK_ROWS = 256
 
 
@@ -47,18 +59,16 @@ def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k_max: int) -
     """The numbers of ``logprob_dicts`` packed on the logits' device, for one copy to the host:
     [R, 3 + 2 * k_max] float64 = (chosen id, its logprob, its rank, the top k_max logprobs, their
     ids). float64 holds float32 values and token ids (< 2**53) exactly. ``logits``: [R, V] raw
-    logits, any float dtype (float32 used as is, others converted: one [R, V] float32 copy);
-    ``token_ids``: [R] int64. Each logprob is ``logit - logsumexp(row)`` in float32; no [R, V]
-    log-softmax is made."""
-    x = logits.float()  # [R, V] float32 (no copy when it is already)
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1]
-    chosen = x.gather(1, token_ids.unsqueeze(1))  # [R, 1] logits
-    ranks = (x >= chosen).sum(dim=-1, keepdim=True)  # [R, 1]: the same order as the logprobs
-    parts = [token_ids.unsqueeze(1).double(), (chosen - lse).double(), ranks.double()]
-    if k_max:
-        top_x, top_ids = top_logprobs(x, k_max)  # [R, k_max], descending
-        parts += [(top_x - lse).double(), top_ids.double()]
-    return torch.cat(parts, dim=1)
+    logits, float32, bfloat16 or float16 (the last dim contiguous); ``token_ids``: [R] int64 in
+    [0, V); 0 <= k_max <= V. Each logprob is ``logit - logsumexp(row)`` in float32; no [R, V]
+    log-softmax is made. Through ``ops.logprob_topk``: on the CPU one kernel, two passes over each
+    row in the logits' own dtype (k_max up to ``ops.LOGPROB_TOPK_MAX``); elsewhere its PyTorch
+    reference. Raises RuntimeError (the kernel) on a token id outside [0, V)."""
+    out = torch.empty(logits.shape[0], 3 + 2 * k_max, dtype=torch.float64, device=logits.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    ops.logprob_topk(out, logits, token_ids, k_max)
+    return out
 
 
 def chunked_logprob_tensors(
@@ -69,8 +79,7 @@ def chunked_logprob_tensors(
     chunk_rows: Optional[int] = None,  # None: PROMPT_LOGPROB_CHUNK_ROWS
 ) -> torch.Tensor:
     """``logprob_tensors`` of ``compute_logits(hidden)`` [R, 3 + 2 * k_max] float64, computed
-    ``chunk_rows`` rows at a time: at most [chunk_rows, V] logits (and their float32 copy) are held
-    at once. Every rank of a tensor-parallel group calls it with the same rows (``compute_logits``
+    ``chunk_rows`` rows at a time: at most [chunk_rows, V] logits are held at once. Every rank of a tensor-parallel group calls it with the same rows (``compute_logits``
     may gather across ranks). A row's numbers do not depend on the chunk it falls in (the lm_head's
     GEMM and the reductions are per row: docs/determinism.md)."""
     chunk_rows = chunk_rows or PROMPT_LOGPROB_CHUNK_ROWS
@@ -92,21 +101,3 @@ def unpack_logprob_dicts(packed: torch.Tensor, num_logprobs: list[int]) -> list[
             d[int(row[3 + k_max + j])] = Logprob(row[3 + j], j + 1)
         out.append(d)
     return out
-
-
-def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of each row: (values [R, k], token ids [R, k] int64), by value descending
-    and, among equal values, by token id ascending (whatever the other rows). ``logprobs``: [R, V]
-    float32 (logits or logprobs: the same order), 1 <= k <= V."""
-    values = logprobs.topk(k, dim=-1).values  # [R, k]: the k largest values themselves are exact
-    rows, ids = (logprobs >= values[:, -1:]).nonzero(as_tuple=True)  # candidates, row-major: ids ascending
-    counts = torch.bincount(rows, minlength=logprobs.shape[0])  # [R], >= k unless a row holds NaN
-    # NOTE: nonzero above already waits for the device; this test adds no further sync
-    if bool((counts < k).any()):
-        return logprobs.topk(k, dim=-1)
-    cand = logprobs[rows, ids]
-    order = cand.sort(descending=True, stable=True).indices  # by value; stable: ids ascending among ties
-    order = order[rows[order].sort(stable=True).indices]  # then by row, keeping that order within rows
-    starts = counts.cumsum(0) - counts  # [R]: each row's first candidate
-    take = order[(starts.unsqueeze(1) + torch.arange(k, device=logprobs.device)).view(-1)].view(-1, k)  # [R, k]
-    return cand[take], ids[take]

@@ -175,8 +175,9 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: [num_seqs, vocab] on any device (float32 or the model's bf16/fp16), row i for
         seqs[i]. All the work runs on the logits' device; the sampled ids and the requested
-        logprobs come back to the host in one copy (``_to_host``). The fast path takes the argmax
-        in the logits' own dtype; every other path works in float32. ``grammar_bitmask``: the
+        logprobs come back to the host in one copy (``_to_host``). The argmax of greedy rows
+        without logits processing and the logprobs read the logits in their own dtype; the
+        processing and the draw work in float32. ``grammar_bitmask``: the
         structured-output rows of this step (structured_output/manager.py), applied first, in place (vLLM's
         order: logprobs are then those of the masked logits); a constrained row whose grammar allows
         at most ``token_bitmask.MAX_CANDIDATES`` tokens and that asks for no logprobs and no logits
@@ -219,13 +220,14 @@ class Sampler:
         all_greedy = all(p.greedy for p in kinds)
         want_logprobs = any(p.logprobs is not None for p in kinds)
         processed = any(p.changes_logits for p in kinds)
-        logits = logits.float()  # [num_seqs, vocab] float32 (no copy when it is already)
 
         raw = None
         if want_logprobs:  # the raw logits of the rows that ask: the processing below makes new tensors
             lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
             lp_index = None if len(lp_rows) == len(params) else _index(lp_rows, device)
-            raw = logits if lp_index is None else logits[lp_index]  # [L, vocab] float32
+            raw = logits if lp_index is None else logits[lp_index]  # [L, vocab], the logits' dtype (read as is)
+        if processed or not all_greedy:  # greedy rows alone take the argmax in the logits' own dtype
+            logits = logits.float()  # [num_seqs, vocab] float32 (no copy when it is already)
         if processed:
             logits = self._process(logits, seqs, params)
         sampled = self._sample(logits, seqs, params, all_greedy, resample)  # [num_seqs] int64, on the device

@@ -173,6 +173,13 @@ if o.has_kernel("add_lora_linear"):
     a, b = y0.clone(), y0.clone()
     o.add_lora_linear(a, inp, la, lb, slots, [50, 30, 20]); ref.add_lora_linear(b, inp, la, lb, slots, [50, 30, 20])
     res["add_lora_linear"] = float((a - b).abs().max())
+if o.has_kernel("logprob_topk"):
+    z, t = (torch.randn(7, 1003) * 3).to(torch.bfloat16), torch.randint(0, 1003, (7,))
+    a, b = torch.empty(7, 13, dtype=torch.float64), torch.empty(7, 13, dtype=torch.float64)
+    o.logprob_topk(a, z, t, 5); ref.logprob_topk(b, z, t, 5)
+    exact = [0, 2] + list(range(8, 13))   # ids, ranks, top ids: equal, else the error is 1
+    lps = [1] + list(range(3, 8))
+    res["logprob_topk"] = float((a[:, lps] - b[:, lps]).abs().max()) if torch.equal(a[:, exact], b[:, exact]) else 1.0
 print(json.dumps(res))
 """
 

@@ -149,7 +149,8 @@ def test_installed_console_script_runs(installed, tmp_path):
 
 #: The op test files: every CPU kernel against its reference (tests/ops/).
 OP_TESTS = ["tests/ops/test_ops.py", "tests/ops/test_ops_checks.py", "tests/ops/test_ops_attention.py",
-            "tests/ops/test_layer_ops.py", "tests/ops/test_ops_argmax.py", "tests/ops/test_packed_linear.py",
+            "tests/ops/test_layer_ops.py", "tests/ops/test_ops_argmax.py", "tests/ops/test_ops_logprob_topk.py",
+            "tests/ops/test_packed_linear.py",
             "tests/ops/test_packed_linear_amx.py", "tests/ops/test_ops_batch_invariance.py", "tests/ops/test_kv_quant.py",
             "tests/ops/test_add_lora_linear.py"]
 

@@ -1,7 +1,8 @@
 """Logprobs and prompt logprobs equal the log-softmax of transformers' logits for the same tokens
 (stories260K, fp32, atol 1e-4), also when prompts are prefilled in chunks and sequences preempted,
 and when a long prompt's logprob rows go through the lm_head in chunks; computed from a log-sum-exp
-per row, never a [rows, vocab] log-softmax."""
+per row, never a [rows, vocab] log-softmax, and for greedy rows from bf16 logits as they are (no
+float32 copy). The kernel itself against its reference: tests/ops/test_ops_logprob_topk.py."""
 import math
 
 import pytest
@@ -154,3 +155,32 @@ def test_a_long_prompts_logprobs_are_computed_in_chunks(stories_path, hf_logprob
                        use_tqdm=False)[0]
     assert llm.get_stats().num_steps == 2 and max(rows) <= 128 and sum(rows) >= 499  # 4 chunks of prompt rows + the sampled rows
     _check_request(out, hf_logprobs, k_sample=1, k_prompt=1)
+
+
+def test_greedy_rows_with_logprobs_read_bf16_logits_as_they_are():
+    """Greedy rows asking for logprobs, with no logits processing, take the argmax and the logprobs
+    of bf16 logits as they are (issue 50: no [rows, vocab] float32 copy): the same tokens and the
+    same logprob bits as the same logits given in float32."""
+    from pagedgen.core.sequence import Sequence
+    from pagedgen.sample.sampler import Sampler
+
+    vocab, g = 3000, torch.Generator().manual_seed(6)
+    params = [SamplingParams(temperature=0, logprobs=k) for k in (0, 3, 20, 5)]
+    seqs = [Sequence(seq_id=i, request_id=str(i), token_ids=[1, 2, 3], num_prompt_tokens=3, sampling_params=p,
+                     eos_token_ids=frozenset({2}), max_model_len=64) for i, p in enumerate(params)]
+    logits = (torch.randn(len(seqs), vocab, generator=g) * 3).to(torch.bfloat16)
+    copies = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.float, torch.Tensor.to) and args[0].dim() == 2 and args[0].shape[1] == vocab:
+                copies.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        got = Sampler(0)(logits, seqs)
+    assert copies == []
+    want = Sampler(0)(logits.float(), seqs)
+    assert got.token_ids == want.token_ids == logits.float().argmax(dim=-1).tolist()
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert [(t, lp.logprob, lp.rank) for t, lp in a.items()] == [(t, lp.logprob, lp.rank) for t, lp in b.items()]
