@@ -114,6 +114,7 @@ class GrammarCompiler:
         self._templates: collections.OrderedDict = collections.OrderedDict()  # (key, eos) -> LLMatcher, LRU
         self._lock = threading.Lock()
         self._guarded_keys: dict[tuple, bool] = {}  # constraint key -> number guard or not (``_guarded``)
+        self._closing_lengths: dict[tuple, Optional[int]] = {}  # (key, eos) -> closing walk from the start (``_start_closing_length``)
         self._executor = None
         self.num_compiled = 0  # compilations so far (a cache hit compiles nothing)
         self.compile_seconds = 0.0  # their time, without the token table's (built once per EOS set)
@@ -134,7 +135,22 @@ class GrammarCompiler:
         vocab = self._vocabulary(eos)
         grammar = Grammar(template.deep_copy(), self._guard(vocab).deep_copy() if guarded else None, vocab)
         grammar.forcing = spec.kind != "grammar" or "no_forcing" not in spec.grammar
+        grammar.close = spec.close_at_max_tokens and spec.kind in ("json", "json_object")
+        if grammar.close:
+            grammar.start_closing_length = self._start_closing_length(spec, eos, template, vocab)
         return grammar
+
+    def _start_closing_length(self, spec: StructuredOutputsParams, eos: frozenset[int], template, vocab: Vocabulary) -> Optional[int]:
+        """The closing walk's length from the start state (``closing.estimate``), once per constraint:
+        a request with fewer tokens than that (and ``closing.MARGIN``) is not steered at all."""
+        key = (spec.key, eos)
+        if key not in self._closing_lengths:
+            from pagedgen.structured_output import closing
+
+            if len(self._closing_lengths) >= MAX_CACHED_GRAMMARS:
+                self._closing_lengths.clear()
+            self._closing_lengths[key] = closing.estimate(template, vocab.closing_tables(), (False, False), closing.MAX_WALK)
+        return self._closing_lengths[key]
 
     def _guarded(self, spec: StructuredOutputsParams) -> bool:
         """A JSON constraint gets the number guard unless its schema asks for long numbers itself
@@ -234,6 +250,10 @@ class Grammar:
         self._unseen: list[int] = []  # accepted tokens the guard has not consumed yet
         self.token_ids: list[int] = []  # accepted so far (the guard's mask is needed only inside a number)
         self.forcing = True  # llguidance forces bytes in this grammar (False: no jump-forward; see forced_token)
+        self.close = False  # steered to close its JSON near the token limit (closing.py): JSON with close_at_max_tokens
+        self.closing = False  # ... from this step on (decided by StructuredOutputManager._steer_closing)
+        self.next_check = 1 << 62  # the remaining tokens at or below which the closing length is next estimated
+        self.start_closing_length: Optional[int] = None  # the closing walk's length from the start state (close only)
 
     @property
     def guard(self):
@@ -266,6 +286,11 @@ class Grammar:
             if m is not None and not m.rollback(num_tokens):
                 raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {_message(m)}")
         del self.token_ids[len(self.token_ids) - num_tokens:]
+
+    def text(self) -> bytes:
+        """The bytes of the accepted tokens."""
+        tokens = self.vocab.tokens
+        return b"".join([tokens[t] for t in self.token_ids])
 
     def needs_guard_mask(self) -> bool:
         """True when the number guard's mask may forbid a token the schema allows at this step."""
@@ -343,4 +368,5 @@ class Grammar:
         """An independent copy in the same state (a parallel sample forked from this sequence)."""
         twin = Grammar(self.matcher.deep_copy(), None if self._guard is None else self.guard.deep_copy(), self.vocab)
         twin.token_ids, twin.forcing = list(self.token_ids), self.forcing
+        twin.close, twin.closing, twin.next_check = self.close, self.closing, self.next_check
         return twin

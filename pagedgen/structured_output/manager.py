@@ -11,8 +11,10 @@ import os
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
+from pagedgen.structured_output import closing
 from pagedgen.structured_output.grammar import GrammarCompiler, _int32, _message, _only_eos, fill_bitmask_rows
 from pagedgen.structured_output.token_bitmask import GrammarBitmask
 
@@ -52,6 +54,7 @@ class StructuredOutputManager:
         self.mask_seconds = 0.0  # time spent filling bitmasks (benchmarks/structured.py reports it)
         self.mask_wait_seconds = 0.0  # time the step waited for them (all of mask_seconds when serial)
         self.num_masks = 0
+        self.num_closing_masks = 0  # rows steered to close their JSON near the token limit (closing.py)
 
     def __len__(self) -> int:
         return len(self._grammars)
@@ -60,7 +63,11 @@ class StructuredOutputManager:
         """Give a newly queued sequence its matcher if its request is constrained."""
         spec = seq.sampling_params.structured_outputs
         if spec is not None:
-            self._grammars[seq.seq_id] = (seq, self.compiler.grammar(spec, seq.eos_token_ids))
+            grammar = self.compiler.grammar(spec, seq.eos_token_ids)
+            start = grammar.start_closing_length
+            if grammar.close and start is not None and seq.max_len - seq.num_tokens + closing.MARGIN < start:
+                grammar.close = False  # no closing fits in max_tokens: never steered (structured_output/closing.py)
+            self._grammars[seq.seq_id] = (seq, grammar)
 
     def clear(self) -> None:
         """Forget every matcher (the engine aborted every request), after any fill still running."""
@@ -140,10 +147,44 @@ class StructuredOutputManager:
                               executor if len(guarded) * self.compiler.vocab_size >= PARALLEL_WORK else None)
             bitmask[guarded] &= guard
         self._check_dead_ends(sampling, grammars, bitmask)
+        self._steer_closing(sampling, grammars, bitmask)
         seconds = time.perf_counter() - start
         self._fill_mean = 0.8 * self._fill_mean + 0.2 * seconds
         self.mask_seconds += seconds
         self.num_masks += len(sampling)
+
+    def _steer_closing(self, sampling: list, grammars: list, bitmask: torch.Tensor) -> None:
+        """JSON requests near their token limit: from the step where the remaining tokens come
+        within ``closing.MARGIN`` of the closing's estimated length, their rows of ``bitmask`` are
+        narrowed to the first class of closing tokens they allow (structured_output/closing.py)."""
+        rows, inside, tables = [], [], None
+        for row, (seq, grammar) in enumerate(zip(sampling, grammars)):
+            if not grammar.close:
+                continue
+            state = None
+            if not grammar.closing:
+                remaining = seq.max_len - seq.num_tokens  # tokens left, this step's included
+                if remaining > grammar.next_check or grammar.matcher.compute_ff_bytes():
+                    continue  # not yet, or a forced state (decide where a step samples with or without jump-forward)
+                tables = grammar.vocab.closing_tables()
+                state = closing.text_state(grammar.text())
+                length = closing.estimate(grammar.matcher, tables, state, remaining + closing.MARGIN)
+                if length is None:  # no closing fits in what is left (max_tokens below the shortest JSON):
+                    grammar.close = False  # steering would only empty the strings; the model is left alone
+                    continue
+                if remaining > length + closing.MARGIN:
+                    grammar.next_check = remaining - max(1, (remaining - length - closing.MARGIN) // 2)
+                    continue
+                grammar.closing = True
+            tables = grammar.vocab.closing_tables()
+            rows.append(row)
+            inside.append((state or closing.text_state(grammar.text()))[0])
+        if rows:
+            words = bitmask.numpy().view(np.uint32)  # [R, W], the same memory
+            part = words[rows]
+            closing.steer(part, np.array(inside, dtype=bool), tables)
+            words[rows] = part
+            self.num_closing_masks += len(rows)
 
     def _check_dead_ends(self, sampling: list, grammars: list, bitmask: torch.Tensor) -> None:
         """A sequence whose grammar is in error, or can only stop while incomplete, gets the mask of

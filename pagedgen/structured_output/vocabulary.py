@@ -23,6 +23,8 @@ class Vocabulary:
             raise ValueError(f"structured outputs need an EOS token inside the vocabulary [0, {vocab_size}); the model's "
                              f"EOS ids are {sorted(eos_token_ids)} (set LLM.eos_token_ids)")
         self.eos_token_id = eos[0]
+        self.eos_token_ids = eos  # the EOS ids inside the vocabulary
+        self._closing = None  # closing.ClosingTables, made on first use (``closing_tables``)
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
         self.tokens = [
             full.decode_bytes([i]) if i < full.vocab_size and i not in eos_token_ids and not full.is_special_token(i)
@@ -38,6 +40,14 @@ class Vocabulary:
         self.special_token_ids = [i for i, t in enumerate(self.tokens) if t[:1] == b"\xff"]
         self.is_tokenizer_wrapper = True  # llguidance reads the table from this object and calls it (no wrapper between)
         self.ll_tokenizer = llg.LLTokenizer(self, n_vocab=vocab_size, eos_token=eos)
+
+    def closing_tables(self):
+        """The token classes that steer a JSON completion to close (structured_output/closing.py)."""
+        if self._closing is None:
+            from pagedgen.structured_output.closing import ClosingTables
+
+            self._closing = ClosingTables(self.tokens, self.eos_token_ids, (len(self.tokens) + 31) // 32)
+        return self._closing
 
     def __call__(self, text) -> list[int]:
         """Token ids of ``text`` (str or UTF-8 bytes), which llguidance asks for when a grammar
