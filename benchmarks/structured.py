@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "serial and overlap side by side (two timed constrained runs), or all three")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs of each side, interleaved (unconstrained, then each mask mode, then again); medians reported")
+    ap.add_argument("--close-at-max-tokens", action=argparse.BooleanOptionalAction, default=True,
+                    help="StructuredOutputsParams.close_at_max_tokens (default on, as the library's default)")
     ap.add_argument("--jump-forward", action=argparse.BooleanOptionalAction, default=True,
                     help="append the tokens a grammar forces without a decode step each (default on)")
     ap.add_argument("--device", default=None)
@@ -96,7 +98,7 @@ def main(argv=None) -> dict:
     prompts, _ = _workload.load_workload("tinystories", tokenizer, num_prompts=args.requests, min_tokens=1, max_tokens=1,
                                          max_prompt_tokens=None, max_model_len=llm.scheduler_config.max_model_len - args.max_tokens, seed=0)
     prompts, _ = _workload.fold_ids(prompts, vocab)
-    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=args.disable_any_whitespace)
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=args.disable_any_whitespace, close_at_max_tokens=args.close_at_max_tokens)
 
     warm = _workload.warmup_prompts(prompts)
     llm.generate(warm, [SamplingParams(temperature=1.0, seed=i, max_tokens=8, structured_outputs=spec) for i in range(len(warm))],
