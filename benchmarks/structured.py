@@ -58,10 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=True,
                     help="compact JSON (default on: a random model left free writes whitespace runs)")
-    ap.add_argument("--mask", choices=["overlap", "serial", "both"], default="overlap",
-                    help="fill each step's bitmask during the forward (default), before it, or both side by side (two timed constrained runs)")
+    ap.add_argument("--mask", choices=["auto", "overlap", "serial", "both", "all"], default="auto",
+                    help="fill each step's bitmask where it pays (default: the engine's own choice), during the forward, before it, "
+                         "serial and overlap side by side (two timed constrained runs), or all three")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs of each side, interleaved (unconstrained, then each mask mode, then again); medians reported")
+    ap.add_argument("--close-at-max-tokens", action=argparse.BooleanOptionalAction, default=True,
+                    help="StructuredOutputsParams.close_at_max_tokens (default on, as the library's default)")
     ap.add_argument("--jump-forward", action=argparse.BooleanOptionalAction, default=True,
                     help="append the tokens a grammar forces without a decode step each (default on)")
     ap.add_argument("--device", default=None)
@@ -95,7 +98,7 @@ def main(argv=None) -> dict:
     prompts, _ = _workload.load_workload("tinystories", tokenizer, num_prompts=args.requests, min_tokens=1, max_tokens=1,
                                          max_prompt_tokens=None, max_model_len=llm.scheduler_config.max_model_len - args.max_tokens, seed=0)
     prompts, _ = _workload.fold_ids(prompts, vocab)
-    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=args.disable_any_whitespace)
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=args.disable_any_whitespace, close_at_max_tokens=args.close_at_max_tokens)
 
     warm = _workload.warmup_prompts(prompts)
     llm.generate(warm, [SamplingParams(temperature=1.0, seed=i, max_tokens=8, structured_outputs=spec) for i in range(len(warm))],
@@ -115,8 +118,8 @@ def main(argv=None) -> dict:
         outs = llm.generate(prompts, free, use_tqdm=False)
         return outs, time.perf_counter() - start
 
-    def constrained_run(overlap: bool, t_free: float, free_tokens: int):
-        grammars.overlap = overlap
+    def constrained_run(overlap, t_free: float, free_tokens: int):
+        grammars.overlap = overlap  # True, False, or None: the engine decides (StructuredOutputManager.overlaps)
         stats0 = llm.get_stats()
         steps0, jump0, mask0, wait0, masks0 = stats0.num_steps, stats0.num_jump_forward_tokens, grammars.mask_seconds, grammars.mask_wait_seconds, grammars.num_masks
         start = time.perf_counter()
@@ -133,14 +136,15 @@ def main(argv=None) -> dict:
             "steps": steps, "jump_forward_tokens": jumped, "jump_forward_share": jumped / max(1, tokens),
         }
 
-    modes = {"overlap": [True], "serial": [False], "both": [False, True]}[args.mask]
-    free_times, all_runs = [], {("overlap" if o else "serial"): [] for o in modes}
+    modes = {"auto": [None], "overlap": [True], "serial": [False], "both": [False, True], "all": [False, True, None]}[args.mask]
+    mode_name = {None: "auto", True: "overlap", False: "serial"}
+    free_times, all_runs = [], {mode_name[o]: [] for o in modes}
     for repeat in range(args.repeats):  # interleaved, so that drift of a shared machine hits every side alike
         outs_free, t = free_run()
         free_times.append(t)
         free_tokens = sum(len(o.outputs[0].token_ids) for o in outs_free)
         for o in modes:
-            all_runs["overlap" if o else "serial"].append(constrained_run(o, t, free_tokens))
+            all_runs[mode_name[o]].append(constrained_run(o, t, free_tokens))
         print(f"repeat {repeat + 1}/{args.repeats}: unconstrained {free_tokens / t:.1f} tok/s, "
               + ", ".join(f"{m} {r[-1][3]['constrained_tok_s']:.1f} tok/s ({r[-1][3]['ratio']:.3f}x)" for m, r in all_runs.items()), flush=True)
     t_free = statistics.median(free_times)
@@ -151,7 +155,7 @@ def main(argv=None) -> dict:
         return r[0], r[1], r[2], stats
 
     runs = {m: median_run(r) for m, r in all_runs.items()}
-    outs, tokens, _, main_run = runs["overlap" if modes[-1] else "serial"]
+    outs, tokens, _, main_run = runs[mode_name[modes[-1]]]
     if any(_ids(x[0]) != _ids(outs) for r in all_runs.values() for x in r):
         raise SystemExit("constrained runs (serial / overlapped masks, repeats) gave different outputs")
     valid, finish = 0, {}

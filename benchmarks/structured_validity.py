@@ -8,6 +8,7 @@ EOS (all must be), finish reasons, and two examples of invalid text. Cheap: seco
 
     python benchmarks/structured_validity.py                            # the defaults
     python benchmarks/structured_validity.py --disable-any-whitespace   # compact JSON
+    python benchmarks/structured_validity.py --no-close-at-max-tokens   # without closing JSON near max_tokens
     python benchmarks/structured_validity.py --requests 40 --out validity.json
 """
 from __future__ import annotations
@@ -52,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--disable-any-whitespace", action="store_true")
+    ap.add_argument("--close-at-max-tokens", action=argparse.BooleanOptionalAction, default=True,
+                    help="steer JSON near max_tokens to close (the default; --no-close-at-max-tokens: the model alone)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap.parse_args(argv)
 
@@ -82,8 +85,9 @@ def main(argv=None) -> dict:
     folder = _workload.asset("models/stories260K", "stories260K") if args.model == "stories260K" else args.model
     llm = LLM(folder)
     ws = args.disable_any_whitespace
-    specs = {name: StructuredOutputsParams(json=s, disable_any_whitespace=ws) if s is not None
-             else StructuredOutputsParams(json_object=True, disable_any_whitespace=ws) for name, s in SCHEMAS.items()}
+    close = args.close_at_max_tokens
+    specs = {name: StructuredOutputsParams(json=s, disable_any_whitespace=ws, close_at_max_tokens=close) if s is not None
+             else StructuredOutputsParams(json_object=True, disable_any_whitespace=ws, close_at_max_tokens=close) for name, s in SCHEMAS.items()}
     specs["regex"] = StructuredOutputsParams(regex=REGEX)
     specs["choice"] = StructuredOutputsParams(choice=CHOICE)
     openings = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom"]
@@ -95,7 +99,7 @@ def main(argv=None) -> dict:
             names.append(name)
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = {"model": args.model, "requests_per_constraint": args.requests, "max_tokens": args.max_tokens,
-              "temperature": args.temperature, "disable_any_whitespace": ws, "constraints": {}}
+              "temperature": args.temperature, "disable_any_whitespace": ws, "close_at_max_tokens": close, "constraints": {}}
     for name in specs:
         kind = name if name in ("regex", "choice") else "json"
         rows = [o.outputs[0] for o, n in zip(outs, names) if n == name]

@@ -122,6 +122,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def max_len(self) -> int:
+        """The length (prompt and output tokens) it ends at: max_tokens or max_model_len."""
+        return self._max_len
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -128,6 +128,7 @@ def build_engine(args: LLMArgs) -> BuiltEngine:
     engine = LLMEngine(cache_config, scheduler_config, executor, processor, eos_token_ids, spec_config)
     engine.pooling = pooling
     engine.quantization = model_config.quantization
+    engine.grammars.forward_on_host = device.type == "cpu"  # a mask filled beside the forward needs a core of its own
     return BuiltEngine(engine, tokenizer, model_config, matmul_config, device, models)
 
 

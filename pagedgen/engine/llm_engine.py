@@ -332,18 +332,20 @@ class LLMEngine:
         checks, instead of a decode step each; the scheduler computes them with the next position
         as one chunk (docs/structured_outputs.md, "Jump-forward decoding")."""
         done = {seq.seq_id for seq in finished}
-        forced_token = self.grammars.forced_token
+        grammars = self.grammars
+        forced_tokens = grammars.forced_tokens
         for seq in seqs:
             if seq.seq_id in done:
                 continue
-            for _ in range(MAX_JUMP_TOKENS):
-                token = forced_token(seq)
-                if token is None:
-                    break
-                self.num_generated_tokens += 1
-                if seq.append_token(token):
+            room = seq.max_len - len(seq.token_ids)  # max_tokens or max_model_len: more would be accepted for nothing
+            appended = 0
+            for token in forced_tokens(seq, min(MAX_JUMP_TOKENS, room)):
+                appended += 1
+                if seq.append_token(token):  # a stop token or string ends it early: its grammar goes with it
                     finished.append(seq)
                     break
+            self.num_generated_tokens += appended
+            grammars.num_jump_forward_tokens += appended
 
     def _record_failures(self, finished: list[Sequence], failed: dict[int, str]) -> None:
         """Completions that failed alone (their grammar ended them: ``failed``, seq id -> why):

@@ -52,6 +52,7 @@ from pagedgen.outputs import Logprob
 from pagedgen.sample import logits_processors as lp
 from pagedgen.sample.logprobs import logprob_tensors, unpack_logprob_dicts
 from pagedgen.sampling_params import as_int64
+from pagedgen.structured_output import token_bitmask
 from pagedgen.structured_output.token_bitmask import GrammarBitmask
 
 _PLAIN_GREEDY = attrgetter("plain_greedy")
@@ -181,7 +182,8 @@ class Sampler:
         structured-output rows of this step (structured_output/manager.py), applied first, in place (vLLM's
         order: logprobs are then those of the masked logits); a constrained row whose grammar allows
         at most ``token_bitmask.MAX_CANDIDATES`` tokens and that asks for no logprobs and no logits
-        processing is sampled among those tokens alone (``_sample_candidates``).
+        processing is sampled among those tokens alone (``_sample_candidates``; vocabularies of
+        ``token_bitmask.MIN_CANDIDATE_VOCAB`` tokens or more).
         ``resample(tokens, probs, rows)``: speculative decoding with a draft model
         (sample/rejection_sampler.py): given the drawn tokens [R] int64 of the sampled rows ``rows``
         (indices into ``seqs``) and the distributions they were drawn from, probs [R, vocab]
@@ -206,7 +208,7 @@ class Sampler:
         float64, their rows, each row's number of logprobs))."""
         if grammar_bitmask is not None:
             found = None
-            if candidates:
+            if candidates and logits.shape[1] >= token_bitmask.MIN_CANDIDATE_VOCAB:
                 eligible = [s.sampling_params.logprobs is None and not s.sampling_params.changes_logits for s in seqs]
                 found = grammar_bitmask.candidates(seqs, eligible, logits.shape[1])
             if found is not None:

@@ -50,6 +50,10 @@ from pagedgen.structured_output.vocabulary import Vocabulary
 MAX_CACHED_GRAMMARS = 4096  # distinct constraints kept compiled (a per-row schema column may hold many)
 
 
+_NUMBER_START = frozenset(b"0123456789-")  # a token with none of these bytes starts no JSON number and extends none
+# (unless the text already ends inside one: ``Grammar.needs_guard_mask``)
+
+
 def _llguidance():
     import llguidance  # imported on the first constrained request: unconstrained runs never load it
     # (not llguidance.torch: it runs torch.compile at import, seconds; its two fills are below)
@@ -61,12 +65,12 @@ def fill_bitmask_rows(matchers: list, bitmask: torch.Tensor, executor=None) -> N
     """llguidance.torch's ``fill_next_token_bitmask(_par)``: the masks of ``matchers`` [(LLMatcher,
     row)] into ``bitmask`` [R, W] int32 (CPU, contiguous), on ``executor``'s threads if given."""
     assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
-    row_bytes = bitmask.shape[1] * 4
+    row_bytes, base = bitmask.shape[1] * 4, bitmask.data_ptr()
     if executor is not None:
-        executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        executor.unsafe_compute_mask_ptr(matchers, base, row_bytes, bitmask.shape[0])
         return
-    for matcher, row in matchers:
-        matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+    for matcher, row in matchers:  # row r starts r * row_bytes past the base (contiguous): no tensor view per row
+        matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -110,6 +114,7 @@ class GrammarCompiler:
         self._templates: collections.OrderedDict = collections.OrderedDict()  # (key, eos) -> LLMatcher, LRU
         self._lock = threading.Lock()
         self._guarded_keys: dict[tuple, bool] = {}  # constraint key -> number guard or not (``_guarded``)
+        self._closing_lengths: dict[tuple, Optional[int]] = {}  # (key, eos) -> closing walk from the start (``_start_closing_length``)
         self._executor = None
         self.num_compiled = 0  # compilations so far (a cache hit compiles nothing)
         self.compile_seconds = 0.0  # their time, without the token table's (built once per EOS set)
@@ -130,7 +135,22 @@ class GrammarCompiler:
         vocab = self._vocabulary(eos)
         grammar = Grammar(template.deep_copy(), self._guard(vocab).deep_copy() if guarded else None, vocab)
         grammar.forcing = spec.kind != "grammar" or "no_forcing" not in spec.grammar
+        grammar.close = spec.close_at_max_tokens and spec.kind in ("json", "json_object")
+        if grammar.close:
+            grammar.start_closing_length = self._start_closing_length(spec, eos, template, vocab)
         return grammar
+
+    def _start_closing_length(self, spec: StructuredOutputsParams, eos: frozenset[int], template, vocab: Vocabulary) -> Optional[int]:
+        """The closing walk's length from the start state (``closing.estimate``), once per constraint:
+        a request with fewer tokens than that (and ``closing.MARGIN``) is not steered at all."""
+        key = (spec.key, eos)
+        if key not in self._closing_lengths:
+            from pagedgen.structured_output import closing
+
+            if len(self._closing_lengths) >= MAX_CACHED_GRAMMARS:
+                self._closing_lengths.clear()
+            self._closing_lengths[key] = closing.estimate(template, vocab.closing_tables(), (False, False), closing.MAX_WALK)
+        return self._closing_lengths[key]
 
     def _guarded(self, spec: StructuredOutputsParams) -> bool:
         """A JSON constraint gets the number guard unless its schema asks for long numbers itself
@@ -217,26 +237,48 @@ def _only_eos(row: torch.Tensor, eos: int) -> bool:
 class Grammar:
     """One sequence's matcher (an ``llguidance.LLMatcher``) over the tokens it has generated, with
     the number guard of a JSON constraint beside it (``json_bounds``; None for other kinds): a
-    token is allowed where both allow it."""
+    token is allowed where both allow it.
+
+    The guard is fed lazily: tokens accepted while the text is outside a number wait in a list and
+    reach it in one call (``guard``, the property, catches it up) when it is next needed (a mask
+    inside a number, a forced chain that may touch one, a question about its state). Outside a
+    number the guard allows whatever the schema allows (``json_bounds``), so it refuses none of
+    them; a step of 128 rows then makes one llguidance call a token instead of two."""
 
     def __init__(self, matcher, guard=None, vocab: Optional[Vocabulary] = None) -> None:
-        self.matcher, self.guard, self.vocab = matcher, guard, vocab
+        self.matcher, self._guard, self.vocab = matcher, guard, vocab
+        self._unseen: list[int] = []  # accepted tokens the guard has not consumed yet
         self.token_ids: list[int] = []  # accepted so far (the guard's mask is needed only inside a number)
         self.forcing = True  # llguidance forces bytes in this grammar (False: no jump-forward; see forced_token)
+        self.close = False  # steered to close its JSON near the token limit (closing.py): JSON with close_at_max_tokens
+        self.closing = False  # ... from this step on (decided by StructuredOutputManager._steer_closing)
+        self.next_check = 1 << 62  # the remaining tokens at or below which the closing length is next estimated
+        self.start_closing_length: Optional[int] = None  # the closing walk's length from the start state (close only)
+
+    @property
+    def guard(self):
+        """The number guard's matcher, caught up with every accepted token (None without one). A
+        token it refuses leaves it in error (``is_error``): the next mask ends the request."""
+        if self._unseen:
+            self._guard.consume_tokens(self._unseen)
+            self._unseen = []
+        return self._guard
 
     def accept(self, token_ids: list[int]) -> bool:
         """Advance over ``token_ids``; False (and an error state) if the grammar refuses one."""
         ok = self.matcher.consume_tokens(token_ids)
-        if ok and self.guard is not None:
-            ok = self.guard.consume_tokens(token_ids)
         if ok:
             self.token_ids.extend(token_ids)
+            if self._guard is not None:
+                self._unseen.extend(token_ids)
+                if self.needs_guard_mask():  # inside a number: the guard decides now
+                    ok = not self.guard.is_error()
         return ok
 
     def validate(self, token_ids: list[int]) -> int:
         """How many of ``token_ids`` (a prefix) the grammar would accept, without advancing."""
         n = self.matcher.validate_tokens(token_ids)
-        return n if self.guard is None else min(n, self.guard.validate_tokens(token_ids))
+        return n if self._guard is None else min(n, self.guard.validate_tokens(token_ids))
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
@@ -245,9 +287,14 @@ class Grammar:
                 raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {_message(m)}")
         del self.token_ids[len(self.token_ids) - num_tokens:]
 
+    def text(self) -> bytes:
+        """The bytes of the accepted tokens."""
+        tokens = self.vocab.tokens
+        return b"".join([tokens[t] for t in self.token_ids])
+
     def needs_guard_mask(self) -> bool:
         """True when the number guard's mask may forbid a token the schema allows at this step."""
-        if self.guard is None:
+        if self._guard is None:
             return False
         last = self.vocab.tokens[self.token_ids[-1]] if self.token_ids else None
         return json_bounds.needs_guard_mask(last, self.vocab.guard_every_step)
@@ -273,17 +320,43 @@ class Grammar:
         if not self.forcing or self.matcher.is_stopped():
             return None
         forced = self.matcher.compute_ff_tokens()
-        if not forced or (self.guard is not None and self.guard.validate_tokens(forced[:1]) != 1):
+        if not forced or (self._guard is not None and self.guard.validate_tokens(forced[:1]) != 1):
             return None
         return forced[0]
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Jump-forward decoding: the tokens the coming states force, one after the other (each
+        the one token its state's mask allows: ``forced_token``), accepted into the matcher and the
+        guard; at most ``limit``. The chain ends where nothing is forced, the grammar has ended, or
+        the number guard refuses a token (then the tokens from that one on are rolled back: the
+        step's mask decides there). The guard checks the whole chain in one call: its verdict on a
+        prefix is the one it gives token by token."""
+        matcher, chain = self.matcher, []
+        if not self.forcing:
+            return chain
+        while len(chain) < limit and not matcher.is_stopped():
+            forced = matcher.compute_ff_tokens()
+            if not forced or not matcher.consume_tokens(forced[:1]):
+                break
+            chain.append(forced[0])
+        if chain and self._guard is not None:
+            if self.needs_guard_mask() or any(_NUMBER_START.intersection(self.vocab.tokens[t]) for t in chain):
+                n = self.guard.validate_tokens(chain)  # the chain may start or extend a number: the guard decides now
+                if n < len(chain):
+                    if not matcher.rollback(len(chain) - n):
+                        raise RuntimeError(f"grammar rollback of {len(chain) - n} tokens failed: {_message(matcher)}")
+                    del chain[n:]
+            self._unseen.extend(chain)  # neither starts nor extends a number: the guard allows them (class docstring)
+        self.token_ids.extend(chain)
+        return chain
+
     def is_error(self) -> bool:
         """True when the matcher or the guard is in an error state (a parser limit, a refused token)."""
-        return self.matcher.is_error() or (self.guard is not None and self.guard.is_error())
+        return self.matcher.is_error() or (self._guard is not None and self.guard.is_error())
 
     def is_accepting(self) -> bool:
         """True where the completion may end (EOS allowed by both)."""
-        return self.matcher.is_accepting() and (self.guard is None or self.guard.is_accepting())
+        return self.matcher.is_accepting() and (self._guard is None or self.guard.is_accepting())
 
     def error_message(self) -> str:
         """The backend's message of the matcher (or guard) in error, its first line: a panic's message
@@ -293,6 +366,7 @@ class Grammar:
 
     def fork(self) -> "Grammar":
         """An independent copy in the same state (a parallel sample forked from this sequence)."""
-        twin = Grammar(self.matcher.deep_copy(), None if self.guard is None else self.guard.deep_copy(), self.vocab)
+        twin = Grammar(self.matcher.deep_copy(), None if self._guard is None else self.guard.deep_copy(), self.vocab)
         twin.token_ids, twin.forcing = list(self.token_ids), self.forcing
+        twin.close, twin.closing, twin.next_check = self.close, self.closing, self.next_check
         return twin

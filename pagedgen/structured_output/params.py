@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
-_FIELDS = _KINDS + ("disable_any_whitespace",)
+_FIELDS = _KINDS + ("disable_any_whitespace", "close_at_max_tokens")
 
 
 @dataclass
@@ -39,6 +39,13 @@ class StructuredOutputsParams:
             as vLLM: the JSON may hold whitespace where the syntax allows it, at most one space
             or tab, or a newline and at most 8 spaces or tabs, at each place (``json_bounds``).
             JSON numbers are bounded either way (int64 / float64 digits; ``json_bounds``).
+        close_at_max_tokens: (JSON) default True: a completion whose remaining tokens
+            (``max_tokens``, else ``max_model_len``) come near what the shortest closing of its
+            JSON needs is steered to close it (``structured_output/closing.py``), so that a
+            completion cut by the limit is still valid JSON where the limit leaves room; the
+            grammar is unchanged, and a completion that ends well before the limit is not
+            touched. False: the model alone decides, and a completion cut by the limit may stop
+            inside a string (vLLM's behaviour). No effect on regex, choice and grammar constraints.
 
     Raises:
         ValueError: no constraint or more than one, an empty choice list, a json str that is
@@ -52,6 +59,7 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = False
+    close_at_max_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.json is not None:
@@ -70,8 +78,9 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise TypeError(f"StructuredOutputsParams.json_object must be a bool, got {type(self.json_object).__name__}")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise TypeError("StructuredOutputsParams.disable_any_whitespace must be a bool")
+        for name in ("disable_any_whitespace", "close_at_max_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"StructuredOutputsParams.{name} must be a bool, got {type(getattr(self, name)).__name__}")
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
@@ -108,7 +117,10 @@ class StructuredOutputsParams:
         return self._key
 
     def __repr__(self) -> str:
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if getattr(self, f.name) not in (None, False) and not (f.name == "close_at_max_tokens")]
+        if not self.close_at_max_tokens:
+            parts.append("close_at_max_tokens=False")
         return f"StructuredOutputsParams({', '.join(parts)})"
 
 

@@ -23,34 +23,46 @@ class Vocabulary:
             raise ValueError(f"structured outputs need an EOS token inside the vocabulary [0, {vocab_size}); the model's "
                              f"EOS ids are {sorted(eos_token_ids)} (set LLM.eos_token_ids)")
         self.eos_token_id = eos[0]
+        self.eos_token_ids = eos  # the EOS ids inside the vocabulary
+        self._closing = None  # closing.ClosingTables, made on first use (``closing_tables``)
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
         self.tokens = [
             full.decode_bytes([i]) if i < full.vocab_size and i not in eos_token_ids and not full.is_special_token(i)
             else b"\xff<[%d]>" % i
             for i in range(vocab_size)
         ]
-        self.special_token_ids = [i for i, t in enumerate(self.tokens) if t[:1] == b"\xff"]
         self.guard_every_step = guard_unsafe_tokens(self.tokens)  # json_bounds: the number guard's mask at every step
         self.guard = None  # the number guard's template matcher (GrammarCompiler._guard), made on first use
         self._full = full
         self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens))) if t and t[:1] != b"\xff"}  # bytes -> lowest id
         self._longest = max(map(len, self._ids), default=1)
         self._memo: dict[bytes, list[int]] = {}  # __call__'s answers: the same forced bytes come back row after row
-        self.ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(self), n_vocab=vocab_size, eos_token=eos)
+        self.special_token_ids = [i for i, t in enumerate(self.tokens) if t[:1] == b"\xff"]
+        self.is_tokenizer_wrapper = True  # llguidance reads the table from this object and calls it (no wrapper between)
+        self.ll_tokenizer = llg.LLTokenizer(self, n_vocab=vocab_size, eos_token=eos)
+
+    def closing_tables(self):
+        """The token classes that steer a JSON completion to close (structured_output/closing.py)."""
+        if self._closing is None:
+            from pagedgen.structured_output.closing import ClosingTables
+
+            self._closing = ClosingTables(self.tokens, self.eos_token_ids, (len(self.tokens) + 31) // 32)
+        return self._closing
 
     def __call__(self, text) -> list[int]:
         """Token ids of ``text`` (str or UTF-8 bytes), which llguidance asks for when a grammar
         forces some bytes (every mask of a forced state: a JSON key, the punctuation around it):
         the tokenizer's own ids (without the space a SentencePiece tokenizer puts first), or, where
         those fall outside this table, the longest tokens of the table, greedily. Memoized (up to
-        ``MEMO_SIZE`` byte strings): the call comes from llguidance's Rust code through the GIL, and
-        the same keys are forced in every row of a batch."""
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        ids = self._memo.get(data)
+        ``MEMO_SIZE`` strings): the call comes from llguidance's Rust code through the GIL (this
+        object is llguidance's tokenizer wrapper itself: one Python frame a call), and the same
+        keys are forced in every row of a batch."""
+        ids = self._memo.get(text)  # keyed by the str (llguidance's calls) or bytes as given: the two never collide
         if ids is None:
+            data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
             if len(self._memo) >= MEMO_SIZE:
                 self._memo.clear()
-            ids = self._memo[data] = self._tokenize(data)
+            ids = self._memo[text if isinstance(text, (str, bytes)) else data] = self._tokenize(data)
         return list(ids)
 
     def _tokenize(self, data: bytes) -> list[int]:

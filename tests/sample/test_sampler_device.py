@@ -176,6 +176,20 @@ def test_rows_with_few_allowed_tokens_sample_among_them_as_the_full_masked_row(d
     assert sampled_alone > 50  # the candidate path did the work it is for
 
 
+def test_small_vocabularies_sample_full_masked_rows(monkeypatch):
+    """Below ``MIN_CANDIDATE_VOCAB`` no row takes the candidate path (its fixed cost outweighs
+    sampling a short row); the tokens are the host sampler's either way."""
+    used = []
+    monkeypatch.setattr(GrammarBitmask, "candidates", lambda self, *a: used.append(1))
+    rng = random.Random(3)
+    seqs = _seqs(rng, ["temperature_seed", "greedy", "top_p"] * 4)
+    vocab = token_bitmask.MIN_CANDIDATE_VOCAB - 1
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(7)) * 4
+    mask = _sparse_bitmask(rng, seqs, vocab, kinds=("few", "one"))
+    _compare(Sampler(3)(logits.clone(), seqs, mask), HostSampler(3)(logits.clone(), seqs, mask))
+    assert not used
+
+
 def test_candidates_are_a_row_wise_choice():
     """Which rows go to the candidate path, and their tokens, depend on each row alone."""
     rng = random.Random(4)
@@ -205,13 +219,14 @@ def _allow(rows: list[list[int]], vocab: int) -> torch.Tensor:
 TRIALS, PROBES = 80, 128
 
 
-def test_a_candidate_row_draws_the_same_token_whatever_shares_the_step():
+def test_a_candidate_row_draws_the_same_token_whatever_shares_the_step(monkeypatch):
     """A seeded constrained row sampled among its few allowed tokens draws the same token alone and
     beside a row allowing many more (which widens the step's candidate tensor), probed where it
     matters: its logit moved ulp by ulp across the boundary between two tokens of its draw. The
     softmax's sum depends on a row's length, so padding a row to the step's widest one moved that
     boundary by a rounding error (a few probes in a hundred trials drew another token)."""
     vocab, sampler, rng = 256, Sampler(0), random.Random(5)
+    monkeypatch.setattr(token_bitmask, "MIN_CANDIDATE_VOCAB", 0)  # the candidate path at this small vocabulary
     wide = list(range(150, 250))  # 100 allowed tokens
     kinds = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, min_p=0.02), dict(temperature=1.0, top_k=8)]
     probed = 0

@@ -119,3 +119,75 @@ def test_a_forced_token_is_the_one_token_its_state_s_mask_allows(llm, vocabulary
                 break
             assert g.accept([choice])
     assert forced_states > 50
+
+
+def test_a_forced_chain_is_the_token_by_token_one_and_the_lazy_guard_keeps_up(llm):
+    """``Grammar.forced_tokens`` (one call per chain, the number guard fed lazily) accepts what
+    ``forced_token`` + ``accept`` token by token did, on random walks over the schemas; the guard,
+    caught up, is in the state of a guard fed every token (the same tokens valid next)."""
+    import random
+
+    from pagedgen.structured_output.grammar import Grammar
+
+    compiler, eos = llm.processor.grammars, frozenset(llm.eos_token_ids)
+    rng, chained = random.Random(1), 0
+    for spec in SPECS:
+        fast, slow = compiler.grammar(spec, eos), compiler.grammar(spec, eos)
+        eager = None if fast._guard is None else fast._guard.deep_copy()  # fed every token, as before the lazy guard
+        for _ in range(40):
+            chain = fast.forced_tokens(8)
+            step_by_step = []
+            while len(step_by_step) < 8 and (token := slow.forced_token()) is not None:
+                assert slow.accept([token])
+                step_by_step.append(token)
+            assert chain == step_by_step, spec
+            chained += len(chain)
+            if fast.matcher.is_stopped():
+                break
+            row = __import__("torch").zeros(1, compiler.num_words, dtype=__import__("torch").int32)
+            fast.fork().fill_bitmask(row, 0)
+            allowed = [32 * w + b for w, word in enumerate(row[0].tolist()) for b in range(32) if (word >> b) & 1]
+            choice = rng.choice(allowed)
+            if choice in eos:
+                break
+            assert fast.accept([choice]) and slow.accept([choice])
+            if eager is not None:
+                assert eager.consume_tokens(chain + [choice])
+                probe = [t for t in range(0, compiler.vocab_size, 7)]
+                assert [fast.guard.validate_tokens([t]) for t in probe] == [eager.validate_tokens([t]) for t in probe]
+        assert isinstance(fast, Grammar)
+    assert chained > 50
+
+
+def test_mask_overlap_is_chosen_where_it_pays(llm, monkeypatch):
+    """``overlap=None`` (the default): serial while a step's fill is small (stories260K's masks), on
+    the helper thread once it is large and a core is free for it (a GPU runs the forward, or torch
+    leaves a core idle); True and False decide alone."""
+    import torch
+
+    from pagedgen.structured_output import manager as manager_mod
+
+    grammars = manager_mod.StructuredOutputManager(llm.processor.grammars, overlap=None)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=SPECS[i % len(SPECS)]) for i in range(8)]
+    llm.llm_engine.grammars, real = grammars, llm.llm_engine.grammars
+    try:
+        llm.generate(["Once upon a time"] * len(params), params, use_tqdm=False)
+    finally:
+        llm.llm_engine.grammars = real
+    assert grammars._fill_mean > 0  # measured
+    monkeypatch.setattr(manager_mod, "_num_cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    grammars.forward_on_host, grammars._fill_mean = False, 0.5 * manager_mod.OVERLAP_MIN_FILL_SECONDS
+    assert not grammars.overlaps()  # a small fill: not worth the hand-off, even with cores to spare
+    grammars.forward_on_host, grammars._fill_mean = True, 1.0  # a slow fill
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not grammars.overlaps()  # the forward holds every core
+    grammars.forward_on_host = False
+    assert grammars.overlaps()  # a GPU runs it
+    grammars.forward_on_host = True
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert grammars.overlaps()  # a core to spare
+    grammars.overlap = False
+    assert not grammars.overlaps()
+    grammars.overlap, grammars._fill_mean = True, 0.0
+    assert grammars.overlaps()
