@@ -82,6 +82,12 @@ def _int8_linear(out, input, weight, weight_scale, input_scale, bias) -> None:
     torch._check(weight.shape[1] == (input.shape[1] + 1) // 2, lambda: f"weight {weight.shape} does not fit input {input.shape}")
 
 
+def _int4_linear(out, input, weight, weight_scale, weight_zero, group_size, bias) -> None:
+    # out: [M, N]; input: [M, K]; weight: [ceil(N / 16), K, 8] uint8
+    torch._check(out.shape[0] == input.shape[0], lambda: f"out {out.shape} and input {input.shape} differ in rows")
+    torch._check(weight.shape[1] == input.shape[1], lambda: f"weight {weight.shape} does not fit input {input.shape}")
+
+
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
@@ -96,6 +102,7 @@ _FAKES = {
     "packed_linear": _packed_linear,
     "packed_linear_bf16": _packed_linear_bf16,
     "int8_linear": _int8_linear,
+    "int4_linear": _int4_linear,
 }
 
 
