@@ -133,9 +133,9 @@ def resolve_quantization(quantization: Optional[str], hf_config) -> str:
             what = {"int8": "a float checkpoint", "fp8": "a float checkpoint or one in the fp8 format"}.get(q, "this checkpoint")
             raise ValueError(f"LLM quantization={quantization!r} does not fit the checkpoint: its config.json has "
                              f"quantization_config.quant_method={saved!r} (quantization={q!r} needs {what}); pass quantization=None")
-        if q == "compressed-tensors" and saved is None:
-            raise ValueError("LLM quantization='compressed-tensors' needs a checkpoint whose config.json has a quantization_config; "
-                             "for a float checkpoint pass quantization='int8'")
+        if q in ("compressed-tensors", "awq", "gptq") and saved is None:
+            raise ValueError(f"LLM quantization={q!r} needs a checkpoint whose config.json has a quantization_config; "
+                             "for a float checkpoint pass quantization='int8' (or 'fp8')")
     else:
         q = saved or ""
         if q and q not in QUANTIZATION_METHODS:
