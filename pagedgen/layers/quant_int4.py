@@ -117,29 +117,31 @@ def _global_sizes(module: LinearBase, shard_id) -> tuple[int, int]:
     return rows, module.input_size * (module.tp.size if module.tp_split == "in" else 1)
 
 
-def _loader(module: LinearBase, kind: str, shape, convert, group: int):
+def _loader(module: LinearBase, kind: str, shape, convert, group: int, where: str):
     """The weight loader of one checkpoint tensor: its shape checked against the layer's global
     sizes, then unpacked whole to output-major [rows, K or G] (``convert``), GPT-NeoX's interleaved
-    heads reordered, and this rank's rows (column-parallel) or columns (row-parallel) copied into place."""
+    heads reordered, and this rank's rows (column-parallel) or columns (row-parallel) copied into
+    place. ``group`` -1: one group per output channel (a row-parallel rank keeps the whole scale)."""
     def load(param: nn.Parameter, loaded, shard_id=None) -> None:
         rows, k = _global_sizes(module, shard_id)
-        groups = -(-k // group)
+        groups = 1 if group == -1 else -(-k // group)
+        per_channel = group == -1
         if not check_shape(loaded, shape(rows, k, groups)):  # WeightShapeError naming both shapes; False: the dry run
             return
         data = read(loaded)
         if kind == "g_idx":
-            if not torch.equal(data.long(), torch.arange(k) // group):
-                raise ValueError(f"g_idx is not k // {group} (an act-order / desc_act checkpoint): not supported")
+            if not torch.equal(data.long(), torch.arange(k) // (k if per_channel else group)):
+                raise ValueError(f"{where}: g_idx is not k // group_size (an act-order / desc_act checkpoint): not supported")
             return
         if kind == "shape":
             if data.tolist() != [rows, k]:
-                raise ValueError(f"weight_shape is {data.tolist()}, but config.json implies {[rows, k]}")
+                raise ValueError(f"{where}: weight_shape is {data.tolist()}, but config.json implies {[rows, k]}")
             return
         full = convert(data, rows, k, groups)  # [rows, K or G]
         if module.layout == "interleaved_qkv":  # [heads, 3, head_size] rows -> q heads | k heads | v heads
             heads = rows // (3 * module.head_size)
             full = full.reshape(heads, 3, module.head_size, -1).transpose(0, 1).reshape(full.shape)
-        if module.tp_split == "in":
+        if module.tp_split == "in" and not (per_channel and kind in ("scales", "zeros")):
             cols = param.shape[1]
             full = full.narrow(1, module.tp.rank * cols, cols)
         rank = module.tp.rank if module.tp_split == "out" else 0
@@ -154,37 +156,38 @@ def _loader(module: LinearBase, kind: str, shape, convert, group: int):
     return load
 
 
-def make_int4_params(module: LinearBase, plan) -> None:
-    """Give ``module`` (built on the meta device, not loaded) the load-time parameters of an int4
-    checkpoint in ``plan.fmt`` (the module docstring), named as the checkpoint names them.
+def make_int4_params(module: LinearBase, plan, name: str = "") -> None:
+    """Give ``module`` (built on the meta device, not loaded; ``name``: its name, for the errors its
+    tensors raise while loading) the load-time parameters of an int4 checkpoint in ``plan.fmt`` (the
+    module docstring), named as the checkpoint names them.
 
     Raises:
         ValueError: the group size does not divide this rank's input features (a tensor-parallel
             split that would cut a group, or a layer narrower than a group).
     """
     k = module.input_size
-    group = k * (module.tp.size if module.tp_split == "in" else 1) if plan.group_size == -1 else plan.group_size
+    group = k if plan.group_size == -1 else plan.group_size  # per channel: this rank's input features, one scale
     if module.tp_split == "in" and k % group:
         raise ValueError(f"group_size={plan.group_size} does not divide this rank's {k} input features: tensor_parallel_size="
                          f"{module.tp.size} cuts a group (use one whose shards hold whole groups)")
     groups = -(-k // group)  # the last one may be partial (K not a multiple of the group size)
     old = module.weight
-    del module.weight
+    module.weight = None  # until finish_int4 packs the codes (the bias's loader still compares against it)
     module.int4_load = {}
     shapes = {"codes": ((module.output_size, k), torch.uint8), "scales": ((module.output_size, groups), torch.float32),
               "zeros": ((module.output_size, groups), torch.uint8), "g_idx": ((0,), torch.int32), "shape": ((0,), torch.int32)}
-    for name, (kind, dtypes, shape, convert) in _tensors(plan).items():
+    for tensor, (kind, dtypes, shape, convert) in _tensors(plan).items():
         size, dtype = shapes[kind]
         p = nn.Parameter(torch.empty(size, dtype=dtype, device=old.device), requires_grad=False)
         p.load_dtype = dtype  # kept by pagedgen.model.weights.materialize
         p.checkpoint_dtypes = dtypes  # the safetensors dtypes the plan accepts
         p.optional = kind in _OPTIONAL
         p.shard_ids = getattr(old, "shard_ids", ())
-        p.weight_loader = _loader(module, kind, shape, convert, group)
-        if hasattr(module, name) and name in module._parameters:
-            del module._parameters[name]  # weight_scale: LinearBase's None placeholder
-        module.register_parameter(name, p)
-        module.int4_load[kind] = name
+        p.weight_loader = _loader(module, kind, shape, convert, plan.group_size, name or "a layer")
+        if tensor in module._parameters:
+            del module._parameters[tensor]  # weight_scale: LinearBase's None placeholder
+        module.register_parameter(tensor, p)
+        module.int4_load[kind] = tensor
     module.int4_group = group
 
 

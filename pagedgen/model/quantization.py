@@ -284,7 +284,7 @@ def before_loading(model: nn.Module, plan: Optional[QuantScheme]) -> None:
         for name, module in quantized_linears(model, plan):
             try:
                 if plan.weights == "int4":
-                    make_int4_params(module, plan)
+                    make_int4_params(module, plan, name)
                 elif plan.weights == "fp8":
                     make_fp8_params(module, plan.block, plan.block_scale_name)
                 else:
