@@ -59,7 +59,7 @@ INT4_GROUP = 128
 
 
 def gptq_int4_tensors(w: torch.Tensor, group: int = INT4_GROUP) -> dict:
-    """One [N, K] float weight (K a multiple of 8) as GPTQ's int4 tensors (suffix -> tensor;
+    """One [N, K] float weight as GPTQ's int4 tensors (suffix -> tensor;
     pagedgen/layers/quant_int4.py's table, the v1 format): asymmetric round-to-nearest per group of
     ``group`` inputs, zero points kept in [1, 15] (v1 stores z - 1), scales in float16."""
     from pagedgen.layers.quant_int4 import pack_int32
@@ -72,7 +72,8 @@ def gptq_int4_tensors(w: torch.Tensor, group: int = INT4_GROUP) -> dict:
     z = torch.round(-lo / s.float()).clamp(1, 15)
     q = (torch.round(wp / s.float()[..., None]) + z[..., None]).clamp(0, 15).reshape(n, -1)[:, :k].to(torch.uint8)
     zp = torch.nn.functional.pad((z.t().to(torch.uint8) - 1), (0, -n % 8))  # [G, N rounded up to 8]
-    return {"qweight": pack_int32(q.t().contiguous(), 0), "qzeros": pack_int32(zp, 1), "scales": s.t().contiguous(),
+    qk = torch.nn.functional.pad(q.t(), (0, 0, 0, -k % 8))  # [K rounded up to 8, N]
+    return {"qweight": pack_int32(qk, 0), "qzeros": pack_int32(zp, 1), "scales": s.t().contiguous(),
             "g_idx": (torch.arange(k) // group).to(torch.int32)}
 
 
