@@ -62,6 +62,10 @@ def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool, clip_search: bool
     return q.reshape(n, -1)[:, :k].to(torch.uint8), s16, z.to(torch.uint8)
 
 
+class _Stop(Exception):
+    """Raised after the last layer a calibration pass needs."""
+
+
 def hessians(model: nn.Module, names: list, batches: list) -> dict:
     """GPTQ's calibration: {module: 2 X^T X / rows} [K, K] float64 of each module's inputs over
     ``batches`` of token ids (the float model's activations), concatenated and run in one forward as
@@ -78,9 +82,21 @@ def hessians(model: nn.Module, names: list, batches: list) -> dict:
 
     hooks = [mods[n].register_forward_pre_hook(lambda m, a, n=n: hook(m, a, n)) for n in names
              if isinstance(mods[n], (nn.Linear, Conv1D))]
+    layer = {_layer(n) for n in names}
+    if len(layer) == 1 and layer != {-1}:  # one decoder layer's modules: stop the forward after that layer
+        last = layer.pop()
+        blocks = [m for n, m in model.named_modules() if re.fullmatch(rf".*\.(layers|h)\.{last}", n)]
+
+        def stop(*_):
+            raise _Stop
+
+        hooks += [b.register_forward_hook(stop) for b in blocks]
     stream = torch.cat(list(batches))
     with torch.no_grad():
-        model(stream[: len(stream) // 128 * 128].view(-1, 128))
+        try:
+            model(stream[: len(stream) // 128 * 128].view(-1, 128))
+        except _Stop:
+            pass
     for hk in hooks:
         hk.remove()
     return {n: h[n] / rows[n] for n in h}
