@@ -2,20 +2,23 @@
 random-weight checkpoint in ``--dtype`` (bf16 by default), pagedgen on the same checkpoint quantized
 (``--scheme``: "int8", W8A8 in compressed-tensors' ``int-quantized`` layout, per-channel weights and
 dynamic per-token activations; "fp8", FP8 e4m3 W8A16 in its ``float-quantized`` layout, per-channel
-weights; written here from the float one), and optionally vLLM's CPU backend on that checkpoint (in
+weights; "int4", W4A16 in GPTQ's layout, asymmetric groups of 128, round-to-nearest; written here
+from the float one), and optionally vLLM's CPU backend on that checkpoint (in
 its own venv, ``--vllm-venv``). Per model and batch size: output tokens/s (medians of ``--repeats``
 runs, ``ignore_eos``), the ratio quantized / float, the resident bytes of the weights, and how many
 greedy completions of the two agree.
 
     python benchmarks/quantized.py                                     # random-135m and random-1b, bf16 baseline
     python benchmarks/quantized.py --scheme fp8                        # FP8 W8A16 instead of int8 W8A8
+    python benchmarks/quantized.py --scheme int4                       # int4 W4A16 (GPTQ layout) instead
     python benchmarks/quantized.py --models random-135m --batch-sizes 1,8 --vllm-venv benchmarks/.vllm-venv
     python benchmarks/quantized.py --quick [--scheme fp8]              # stories260K, tiny sizes: a smoke test
 
 Targets (issue 46): W8A8 >= 1.7x bf16 on the Xeon with AMX, >= 1.4x on AVX-512 VNNI and AVX2 kinds;
 resident weights <= 55% of bf16. The AVX2 kernel is the only int8 kernel so far (every level runs it).
 FP8 W8A16 dequantizes each weight per call into the float GEMM (no FP8 kernel yet): expect it slower
-than bf16 until one lands; its resident weights are about half of bf16's.
+than bf16 until one lands; its resident weights are about half of bf16's. int4 W4A16 (AVX2 kernel,
+codes dequantized in registers): target >= 1.5x bf16 at batch 1-8, resident weights <= 35% of bf16.
 Timings are only meaningful on a quiet machine; say which machine kind ran them.
 """
 from __future__ import annotations
@@ -52,10 +55,33 @@ print(json.dumps(sorted(rates)[len(rates) // 2]))
 """
 
 
+INT4_GROUP = 128
+
+
+def gptq_int4_tensors(w: torch.Tensor, group: int = INT4_GROUP) -> dict:
+    """One [N, K] float weight as GPTQ's int4 tensors (suffix -> tensor;
+    pagedgen/layers/quant_int4.py's table, the v1 format): asymmetric round-to-nearest per group of
+    ``group`` inputs, zero points kept in [1, 15] (v1 stores z - 1), scales in float16."""
+    from pagedgen.layers.quant_int4 import pack_int32
+
+    n, k = w.shape
+    groups = -(-k // group)
+    wp = torch.nn.functional.pad(w.float(), (0, groups * group - k)).view(n, groups, group)
+    lo, hi = wp.amin(-1).clamp(max=0), wp.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 14).clamp(min=1e-8).half()
+    z = torch.round(-lo / s.float()).clamp(1, 15)
+    q = (torch.round(wp / s.float()[..., None]) + z[..., None]).clamp(0, 15).reshape(n, -1)[:, :k].to(torch.uint8)
+    zp = torch.nn.functional.pad((z.t().to(torch.uint8) - 1), (0, -n % 8))  # [G, N rounded up to 8]
+    qk = torch.nn.functional.pad(q.t(), (0, 0, 0, -k % 8))  # [K rounded up to 8, N]
+    return {"qweight": pack_int32(qk, 0), "qzeros": pack_int32(zp, 1), "scales": s.t().contiguous(),
+            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+
+
 def write_quantized(src: str, dst: str, scheme: str = "int8") -> None:
     """``src``'s float checkpoint as compressed-tensors W8A8 (``scheme`` "int8": int8 per-channel
-    weights of the decoder's projections, dynamic per-token activations) or FP8 W8A16 ("fp8": e4m3
-    per-channel weights, ``float-quantized``) in ``dst``, one tensor at a time."""
+    weights of the decoder's projections, dynamic per-token activations), FP8 W8A16 ("fp8": e4m3
+    per-channel weights, ``float-quantized``) or GPTQ int4 W4A16 ("int4": ``gptq_int4_tensors``) in
+    ``dst``, one tensor at a time."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -70,7 +96,10 @@ def write_quantized(src: str, dst: str, scheme: str = "int8") -> None:
     with safe_open(os.path.join(src, "model.safetensors"), framework="pt") as f:
         for name in f.keys():
             t = f.get_tensor(name)
-            if QUANTIZED.search(name):
+            if QUANTIZED.search(name) and scheme == "int4":
+                for suffix, value in gptq_int4_tensors(t).items():
+                    state[name[: -len("weight")] + suffix] = value
+            elif QUANTIZED.search(name):
                 q, s = quantize(t)
                 state[name], state[name[: -len("weight")] + "weight_scale"] = q, s[:, None].to(t.dtype)
             else:
@@ -81,6 +110,11 @@ def write_quantized(src: str, dst: str, scheme: str = "int8") -> None:
             with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
                 b.write(a.read())
     config = json.load(open(os.path.join(src, "config.json")))
+    if scheme == "int4":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "sym": False, "desc_act": False,
+                                         "checkpoint_format": "gptq", "lm_head": False}
+        json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
+        return
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": f"{kind}-quantized", "quantization_status": "compressed", "ignore": ["lm_head"],
         "kv_cache_scheme": None, "config_groups": {"group_0": {
@@ -115,7 +149,7 @@ def measure(llms: dict, prompts, max_tokens: int, repeats: int) -> tuple[dict, d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="random-135m,random-1b", help="random-135m, random-1b or checkpoint folders, comma-separated")
-    ap.add_argument("--scheme", default="int8", choices=("int8", "fp8"), help="int8 W8A8 or FP8 W8A16 weights")
+    ap.add_argument("--scheme", default="int8", choices=("int8", "fp8", "int4"), help="int8 W8A8, FP8 W8A16 or int4 W4A16 (GPTQ) weights")
     ap.add_argument("--dtype", default="bfloat16", help="the float baseline's and the activations' dtype")
     ap.add_argument("--batch-sizes", default="1,8,64", help="prompts per generate call (= max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -25,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -98,6 +99,21 @@ void logprob_topk(const at::Tensor& out, const at::Tensor& logits, const at::Ten
 // paged_attention (here), rms_norm, fused_add_rms_norm and silu_and_mul (csrc/cpu/).
 void writable_output(const char* op, const char* name, const at::Tensor& out,
                      std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs);
+
+// Sizes of a checked int4_linear call.
+struct Int4LinearSizes {
+  int64_t M, N, K;       // input [M, K], out [M, N]
+  int64_t panels, groups;  // weight [panels, K, 8]; weight_scale, weight_zero [panels, groups, 16]
+};
+
+// int4 W4A16 (pagedgen/layers/quant_int4.py): input [M, K] float32 / bfloat16 / float16 with contiguous
+// rows; out [M, N] of input's dtype, contiguous rows that do not overlap each other or input;
+// group_size >= 1; weight [ceil(N / 16), K, 8] uint8 contiguous; weight_scale [ceil(N / 16),
+// ceil(K / group_size), 16] float32 and weight_zero of the same shape, uint8, both contiguous; bias
+// [N] float32 / bfloat16 / float16 or undefined. All on one device of the kernel's type.
+Int4LinearSizes int4_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                            const at::Tensor& weight_scale, const at::Tensor& weight_zero, int64_t group_size,
+                            const c10::optional<at::Tensor>& bias, c10::DeviceType kernel);
 
 // The generic CUDA attention kernel's shared memory for this head size against the device's limit.
 void attention_shared_memory(int64_t head_size, size_t bytes, int64_t limit);

@@ -77,6 +77,14 @@ TORCH_LIBRARY(pagedgen, m) {
   // (a sum over i in order), rounded once: a row's bits never depend on the other rows. A CPU kernel
   // only (built with AVX2 + FMA; slots read on the host and checked).
   m.def("add_lora_linear(Tensor(a!) out, Tensor input, Tensor lora_a, Tensor lora_b, Tensor slots, int[] output_slices) -> ()");
+  // int4 W4A16 (issue 46; GPTQ / AWQ / compressed-tensors pack-quantized): out [M, N] (input's dtype) =
+  // input [M, K] (float32/bf16/fp16) @ W^T + bias, W[n, k] = float32(q[n, k] - z[n, g]) * s[n, g] with
+  // g = k / group_size; the 4-bit codes in panels of 16 outputs, weight [ceil(N / 16), K, 8] uint8 with
+  // weight[p, k, b] = q[16 p + b, k] | q[16 p + b + 8, k] << 4 (zeros past N), weight_scale
+  // [ceil(N / 16), ceil(K / group_size), 16] float32 and weight_zero of that shape, uint8. Each output a
+  // float32 sum over k in order, then + bias, rounded once: a row's bits never depend on the other rows.
+  // A CPU kernel only (AVX2; reference elsewhere). Checks: csrc/op_checks.h.
+  m.def("int4_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_zero, int group_size, Tensor? bias) -> ()");
   // True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (cpuid, xgetbv).
   m.def("cpu_has_amx() -> bool");
   // The levels of CPU kernels this CPU and OS can run, lowest first: a prefix of ["avx2", "avx512_bf16",

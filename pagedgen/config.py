@@ -30,8 +30,9 @@ class ModelConfig:
             when layers differ), so blocks that fall wholly out of it are no longer read and go
             back to the pool (``CacheConfig.sliding_window``).
         quantization: "" (float weights), "int8" (quantized at load), "fp8" (FP8 W8A16: quantized at
-            load, or read from an ``fp8``-format checkpoint) or "compressed-tensors" (int8 or FP8
-            weights read from the checkpoint): ``pagedgen.model.quantization``, docs/quantization.md.
+            load, or read from an ``fp8``-format checkpoint), "compressed-tensors" (int8, FP8 or int4
+            weights read from the checkpoint) or "gptq" / "awq" (int4 W4A16 read from the
+            checkpoint): ``pagedgen.model.quantization``, docs/quantization.md.
     """
 
     architecture: str

@@ -67,7 +67,7 @@ class EngineArgs:
     runner: str = _arg("auto", name="runner", choices=("auto", "generate", "pooling"))
     convert: str = _arg("auto", name="convert", choices=("auto", "none", "embed", "classify"))
     pooler_config: Optional[dict[str, Any]] = _arg(None, name="pooler_config", metavar="JSON")
-    quantization: Optional[str] = _arg(None, name="quantization", choices=("int8", "fp8", "compressed-tensors"))
+    quantization: Optional[str] = _arg(None, name="quantization", choices=("int8", "fp8", "compressed-tensors", "awq", "gptq"))
     enable_lora: bool = _arg(False, name="enable_lora")
     max_loras: int = _arg(1, name="max_loras")
     max_lora_rank: int = _arg(16, name="max_lora_rank")

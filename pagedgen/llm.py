@@ -121,8 +121,9 @@ class LLM(PoolingCalls, RecordingCalls):
             pooler_config a dict of ``PoolerConfig`` fields (pooling_type LAST/MEAN/CLS/ALL/STEP...).
         quantization: None (the checkpoint's ``quantization_config``, or float weights), "int8"
             (a float checkpoint's linear layers quantized at load: int8 W8A8), "fp8" (FP8 e4m3
-            W8A16: quantized at load, or read from an ``fp8``-format checkpoint) or
-            "compressed-tensors" (int8 W8A8 or FP8 W8A16 weights read from the checkpoint).
+            W8A16: quantized at load, or read from an ``fp8``-format checkpoint),
+            "compressed-tensors" (int8 W8A8, FP8 W8A16 or int4 W4A16 weights read from the
+            checkpoint), "gptq" or "awq" (int4 W4A16 checkpoints; act-order GPTQ refused).
             ValueError for others (docs/quantization.md).
         enable_lora: serve PEFT LoRA adapters, one per request (``lora_request=`` of the calls;
             docs/lora.md): Llama-family generation models; with tensor parallelism and

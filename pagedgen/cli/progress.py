@@ -18,7 +18,8 @@ from pagedgen.cli.json_array import iter_json_array
 from pagedgen.progress import bar_options
 
 # how the closing summary names the model's weights (ModelConfig.quantization, docs/quantization.md)
-_QUANT_LABELS = {"int8": "int8 W8A8", "fp8": "FP8 W8A16", "compressed-tensors": "compressed-tensors (int8 W8A8 or FP8 W8A16)"}
+_QUANT_LABELS = {"int8": "int8 W8A8", "fp8": "FP8 W8A16", "gptq": "int4 GPTQ W4A16", "awq": "int4 AWQ W4A16",
+                 "compressed-tensors": "compressed-tensors (int8 W8A8, FP8 W8A16 or int4 W4A16)"}
 
 _BLANK_LINE = re.compile(rb"^[ \t\r]*\n", re.M)
 _CHUNK = 4 << 20

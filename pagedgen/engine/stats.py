@@ -46,7 +46,7 @@ class EngineStats:
     num_jump_forward_tokens: int = 0
     # LLM(kv_cache_dtype=...): "auto" (the model's dtype) or the 1-byte cache's "int8", "fp8"...
     kv_cache_dtype: str = "auto"
-    # the model's weights (docs/quantization.md): "" float, "int8" / "fp8" quantized at load (or "fp8" read: vLLM's fp8 format), "compressed-tensors" int8 or FP8 read
+    # the model's weights (docs/quantization.md): "" float, "int8" / "fp8" quantized at load (or "fp8" read: vLLM's fp8 format), "compressed-tensors" int8, FP8 or int4 read, "gptq" / "awq" int4 read
     quantization: str = ""
 
     def __repr__(self) -> str:

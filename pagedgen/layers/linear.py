@@ -36,7 +36,7 @@ from torch import nn
 
 from pagedgen.distributed.group import TPGroup, shard_size, tp_size
 from pagedgen.layers.loading import check_shape, read
-from pagedgen.layers.matmul import MatmulConfig, fp8_linear, int8_linear, linear
+from pagedgen.layers.matmul import MatmulConfig, fp8_linear, int4_linear, int8_linear, linear
 from pagedgen.layers.module import Module
 
 ShardId = Union[str, int, None]
@@ -51,7 +51,8 @@ def _param(*shape: int) -> nn.Parameter:
 class LinearBase(Module):
     """``y = x W^T + b`` over ``[T, input_size]`` rows; W: [output_size, input_size] (model dtype, or
     int8 with ``weight_scale``/``input_scale``: W8A8, ``pagedgen.layers.quant``; or float8_e4m3fn with
-    ``weight_scale``: W8A16, ``pagedgen.layers.quant_fp8``).
+    ``weight_scale``: W8A16, ``pagedgen.layers.quant_fp8``; or 4-bit codes packed in uint8 with
+    ``weight_scale``/``weight_zero`` per group: W4A16, ``pagedgen.layers.quant_int4``).
 
     Args:
         input_size, output_size: features in and out.
@@ -63,6 +64,7 @@ class LinearBase(Module):
 
     matmul: Optional[MatmulConfig] = None  # set by prepare_matmuls
     weight_block_k = 0  # FP8 with block-wise scales: the input features of one scale block (layers/quant_fp8.py)
+    int4_group = 0  # int4 W4A16: the input features of one group (layers/quant_int4.py; weight_zero is then set)
     lora = None  # a pagedgen.lora.layers.LoRALayer when LoRA is on (its add_delta adds each row's adapter delta)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, output_shards: Optional[dict] = None, layout: str = "default",
@@ -85,6 +87,7 @@ class LinearBase(Module):
         self.bias = _param(output_size) if bias else None
         self.register_parameter("weight_scale", None)  # [output_size] float32 when the weight is int8 (layers/quant.py)
         self.register_parameter("input_scale", None)  # [1] float32: a static activation scale (int8 weights only)
+        self.register_parameter("weight_zero", None)  # int4: [ceil(out / 16), in / int4_group, 16] uint8 zero points
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self.weight_loader if self.tp is None else self.sharded_weight_loader
@@ -97,7 +100,9 @@ class LinearBase(Module):
         return y
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [T, input_size] @ W^T + bias -> [T, output_size]: the float GEMM, or W8A8 for int8 weights, W8A16 for FP8 ones."""
+        """x [T, input_size] @ W^T + bias -> [T, output_size]: the float GEMM, or W8A8 for int8 weights, W8A16 for FP8 and int4 ones."""
+        if self.int4_group:  # int4 W4A16 (layers/quant_int4.py)
+            return int4_linear(x, self.weight, self.weight_scale, self.weight_zero, self.int4_group, bias, self.output_size)
         if self.weight_scale is not None and self.weight.dtype == torch.float8_e4m3fn:  # FP8 W8A16 (layers/quant_fp8.py)
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.matmul, self.weight_block_k)
         if self.weight_scale is not None:

@@ -17,7 +17,7 @@ from typing import Optional, Union
 import torch
 
 from pagedgen.config import ModelConfig
-from pagedgen.model import registry, weights
+from pagedgen.model import quantization, registry, weights
 from pagedgen.model.base import layer_sliding_windows
 from pagedgen.model.files import CheckpointError, read_json
 from pagedgen.model.quantization import resolve_quantization
@@ -139,7 +139,8 @@ def check_parallel(hf_config, config: ModelConfig, tensor_parallel_size: int, pi
             divide the heads and KV heads; ``pipeline_parallel_size`` must be at most the decoder
             layers: stages split them as vLLM does, uneven counts allowed,
             ``distributed.group.stage_layers``), after ``other_problems`` (the CPU cores,
-            ``llm_args.cores_problem``); or the first a layer's constructor finds (the MLP width).
+            ``llm_args.cores_problem``); or the first a layer's constructor finds (the MLP width),
+            or its quantized parameters (an int4 group a row-parallel split would cut, FP8 blocks).
     """
     from pagedgen.distributed.group import PPGroup, TPGroup, stage_layers
 
@@ -155,10 +156,12 @@ def check_parallel(hf_config, config: ModelConfig, tensor_parallel_size: int, pi
         raise ValueError("LLM " + "; ".join(problems))
     ranges = [stage_layers(config.num_layers, stages, s) for s in range(stages)]
     groups = {} if size == 1 else {"tp": TPGroup(0, size)}
+    quant = quantization.scheme(config.quantization, hf_config)
     try:
         with torch.device("meta"):
             for s in sorted({0, stages - 1}):
-                cls(hf_config, config, **groups, **({} if stages == 1 else {"pp": PPGroup(s, stages, *ranges[s])}))
+                model = cls(hf_config, config, **groups, **({} if stages == 1 else {"pp": PPGroup(s, stages, *ranges[s])}))
+                quantization.before_loading(model, quant)  # int4: a row-parallel split that cuts a group
     except ValueError as exc:
         raise ValueError(f"LLM tensor_parallel_size={size}: {exc}") from exc
 

@@ -23,11 +23,16 @@ linear layers (the per-layer work is ``pagedgen.layers.quant``'s). docs/quantiza
                                                           activation scales refused)
     "fp8"             no quantization_config              the float checkpoint's linear layers quantized
                                                           to float8_e4m3fn at load, per output channel
+    None / "gptq" / "awq" / "compressed-tensors"
+                      quant_method "gptq", "awq", or      int4 W4A16: 4-bit codes, a scale (and zero
+                      format "pack-quantized"             point) per group of input features; activations
+                                                          in the model dtype (model/quantization_int4.py
+                                                          reads the config, layers/quant_int4.py the tensors)
 
-The lm_head, the embeddings and the modules of compressed-tensors' ``ignore`` list stay in float.
-Everything else vLLM names (awq, gptq, other compressed-tensors formats) is refused with a
-ValueError naming the field, as are configs pagedgen cannot honour (asymmetric, other bit widths,
-group strategies, a KV-cache scheme).
+The lm_head, the embeddings and the modules of compressed-tensors' ``ignore`` list (AWQ's / GPTQ's
+``modules_to_not_convert``) stay in float. Everything else vLLM names (awq_marlin, bitsandbytes, other
+compressed-tensors formats) is refused with a ValueError naming the field, as are configs pagedgen
+cannot honour (int8 asymmetric, other bit widths, act-order GPTQ, a KV-cache scheme).
 """
 from __future__ import annotations
 
@@ -40,13 +45,15 @@ from torch import nn
 from pagedgen.layers.linear import LinearBase
 from pagedgen.layers.quant import finish_int8, make_int8_params, quantize_linear_int8
 from pagedgen.layers.quant_fp8 import finish_fp8, make_fp8_params, quantize_linear_fp8
+from pagedgen.layers.quant_int4 import finish_int4, make_int4_params
+from pagedgen.model.quantization_int4 import awq_scheme, gptq_scheme, pack_quantized_scheme
 
 #: the values of ``LLM(quantization=...)`` pagedgen runs
-QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "awq", "gptq")
 #: the methods that quantize a float checkpoint at load when it has no quantization_config
 ONLINE = ("int8", "fp8")
 #: vLLM's names pagedgen knows but does not run yet (a clear error instead of "unknown")
-NOT_YET = ("awq", "gptq", "awq_marlin", "gptq_marlin", "bitsandbytes", "gguf", "modelopt", "marlin")
+NOT_YET = ("awq_marlin", "gptq_marlin", "bitsandbytes", "gguf", "modelopt", "marlin")
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,11 @@ class QuantScheme:
         block: the (rows, columns) of one block-wise scale (fp8's ``weight_block_size``,
             compressed-tensors' ``block_structure``); () for none.
         block_scale_name: the checkpoint's name of the block scales (fp8: ``weight_scale_inv``).
+        fmt: int4 W4A16 (``weights="int4"``, layers/quant_int4.py): the checkpoint's layout, "gptq",
+            "awq" or "pack-quantized" (compressed-tensors).
+        group_size: int4: input features per scale (32, 64, 128; -1 per output channel).
+        symmetric: int4: no zero points in the checkpoint (the zero is 8).
+        zero_offset: int4: added to each stored zero point (1 for GPTQ's v1 format, which stores z - 1).
     """
 
     method: str
@@ -72,6 +84,10 @@ class QuantScheme:
     online: bool = False
     block: tuple = ()
     block_scale_name: str = "weight_scale"
+    fmt: str = ""
+    group_size: int = 0
+    symmetric: bool = True
+    zero_offset: int = 0
 
     def ignores(self, names: list) -> bool:
         """True when the checkpoint module names ``names`` (the parts of one layer) are all ignored;
@@ -117,9 +133,9 @@ def resolve_quantization(quantization: Optional[str], hf_config) -> str:
             what = {"int8": "a float checkpoint", "fp8": "a float checkpoint or one in the fp8 format"}.get(q, "this checkpoint")
             raise ValueError(f"LLM quantization={quantization!r} does not fit the checkpoint: its config.json has "
                              f"quantization_config.quant_method={saved!r} (quantization={q!r} needs {what}); pass quantization=None")
-        if q == "compressed-tensors" and saved is None:
-            raise ValueError("LLM quantization='compressed-tensors' needs a checkpoint whose config.json has a quantization_config; "
-                             "for a float checkpoint pass quantization='int8'")
+        if q in ("compressed-tensors", "awq", "gptq") and saved is None:
+            raise ValueError(f"LLM quantization={q!r} needs a checkpoint whose config.json has a quantization_config; "
+                             "for a float checkpoint pass quantization='int8' (or 'fp8')")
     else:
         q = saved or ""
         if q and q not in QUANTIZATION_METHODS:
@@ -145,12 +161,18 @@ def scheme(method: str, hf_config) -> Optional[QuantScheme]:
     field = "config.json quantization_config"
     if method == "fp8":
         return _fp8_scheme(qc, field)
+    if method == "gptq":
+        return gptq_scheme(qc, field, QuantScheme)
+    if method == "awq":
+        return awq_scheme(qc, field, QuantScheme)
     fmt = qc.get("format")
     if fmt == "float-quantized":
         return _float_quantized_scheme(qc, field)
+    if fmt == "pack-quantized":
+        return pack_quantized_scheme(qc, field, QuantScheme)
     if fmt != "int-quantized":
         raise ValueError(f"{field}.format={fmt!r} is not supported yet (issue 46): pagedgen runs compressed-tensors "
-                         "'int-quantized' (W8A8 int8) and 'float-quantized' (FP8)")
+                         "'int-quantized' (W8A8 int8), 'float-quantized' (FP8) and 'pack-quantized' (int4 W4A16)")
     if qc.get("kv_cache_scheme") is not None:
         raise ValueError(f"{field}.kv_cache_scheme is set: a quantized KV cache from the checkpoint is not supported yet")
     groups = qc.get("config_groups") or {}
@@ -248,7 +270,8 @@ def quantized_linears(model: nn.Module, plan: QuantScheme):
     for name, module in model.named_modules():
         if not isinstance(module, LinearBase):
             continue
-        if not plan.online and (module.layout == "conv1d" or plan.ignores(_checkpoint_names(model, name))):
+        conv1d_stays_float = module.layout == "conv1d" and plan.method not in ("gptq", "awq")  # AutoGPTQ / AutoAWQ pack Conv1D too
+        if not plan.online and (conv1d_stays_float or plan.ignores(_checkpoint_names(model, name))):
             continue
         yield name, module
 
@@ -260,7 +283,9 @@ def before_loading(model: nn.Module, plan: Optional[QuantScheme]) -> None:
     if plan is not None and not plan.online:
         for name, module in quantized_linears(model, plan):
             try:
-                if plan.weights == "fp8":
+                if plan.weights == "int4":
+                    make_int4_params(module, plan, name)
+                elif plan.weights == "fp8":
                     make_fp8_params(module, plan.block, plan.block_scale_name)
                 else:
                     make_int8_params(module, plan.static_input)
@@ -275,6 +300,8 @@ def after_loading(model: nn.Module, plan: Optional[QuantScheme]) -> None:
         return
     fp8 = plan.weights == "fp8"
     run = (quantize_linear_fp8 if fp8 else quantize_linear_int8) if plan.online else (finish_fp8 if fp8 else finish_int8)
+    if plan.weights == "int4":
+        run = finish_int4
     for name, module in quantized_linears(model, plan):
         try:
             run(module)

@@ -50,6 +50,8 @@ _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
 _INT8 = "I8"  # the int8 weights of a quantized checkpoint (pagedgen.model.quantization)
 # the quantized weights' dtypes: the parameter's torch dtype -> the safetensors dtype the checkpoint must have
 _QUANTIZED = {torch.int8: (_INT8, "an int8 (I8)"), torch.float8_e4m3fn: ("F8_E4M3", "an FP8 e4m3 (F8_E4M3)")}
+# the dtypes of an int4 checkpoint's tensors (a parameter's ``checkpoint_dtypes``, pagedgen.layers.quant_int4)
+_PACKED_DTYPES = {"I32": torch.int32, "I64": torch.int64, **_FLOAT_DTYPES}
 
 
 @dataclass
@@ -182,7 +184,13 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
         param_name, shard_id = target
         param = params[param_name]
         quant = _QUANTIZED.get(param.dtype)  # a quantized layer's weight (its scales are float)
-        if quant is not None and dtype != quant[0]:
+        packed = getattr(param, "checkpoint_dtypes", None)  # an int4 layer's tensors: read in their own dtypes
+        if packed is not None:
+            if dtype not in packed:
+                raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, but config.json's quantization_config "
+                                 f"(quantization={model.config.quantization!r}) makes it one of {list(packed)}")
+            quant = ("", "")
+        elif quant is not None and dtype != quant[0]:
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, but config.json's quantization_config "
                              f"(quantization={model.config.quantization!r}) makes it {quant[1]} weight")
         if quant is None and dtype not in _FLOAT_DTYPES:
@@ -190,7 +198,8 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
                     if dtype in (q for q, _ in _QUANTIZED.values()) else "")
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; only floating-point (unquantised) weights are supported{hint}")
         try:
-            weight_loader(param)(param, torch.empty(shape, dtype=param.dtype if quant else _FLOAT_DTYPES[dtype], device="meta"), shard_id)
+            meta_dtype = _PACKED_DTYPES[dtype] if packed else param.dtype if quant else _FLOAT_DTYPES[dtype]
+            weight_loader(param)(param, torch.empty(shape, dtype=meta_dtype, device="meta"), shard_id)
         except WeightShapeError as exc:
             shape_errors.append((order[param_name], f"weight {name!r} {exc} ({fields}): config.json does not describe these weights"))
             continue
@@ -203,7 +212,7 @@ def plan_checkpoint(model: CausalLM, path: str, hf_config) -> list[TensorPlan]:
     for param_name, param in params.items():
         got = loaded.get(param_name, set())
         shards = getattr(param, "shard_ids", ())
-        if None in got or (shards and got >= set(shards)):
+        if None in got or (shards and got >= set(shards)) or getattr(param, "optional", False):
             continue
         missing = [s for s in shards if s not in got] if shards else [None]
         raise ValueError(f"weight {_checkpoint_name(model, param_name, missing[0])!r} is missing from the checkpoint in {path!r}")

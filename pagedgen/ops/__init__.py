@@ -42,7 +42,7 @@ __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
     "silu_and_mul", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear",
-    "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
+    "int4_linear", "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
 ]
 
 #: the most top logprobs per row ``logprob_topk``'s kernel keeps (csrc/op_checks.h, vLLM's default
@@ -263,3 +263,18 @@ def add_lora_linear(out, input, lora_a, lora_b, slots, output_slices) -> None:
         RuntimeError: (the CPU kernel) shapes, dtypes or strides that do not fit, a slot outside [-1, S).
     """
     _fused_impl("add_lora_linear", input.device.type)(out, input, lora_a, lora_b, slots, list(output_slices))
+
+
+def int4_linear(out, input, weight, weight_scale, weight_zero, group_size: int, bias=None) -> None:
+    """out [M, N] (input's dtype) = input [M, K] (float32 / bfloat16 / float16) @ W^T + bias [N]
+    for int4 W4A16 weights packed by ``pagedgen.layers.quant_int4.pack_int4`` ([ceil(N / 16), K, 8]
+    uint8) with per-group ``weight_scale`` ([ceil(N / 16), ceil(K / group_size), 16] float32) and
+    ``weight_zero`` (same shape, uint8): ``W[n, k] = float32(q - z) * s``. A CPU kernel in builds
+    with AVX2 (each output summed over k in order: batch-invariant). See
+    :func:`pagedgen.ops.reference.int4_linear`.
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes that do not fit together, a group size that does not
+            divide K, rows that are not contiguous, or dtypes other than the above.
+    """
+    _fused_impl("int4_linear", input.device.type)(out, input, weight, weight_scale, weight_zero, group_size, bias)

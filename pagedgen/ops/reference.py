@@ -321,3 +321,30 @@ def add_lora_linear(
         d = torch.cat(parts, dim=1) if parts else delta  # [M, N]
         delta = torch.where((slots == s)[:, None], d, delta)
     out.copy_(torch.where((slots >= 0)[:, None], out.float() + delta, out.float()))
+
+
+def int4_linear(
+    out: torch.Tensor,  # [M, N] float32, bfloat16 or float16 (input's dtype), written in place
+    input: torch.Tensor,  # [M, K] float32, bfloat16 or float16
+    weight: torch.Tensor,  # [ceil(N / 16), K, 8] uint8: codes of outputs 16 p + b (low nibble) and 16 p + b + 8 (high)
+    weight_scale: torch.Tensor,  # [ceil(N / 16), ceil(K / group_size), 16] float32 (the last group may be partial)
+    weight_zero: torch.Tensor,  # [ceil(N / 16), ceil(K / group_size), 16] uint8 zero points (0..16)
+    group_size: int,  # input features per group (K: one group per output channel)
+    bias: Optional[torch.Tensor] = None,  # [N] or None
+) -> None:
+    """int4 W4A16 GEMM (GPTQ / AWQ / compressed-tensors pack-quantized, fake quantization in float):
+    each weight dequantized in float32 as ``float32(q - z) * s`` (q the 4-bit code, z and s its
+    output's zero point and scale for its group of ``group_size`` input features; one float32
+    rounding), then ``out = float32(input) @ W^T + bias`` in float32, rounded once to out's dtype.
+    The weight layout is ``pagedgen.layers.quant_int4.pack_int4``'s: ``weight[p, k, b] =
+    q[16 p + b, k] | q[16 p + b + 8, k] << 4``. The kernel sums each output over k in order (fused
+    multiply-adds); this reference lets torch's float32 GEMM pick its order, so the two agree to
+    float32 rounding, not bitwise."""
+    n = out.shape[1]
+    p, k, _ = weight.shape
+    codes = torch.cat([weight & 0xF, weight >> 4], dim=2).transpose(1, 2).reshape(p * 16, k)[:n].to(torch.int32)  # [N, K]
+    s = weight_scale.float().transpose(1, 2).reshape(p * 16, -1)[:n].repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]
+    z = weight_zero.transpose(1, 2).reshape(p * 16, -1)[:n].to(torch.int32).repeat_interleave(group_size, dim=1)[:, :k]
+    w = (codes - z).float() * s
+    y = torch.nn.functional.linear(input.float(), w, None if bias is None else bias.float())
+    out.copy_(y)

@@ -12,7 +12,7 @@
 - batch invariance: a request's tokens and logprobs alone equal those in a batch of 64, bit for bit;
 - every family of the registry runs a W8A8 checkpoint against its fake-quantized transformers model
   (GPT-2, whose Conv1D layers a recipe leaves float: online int8);
-- bad input (an unknown method, awq/gptq not yet, int8 on a quantized checkpoint, unsupported
+- bad input (an unknown method, awq_marlin / gptq_marlin not yet, awq without a checkpoint's config, int8 on a quantized checkpoint, unsupported
   config fields, a missing or misshapen scale, float weights where int8 are declared) is a
   ValueError naming the field before any weight is read.
 """
@@ -187,14 +187,16 @@ def _group(qc_: dict) -> dict:
 @pytest.mark.parametrize("edit, match", [
     # an int8 group under the FP8 format (tests/model/test_quantization_fp8.py runs float-quantized ones)
     (lambda c: c.update(format="float-quantized"), r"weights.type='int' is not supported \(allowed: \['float'\]\)"),
-    (lambda c: c.update(format="pack-quantized"), r"format='pack-quantized'"),
+    # int4 (tests/model/test_quantization_int4.py runs pack-quantized W4A16 ones): W8A8 groups refused there
+    (lambda c: c.update(format="pack-quantized"), r"input_activations is set: pack-quantized runs as W4A16"),
     (lambda c: _group(c)["weights"].update(num_bits=4), r"weights.num_bits=4"),
     (lambda c: _group(c)["weights"].update(symmetric=False), r"weights.symmetric=False"),
     (lambda c: _group(c)["weights"].update(strategy="group"), r"weights.strategy='group'"),
     (lambda c: _group(c).update(input_activations=None), r"input_activations is null"),
     (lambda c: _group(c)["input_activations"].update(dynamic=False), r"dynamic=False with strategy='token'"),
     (lambda c: c.update(kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme"),
-    (lambda c: c.update(quant_method="awq"), r"quant_method='awq' is not supported yet"),
+    (lambda c: c.update(quant_method="awq"), r"quantization_config.bits=None is not supported \(allowed: \[4\]\)"),
+    (lambda c: c.update(quant_method="awq_marlin"), r"quant_method='awq_marlin' is not supported yet"),
     (lambda c: c.update(ignore=["model.layers.0.self_attn.q_proj"]), r"parts of a fused layer"),
 ])
 def test_unsupported_configs_are_refused_naming_the_field(dynamic_ckpt, tmp_path, edit, match):
@@ -205,9 +207,9 @@ def test_unsupported_configs_are_refused_naming_the_field(dynamic_ckpt, tmp_path
 
 
 @pytest.mark.parametrize("quantization, match", [
-    ("int4", r"quantization must be None or one of \('int8', 'fp8', 'compressed-tensors'\), got 'int4'"),
-    ("awq", r"quantization='awq' is not supported yet"),
-    ("gptq", r"quantization='gptq' is not supported yet"),
+    ("int4", r"quantization must be None or one of \('int8', 'fp8', 'compressed-tensors', 'awq', 'gptq'\), got 'int4'"),
+    ("awq", r"quantization='awq' needs a checkpoint whose config.json has a quantization_config"),
+    ("gptq_marlin", r"quantization='gptq_marlin' is not supported yet"),
     ("compressed-tensors", r"needs a checkpoint whose config.json has a quantization_config"),
 ])
 def test_bad_quantization_arguments(stories_path, quantization, match):

@@ -12,7 +12,8 @@ and top-k, with ranks), and the prompt logprobs, with ``==`` on the floats.
 
 The sweep and the needle also run with the 1-byte KV cache (``kv_cache_dtype="int8"``, bfloat16):
 its values are quantized per token (pagedgen/ops/kv_quant.py), so the same holds bit for bit.
-The sweep runs with int8 W8A8 and FP8 W8A16 weights too (stories260K, ``quantization="int8"`` / ``"fp8"``).
+The sweep runs with int8 W8A8 and FP8 W8A16 weights too (stories260K, ``quantization="int8"`` / ``"fp8"``),
+and with int4 W4A16 weights (stories260K written as an AWQ checkpoint).
 
 Also: the "needle" (one request alone vs among 200 companions with other sampling parameters and
 lengths), repeated ``generate`` calls on one LLM (the second finds its prefixes cached), and beam
@@ -158,6 +159,23 @@ def test_sweep_with_int8_weights_is_bitwise_the_default(stories_path, dtype):
 def test_sweep_with_fp8_weights_is_bitwise_the_default(stories_path, dtype):
     """The same sweep with FP8 W8A16 weights (``quantization="fp8"``: dequantized into the float GEMM, docs/quantization.md)."""
     _sweep(stories_path, dtype, quantization="fp8")
+
+
+@pytest.fixture(scope="module")
+def int4_path(tmp_path_factory, hf_model, stories_path):
+    """stories260K as an AWQ int4 checkpoint (group 32, tests/support/int4_checkpoints.py)."""
+    import int4_checkpoints
+
+    folder = os.path.join(str(tmp_path_factory.mktemp("int4")), "stories260K")  # _sweep reads the vocabulary off the name
+    int4_checkpoints.write_int4(hf_model, stories_path, folder, "awq", 32)
+    return folder
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sweep_with_int4_weights_is_bitwise_the_default(int4_path, dtype):
+    """The same sweep with int4 W4A16 weights (an AWQ checkpoint: codes dequantized in the kernel's
+    registers, each output summed over k in order, docs/quantization.md)."""
+    _sweep(int4_path, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

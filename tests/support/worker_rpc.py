@@ -81,3 +81,10 @@ def int8_shapes(worker) -> dict:
     int8 linear layers (issue 46: each tensor-parallel rank holds its shard of weights and scales)."""
     return {n: (str(m.weight.dtype), tuple(m.weight_scale.shape), None if m.input_scale is None else tuple(m.input_scale.shape))
             for n, m in worker.runner.model.named_modules() if getattr(m, "weight_scale", None) is not None}
+
+
+def int4_shapes(worker) -> dict:
+    """{module name: (weight shape, weight_scale shape, group)} of this worker's int4 linear layers
+    (issue 46: each tensor-parallel rank holds its shard of the codes, scales and zeros)."""
+    return {n: (tuple(m.weight.shape), tuple(m.weight_scale.shape), m.int4_group)
+            for n, m in worker.runner.model.named_modules() if getattr(m, "int4_group", 0)}

@@ -2,7 +2,8 @@
 
 - ``dispatch``: ``linear`` itself: pagedgen's kernel for a weight packed in panels or pairs, else the
   GEMM library in the row blocks of the model's ``MatmulConfig``; ``int8_linear``, the W8A8 GEMM of
-  int8 weights (``pagedgen.layers.quant``); ``fp8_linear``, FP8 W8A16 (``pagedgen.layers.quant_fp8``).
+  int8 weights (``pagedgen.layers.quant``); ``fp8_linear``, FP8 W8A16 (``pagedgen.layers.quant_fp8``); ``int4_linear``, int4 W4A16
+  (``pagedgen.layers.quant_int4``).
 - ``config``: ``MatmulConfig``, how one model's matmuls run, and the row blocks measured to keep a
   row's bits whatever the batch (batch invariance).
 - ``choice``: ``choose_matmul``, the one place a model's path is chosen: what this CPU and build
@@ -22,7 +23,7 @@ from pagedgen.layers.matmul.choice import (MATMUL_BACKENDS, PREPACK_MIN_NUMEL, P
                                            onednn_prepack_available, onednn_prepack_supported)
 from pagedgen.layers.matmul.config import (BF16_MAX_ROWS, BF16_MIN_ROWS, FP16_MIN_ROWS, LONG_K, LONG_K_MAX_ROWS,
                                            MAX_ROWS, MIN_ROWS, PACKED_MIN_ROWS, MatmulConfig)
-from pagedgen.layers.matmul.dispatch import fp8_linear, int8_linear, linear
+from pagedgen.layers.matmul.dispatch import fp8_linear, int4_linear, int8_linear, linear
 from pagedgen.layers.matmul.packing import (PACKABLE_DTYPES, PANEL, PREPACK_ROWS, pack_int8, pack_pairs, pack_panels, prepack,
                                             prepare_matmuls)
 
@@ -33,6 +34,6 @@ __all__ = [
     "onednn_prepack_available", "onednn_prepack_supported",
     "BF16_MAX_ROWS", "BF16_MIN_ROWS", "FP16_MIN_ROWS", "LONG_K", "LONG_K_MAX_ROWS", "MAX_ROWS", "MIN_ROWS",
     "PACKED_MIN_ROWS", "MatmulConfig",
-    "fp8_linear", "int8_linear", "linear",
+    "fp8_linear", "int4_linear", "int8_linear", "linear",
     "PACKABLE_DTYPES", "PANEL", "PREPACK_ROWS", "pack_int8", "pack_pairs", "pack_panels", "prepack", "prepare_matmuls",
 ]

@@ -143,3 +143,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     elif config is not None and config.panels:
         w = pack_panels(w)
     return linear(x, w, bias, config, weight.shape[0])
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_zero: torch.Tensor, group_size: int,
+                bias: Optional[torch.Tensor] = None, out_features: Optional[int] = None) -> torch.Tensor:
+    """int4 W4A16: ``y = x @ W^T + bias`` with ``W[n, k] = float32(q - z) * s`` dequantized in the
+    kernel's registers (``ops.int4_linear``; each output summed over k in order, so batch-invariant
+    by construction, no row blocks).
+
+    Args:
+        x: [T, K] activations (float32, bfloat16 or float16).
+        weight: [ceil(N / 16), K, 8] uint8 (``pagedgen.layers.quant_int4.pack_int4``).
+        weight_scale: [ceil(N / 16), ceil(K / group_size), 16] float32; weight_zero: the same shape, uint8.
+        group_size: input features per group. bias: [N] or None.
+        out_features: N (default: the panels' rows, a multiple of 16).
+
+    Returns:
+        [T, N] in x's dtype.
+    """
+    n = out_features if out_features is not None else weight.shape[0] * 16
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [T, N]
+    ops.int4_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, weight_zero, group_size, bias)
+    return out
