@@ -94,6 +94,8 @@ def _add_lora_linear(out, input, lora_a, lora_b, slots, output_slices) -> None:
                  lambda: f"out {out.shape}, input {input.shape}, slots {slots.shape} differ in rows")
     torch._check(lora_a.shape[1] == input.shape[1], lambda: f"lora_a {lora_a.shape} does not fit input {input.shape}")
     torch._check(lora_b.shape[2] == out.shape[1], lambda: f"lora_b {lora_b.shape} does not fit out {out.shape}")
+
+
 def _int4_linear(out, input, weight, weight_scale, weight_zero, group_size, bias) -> None:
     # out: [M, N]; input: [M, K]; weight: [ceil(N / 16), K, 8] uint8
     torch._check(out.shape[0] == input.shape[0], lambda: f"out {out.shape} and input {input.shape} differ in rows")

@@ -180,6 +180,13 @@ if o.has_kernel("logprob_topk"):
     exact = [0, 2] + list(range(8, 13))   # ids, ranks, top ids: equal, else the error is 1
     lps = [1] + list(range(3, 8))
     res["logprob_topk"] = float((a[:, lps] - b[:, lps]).abs().max()) if torch.equal(a[:, exact], b[:, exact]) else 1.0
+if o.has_kernel("int4_linear"):
+    from pagedgen.layers.quant_int4 import pack_groups, pack_int4
+    codes, inp = torch.randint(0, 16, (40, 64), dtype=torch.uint8), torch.randn(5, 64)
+    sc, zp = pack_groups(torch.rand(40, 2) * 0.01), pack_groups(torch.randint(0, 16, (40, 2), dtype=torch.uint8))
+    a, b = torch.empty(5, 40), torch.empty(5, 40)
+    o.int4_linear(a, inp, pack_int4(codes), sc, zp, 32, None); ref.int4_linear(b, inp, pack_int4(codes), sc, zp, 32, None)
+    res["int4_linear"] = float((a - b).abs().max())
 print(json.dumps(res))
 """
 
