@@ -255,7 +255,8 @@ def _prompt_spec(args, fmt: str) -> PromptSpec:
     return PromptSpec(mode=mode, prompt_field=args.prompt_field, messages_field=args.messages_field,
                       index_field=args.index_field, output_field=args.output_field, chat_template=template,
                       truncate_prompt_tokens=None if ENGINE_TRUNCATES else args.truncate_prompt_tokens,
-                      schema_field=args.schema_field, compact_json=args.disable_any_whitespace, pair_field=args.pair_field)
+                      schema_field=args.schema_field, compact_json=args.disable_any_whitespace, pair_field=args.pair_field,
+                      close_at_max_tokens=args.close_at_max_tokens)
 
 
 def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
@@ -268,6 +269,10 @@ def _params_fingerprint(args, fmt: str, params, spec: PromptSpec) -> dict:
         chat_template_sha256=hashlib.sha256(spec.chat_template.encode()).hexdigest() if spec.chat_template else None,
         served_model_name=args.served_model_name, schema_field=spec.schema_field, compact_json=spec.compact_json,
     )
+    if params.structured_outputs is not None or spec.schema_field is not None or fmt == "openai":
+        # a run that can build a structured request (a row's schema, a body's response_format):
+        # True reads as an older sidecar's missing key (sidecar.ADDED_DEFAULTS)
+        values.update(close_at_max_tokens=spec.close_at_max_tokens)
     if args.task != "generate":  # (absent for generation: the sidecars written before --task read back the same)
         values.update(task=args.task, pooler_config=args.pooler_config, convert=args.convert)
         if args.task == "score":

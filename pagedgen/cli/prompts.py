@@ -37,6 +37,8 @@ class PromptSpec:
         truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len), or None.
         schema_field: a field holding a row's own JSON Schema (``cli/structured.py``), or None;
         compact_json: that schema's JSON without whitespace (``--disable-any-whitespace``).
+        close_at_max_tokens: a row's or body's JSON constraint closed near its token limit
+            (``--close-at-max-tokens``, default; StructuredOutputsParams' field of that name).
         pair_field: with ``--task score``, the field of each row's second text (the first is
             ``prompt_field``); the Request's prompt is then ``{"pair": {"text_1", "text_2"}}`` (cli/scoring.py).
     """
@@ -50,6 +52,7 @@ class PromptSpec:
     truncate_prompt_tokens: Optional[int] = None
     schema_field: Optional[str] = None
     compact_json: bool = False
+    close_at_max_tokens: bool = True
     pair_field: Optional[str] = None
 
 
@@ -114,7 +117,7 @@ class RequestBuilder:
             first = self._custom_ids.setdefault(req.custom_id, row.line)
             if first != row.line:
                 raise BadRow(openai_batch.duplicate_id_error(req.custom_id, row.line, first))
-            params = self._with(structured.compact_overrides(req.overrides, spec.compact_json))
+            params = self._with(structured.body_overrides(req.overrides, spec.compact_json, spec.close_at_max_tokens))
             truncate = self._truncation(req.truncate_prompt_tokens, params)
             if req.kind == "chat":
                 ids = self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message)
@@ -127,7 +130,7 @@ class RequestBuilder:
         if self.params.prompt_logprobs is not None and "prompt_logprobs" in fields:
             raise BadRow("the row has its own field 'prompt_logprobs', which --prompt-logprobs adds to the output")
         truncate = self._truncation(None, self.params)
-        params = structured.row_params(self.params, fields, spec.schema_field, spec.compact_json)
+        params = structured.row_params(self.params, fields, spec.schema_field, spec.compact_json, spec.close_at_max_tokens)
         if spec.schema_field is not None and fields.get(spec.schema_field) is not None:
             self.rows_with_schema += 1
         if spec.pair_field is not None:

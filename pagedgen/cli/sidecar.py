@@ -16,7 +16,9 @@ only when the input, the model and the parameters are those of the run that star
   another checkpoint changes them; a copy or a fresh download of the same files does not, and
   reading 16 MiB stays fast for any model). Paths are not compared (a moved folder still resumes).
 - **Parameters**: everything that shapes an output row (sampling flags, dtype, engine seed,
-  max_model_len, the input-reading and output flags); performance knobs (max_num_seqs, KV cache
+  max_model_len, the input-reading and output flags, ``--close-at-max-tokens`` where a request can
+  be structured); a flag added later, at its default, reads as an older sidecar's missing key
+  (``ADDED_DEFAULTS``); performance knobs (max_num_seqs, KV cache
   size, block size, prefix caching, device...) may change between runs.
 
 The file is replaced atomically (write, fsync, rename, fsync the folder).
@@ -107,9 +109,21 @@ def check_errors_file_not_shared(output: str) -> None:
                        f"{errors_sidecar!r} exists): choose another output name (another run's files are never written to)")
 
 
+#: parameters added after sidecars were first written whose default is not None (None is unset),
+#: with that default: a value equal to it compares as the key an older sidecar lacks, at the top
+#: level and in the recorded ``structured_outputs``. So a run with the default resumes an older
+#: sidecar, and one with another value is refused (``close_at_max_tokens: None -> False``).
+ADDED_DEFAULTS = {"close_at_max_tokens": True}
+
+
 def _set(params) -> Optional[dict]:
-    """``params`` without its None values: a key an older sidecar lacks reads as unset."""
-    return {k: v for k, v in params.items() if v is not None} if isinstance(params, dict) else params
+    """``params`` without its None values and ``ADDED_DEFAULTS``: a key an older sidecar lacks reads as unset."""
+    if not isinstance(params, dict):
+        return params
+    out = {k: v for k, v in params.items() if v is not None and ADDED_DEFAULTS.get(k, None) != v}
+    if isinstance(out.get("structured_outputs"), dict):
+        out["structured_outputs"] = _set(out["structured_outputs"])
+    return out
 
 
 def _recorded_output(path: str) -> Optional[str]:
@@ -263,9 +277,10 @@ class Sidecar:
     def check(self, model: dict, params: dict, output: str) -> None:
         """Raise CLIError naming what differs from the run that started ``output``."""
         again = f"rerun with the same input, model and flags to resume {output!r}, or pass --overwrite to start it again"
-        if _set(self.data.get("params")) != _set(params):  # a flag a newer pagedgen added, left unset: the same run
-            old = self.data.get("params") or {}
-            diffs = [f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)]
+        was, now = _set(self.data.get("params")), _set(params)
+        if was != now:  # a flag a newer pagedgen added, left unset (or at its ADDED_DEFAULTS value): the same run
+            old, was = self.data.get("params") or {}, was or {}
+            diffs = [f"{k}: {old.get(k)!r} -> {params.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
             raise CLIError(f"the parameters differ from the run that started {output!r} ({'; '.join(diffs)}); {again}")
         if self.data.get("model") != model:
             old = self.data.get("model") or {}

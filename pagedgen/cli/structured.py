@@ -2,10 +2,12 @@
 
 One constraint for every row: ``--json-schema FILE`` (or the schema's JSON itself), ``--regex
 PATTERN``, ``--choice A B C``, ``--grammar FILE`` (Lark or GBNF); ``--disable-any-whitespace``
-for compact JSON. One per row: ``--schema-field NAME``, a field holding the row's JSON Schema (an
-object, or its JSON text); a row whose field is missing or null takes the command line's
-constraint, if any. In the OpenAI batch format, a body's ``response_format`` (``{"type":
+for compact JSON; ``--no-close-at-max-tokens`` to let a JSON completion run into ``--max-tokens``
+unsteered (``StructuredOutputsParams.close_at_max_tokens``, on by default). One per row:
+``--schema-field NAME``, a field holding the row's JSON Schema (an object, or its JSON text); a
+row whose field is missing or null takes the command line's constraint, if any. In the OpenAI batch format, a body's ``response_format`` (``{"type":
 "json_schema", "json_schema": {"schema": {...}}}`` or ``{"type": "json_object"}``) does the same.
+The two JSON flags apply to every constraint the command line builds, a row's and a body's too.
 A schema the grammar backend refuses is a bad row (``--on-error``); a bad command-line constraint
 stops the run before any row is read.
 """
@@ -35,6 +37,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--choice", nargs="+", default=None, metavar="TEXT", help="every completion is one of these strings")
     group.add_argument("--grammar", default=None, metavar="FILE", help="every completion follows this Lark or GBNF grammar (a file)")
     group.add_argument("--disable-any-whitespace", action="store_true", help="JSON without whitespace between tokens")
+    group.add_argument("--close-at-max-tokens", action=argparse.BooleanOptionalAction, default=True,
+                       help="near --max-tokens, steer a JSON completion (--json-schema, --schema-field, response_format) to close "
+                            "its JSON so that a completion cut by the limit is still valid JSON (default: on; --no-close-at-max-tokens: "
+                            "the model alone decides, as vLLM); no effect on --regex, --choice, --grammar")
     group.add_argument("--schema-field", default=None, metavar="NAME",
                        help="a field holding each row's own JSON Schema (object or JSON text); rows without it take the flags above")
 
@@ -50,14 +56,15 @@ def with_constraint(params: SamplingParams, args: argparse.Namespace) -> Samplin
     if not given:
         return params
     flag, value = given[0]
+    close = args.close_at_max_tokens  # carried by every kind (only JSON is steered), as by a row's and a body's constraint
     try:
         if flag == "--json-schema":
             spec = StructuredOutputsParams(json=_read(flag, value, inline_if=lambda t: t.lstrip().startswith("{")),
-                                           disable_any_whitespace=args.disable_any_whitespace)
+                                           disable_any_whitespace=args.disable_any_whitespace, close_at_max_tokens=close)
         elif flag == "--grammar":
-            spec = StructuredOutputsParams(grammar=_read(flag, value, inline_if=lambda t: False))
+            spec = StructuredOutputsParams(grammar=_read(flag, value, inline_if=lambda t: False), close_at_max_tokens=close)
         else:
-            spec = StructuredOutputsParams(**{flag[2:]: value})
+            spec = StructuredOutputsParams(**{flag[2:]: value}, close_at_max_tokens=close)
         return dataclasses.replace(params, structured_outputs=spec)
     except (TypeError, ValueError) as exc:
         flags = {f.name: arg_utils.flag_name(f) for f in sampling_fields()}
@@ -79,23 +86,28 @@ def _read(flag: str, value: str, inline_if) -> str:
     raise CLIError(f"{flag} {value!r}: no such file")
 
 
-def row_params(params: SamplingParams, fields: dict, schema_field: Optional[str], compact: bool) -> SamplingParams:
-    """``params`` with the JSON Schema of the row's ``schema_field`` (if it has one). Raises BadRow."""
+def row_params(params: SamplingParams, fields: dict, schema_field: Optional[str], compact: bool, close: bool = True) -> SamplingParams:
+    """``params`` with the JSON Schema of the row's ``schema_field`` (if it has one), compact
+    (``--disable-any-whitespace``) and closed near the limit (``--close-at-max-tokens``) as the
+    command line says. Raises BadRow."""
     if schema_field is None or fields.get(schema_field) is None:
         return params
     try:
-        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=fields[schema_field], disable_any_whitespace=compact))
+        spec = StructuredOutputsParams(json=fields[schema_field], disable_any_whitespace=compact, close_at_max_tokens=close)
+        return dataclasses.replace(params, structured_outputs=spec)
     except (TypeError, ValueError) as exc:
         raise BadRow(f"{schema_field}: {exc}") from None
 
 
-def compact_overrides(overrides: dict, compact: bool) -> dict:
-    """An OpenAI body's SamplingParams fields with its response_format's JSON made compact when
-    ``--disable-any-whitespace`` is given."""
+def body_overrides(overrides: dict, compact: bool, close: bool = True) -> dict:
+    """An OpenAI body's SamplingParams fields with its response_format's constraint made compact
+    when ``--disable-any-whitespace`` is given, and closed near the limit as
+    ``--close-at-max-tokens`` says (a body has no field for either)."""
     spec = overrides.get("structured_outputs")
-    if not compact or spec is None or spec.disable_any_whitespace:
+    if spec is None or ((not compact or spec.disable_any_whitespace) and spec.close_at_max_tokens == close):
         return overrides
-    return {**overrides, "structured_outputs": dataclasses.replace(spec, disable_any_whitespace=True)}
+    spec = dataclasses.replace(spec, disable_any_whitespace=spec.disable_any_whitespace or compact, close_at_max_tokens=close)
+    return {**overrides, "structured_outputs": spec}
 
 
 def response_format(value) -> Optional[StructuredOutputsParams]:

@@ -1,6 +1,7 @@
 """The command line's structured outputs (issue 33): a JSONL whose rows carry their own JSON Schema
 (``--schema-field``) beside a command-line constraint, killed with SIGKILL and resumed to the bytes
-of an uninterrupted run; the OpenAI batch format's ``response_format``; bad constraint flags."""
+of an uninterrupted run; the OpenAI batch format's ``response_format``; bad constraint flags; --close-at-max-tokens / --no-close-at-max-tokens (issue 51) reaching every
+structured request and binding a resumed run."""
 import json
 import re
 import signal
@@ -168,3 +169,100 @@ def test_a_row_that_fails_mid_generation_goes_to_the_errors_file_with_skip(stori
     written = read_jsonl(tmp_path / "stop.jsonl")
     assert [r["index"] for r in written] == [0, 1, 2, 3] and not (tmp_path / "stop.errors.jsonl").exists()
     assert all(written[i]["completions"][0]["finish_reason"] == "stop" for i in (1, 3))
+
+
+def _spy_structured_outputs(monkeypatch) -> dict:
+    """{row index: the StructuredOutputsParams (or None) of the SamplingParams the engine got}, per run."""
+    from pagedgen.engine.llm_engine import LLMEngine
+
+    seen = {}
+    add_request = LLMEngine.add_request
+
+    def spy(self, request_id, prompt, sampling_params=None, **kwargs):
+        seen[int(request_id)] = sampling_params.structured_outputs
+        return add_request(self, request_id, prompt, sampling_params, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    return seen
+
+
+def test_close_at_max_tokens_flag_reaches_every_structured_request(stories_path, tmp_path, capsys, monkeypatch, one_torch_thread):
+    """``--close-at-max-tokens`` (default) / ``--no-close-at-max-tokens`` set
+    ``StructuredOutputsParams.close_at_max_tokens`` of the command line's constraint, of a row's
+    own ``--schema-field`` schema and of an OpenAI body's ``response_format``; unconstrained
+    requests stay unconstrained; ``--help`` lists both spellings."""
+    from pagedgen.cli.args import build_parser
+
+    assert "--close-at-max-tokens, --no-close-at-max-tokens" in build_parser().format_help()
+    seen = _spy_structured_outputs(monkeypatch)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "Once upon a time", "schema": SCHEMAS[0]}) + "\n" + json.dumps({"prompt": "Lily saw"}) + "\n")
+    batch = tmp_path / "batch.jsonl"
+    bodies = [{"type": "json_schema", "json_schema": {"schema": SCHEMAS[3]}}, {"type": "json_object"}, {"type": "text"}, None]
+    batch.write_text("".join(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
+                                         "body": {"prompt": "Once", "max_tokens": 8, **({"response_format": rf} if rf else {})}}) + "\n"
+                             for i, rf in enumerate(bodies)))
+    regex = ("--regex", "(yes|no)")
+    for flags, close in (((), True), (("--close-at-max-tokens",), True), (("--no-close-at-max-tokens",), False)):
+        seen.clear()
+        rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / f"rows{close}{len(flags)}.jsonl",
+                          "--max-tokens", 8, "--schema-field", "schema", "--json-schema", json.dumps(SCHEMAS[7]), "--disable-any-whitespace", *flags)
+        assert rc == 0, err
+        assert seen[0].json == SCHEMAS[0] and seen[1].json == SCHEMAS[7], seen
+        assert all(s.close_at_max_tokens is close and s.disable_any_whitespace for s in seen.values()), seen
+        seen.clear()
+        rc, err = run_cli(capsys, "--model", stories_path, "--input", batch, "--output", tmp_path / f"batch{close}{len(flags)}.jsonl", *flags)
+        assert rc == 0, err
+        assert seen[0].json == SCHEMAS[3] and seen[1].json_object and seen[2] is None and seen[3] is None, seen
+        assert seen[0].close_at_max_tokens is close and seen[1].close_at_max_tokens is close
+        seen.clear()  # the other kinds carry it too (only JSON is steered)
+        rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / f"regex{close}{len(flags)}.jsonl",
+                          "--max-tokens", 4, *regex, *flags)
+        assert rc == 0, err
+        assert [s.regex for s in seen.values()] == ["(yes|no)"] * 2 and all(s.close_at_max_tokens is close for s in seen.values())
+    rc, err = run_cli(capsys, "--model", stories_path, "--input", src, "--output", tmp_path / "x.jsonl", "--close-at-max-tokens", "no")
+    assert rc == 2 and "unrecognized arguments: no" in err, err
+
+
+def test_close_at_max_tokens_binds_a_resumed_run(stories_path, tmp_path, capsys, one_torch_thread):
+    """The sidecar records ``close_at_max_tokens`` when a request can be structured (a constraint,
+    ``--schema-field``, OpenAI input): a rerun with the other value is refused naming it, the same
+    value resumes; a sidecar of an older pagedgen, without the key, resumes at the default and
+    refuses ``--no-close-at-max-tokens``; a run that builds no structured request does not record it."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, **({"schema": SCHEMAS[0]} if i % 2 else {})}) + "\n"
+                           for i, p in enumerate(story_openings(3))))
+    for structured, recorded in ((("--schema-field", "schema"), True), (("--json-schema", json.dumps(SCHEMAS[7])), True), ((), False)):
+        out = tmp_path / f"out{len(structured) and structured[0]}.jsonl"
+        base = ("--model", stories_path, "--input", src, "--output", out, "--max-tokens", 6, *structured)
+        rc, err = run_cli(capsys, *base)
+        assert rc == 0, err
+        written = out.read_bytes()
+        car = tmp_path / out.name.replace(".jsonl", ".pagedgen.json")
+        params = json.loads(car.read_text())["params"]
+        assert params.get("close_at_max_tokens") is (True if recorded else None), params
+        rc, err = run_cli(capsys, *base, "--no-close-at-max-tokens")
+        if not recorded:  # nothing structured: the flag shapes no row
+            assert rc == 0, err
+            continue
+        assert rc == 2 and "parameters differ" in err and "close_at_max_tokens: True -> False" in err, err
+        assert len(error_lines(err)) == 1 and out.read_bytes() == written
+        rc, err = run_cli(capsys, *base, "--close-at-max-tokens")
+        assert rc == 0, err
+        assert out.read_bytes() == written
+        # an older sidecar: no top-level key, none in the recorded structured_outputs
+        data = json.loads(car.read_text())
+        del data["params"]["close_at_max_tokens"]
+        if data["params"].get("structured_outputs"):
+            del data["params"]["structured_outputs"]["close_at_max_tokens"]
+        car.write_text(json.dumps(data))
+        rc, err = run_cli(capsys, *base)
+        assert rc == 0, err
+        rc, err = run_cli(capsys, *base, "--no-close-at-max-tokens")
+        assert rc == 2 and "close_at_max_tokens: None -> False" in err, err
+    out = tmp_path / "off.jsonl"  # started with it off: a rerun at the default is refused
+    base = ("--model", stories_path, "--input", src, "--output", out, "--max-tokens", 6, "--schema-field", "schema")
+    rc, err = run_cli(capsys, *base, "--no-close-at-max-tokens")
+    assert rc == 0, err
+    rc, err = run_cli(capsys, *base)
+    assert rc == 2 and "close_at_max_tokens: False -> True" in err, err
