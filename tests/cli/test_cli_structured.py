@@ -1,7 +1,8 @@
 """The command line's structured outputs (issue 33): a JSONL whose rows carry their own JSON Schema
 (``--schema-field``) beside a command-line constraint, killed with SIGKILL and resumed to the bytes
-of an uninterrupted run; the OpenAI batch format's ``response_format``; bad constraint flags; --close-at-max-tokens / --no-close-at-max-tokens (issue 51) reaching every
-structured request and binding a resumed run."""
+of an uninterrupted run; the OpenAI batch format's ``response_format``; bad constraint flags;
+``--close-at-max-tokens`` / ``--no-close-at-max-tokens`` (issue 51) reaching every structured
+request and binding a resumed run."""
 import json
 import re
 import signal
