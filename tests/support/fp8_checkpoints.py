@@ -21,14 +21,12 @@ The quantizer is minmax, symmetric: ``scale = max |W| / 448`` (per row or per te
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import torch
 from torch import nn
 
-from quant_checkpoints import linear_names
+from quant_checkpoints import linear_names, write_folder
 
 FP8_MAX = 448.0
 
@@ -72,7 +70,7 @@ def write_fp8(src: str, dst: str, fmt: str = "compressed-tensors", strategy: str
     copying ``src``'s other files.
     ``activations``: compressed-tensors' config asks for dynamic per-token FP8 activations.
     ``model``: the transformers model of ``src`` (to find its ``nn.Linear`` modules; loaded if None)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model = model if model is not None else AutoModelForCausalLM.from_pretrained(src, dtype="float32")
@@ -86,30 +84,22 @@ def write_fp8(src: str, dst: str, fmt: str = "compressed-tensors", strategy: str
             state[n + (".weight_scale_inv" if fmt == "fp8" else ".weight_scale")] = s.float() if fmt == "fp8" else s.to(dtype)
             continue
         state[n + ".weight_scale"] = s.float() if fmt == "fp8" else (s[:, None] if strategy == "channel" else s.reshape(1)).to(dtype)
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors") and f != "model.safetensors.index.json" and os.path.isfile(os.path.join(src, f)):
-            shutil.copy(os.path.join(src, f), dst)
-    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
     if fmt == "fp8":
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": list(ignore)}
+        quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": list(ignore)}
         if block:
-            config["quantization_config"]["weight_block_size"] = list(block)
+            quantization_config["weight_block_size"] = list(block)
     else:
         act = dict(num_bits=8, type="float", symmetric=True, dynamic=True, strategy="group" if block else "token") if activations else None
         weights = dict(num_bits=8, type="float", symmetric=True, dynamic=False, strategy="block" if block else strategy)
         if block:
             weights["block_structure"] = list(block)
-        config["quantization_config"] = {
+        quantization_config = {
             "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "ignore": list(ignore), "kv_cache_scheme": None,
             "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None, "input_activations": act,
                                           "weights": weights}},
         }
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    write_folder(src, dst, state, quantization_config)
 
 
 def fake_quantize_fp8(model: nn.Module, strategy="channel", ignore=("lm_head",)) -> nn.Module:

@@ -16,15 +16,14 @@ may be partial), in float32:
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
-import shutil
 
 import torch
 from torch import nn
 
 from pagedgen.layers.quant_int4 import AWQ_ORDER, pack_int32
+from quant_checkpoints import write_folder
 
 
 def _rtn(wp: torch.Tensor, symmetric: bool, ratio: float):
@@ -218,7 +217,7 @@ def write_int4(model: nn.Module, src: str, dst: str, fmt: str, group: int = 128,
     ``quantize_gptq`` on the Hessians of ``calibration`` (token-id tensors) when given, else by
     ``quantize_rtn``. Returns {module name: the real [out, in] float32 weight} (what transformers'
     model must hold to be the oracle)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers.pytorch_utils import Conv1D
 
     state = load_file(os.path.join(src, "model.safetensors"))
@@ -243,16 +242,7 @@ def write_int4(model: nn.Module, src: str, dst: str, fmt: str, group: int = 128,
         for suffix, t in pack(fmt, codes, scales.to(w.dtype) if fmt == "pack-quantized" else scales, zeros, group, symmetric,
                               gptq_format).items():
             state[f"{prefix}.{suffix}"] = t
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors") and f != "model.safetensors.index.json" and os.path.isfile(os.path.join(src, f)):
-            shutil.copy(os.path.join(src, f), dst)
-    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quant_config(fmt, group, symmetric, gptq_format)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    write_folder(src, dst, state, quant_config(fmt, group, symmetric, gptq_format))
     return real
 
 

@@ -55,12 +55,29 @@ def calibrate(model: nn.Module, names: list[str], batches: list[torch.Tensor]) -
     return {n: v / 127 for n, v in amax.items()}
 
 
+def write_folder(src: str, dst: str, state: dict, quantization_config: dict) -> None:
+    """The quantized checkpoint folder ``dst``: ``src``'s files but its weights (config, tokenizer),
+    ``state`` as model.safetensors, and config.json's ``quantization_config`` set."""
+    from safetensors.torch import save_file
+
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json" and os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), dst)
+    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
 def write_w8a8(model: nn.Module, src: str, dst: str, static_batches=None, ignore=("lm_head",)) -> dict:
     """Save transformers ``model`` (loaded from ``src``) in ``dst`` as a compressed-tensors W8A8
     checkpoint (the module docstring's layout), copying ``src``'s other files (tokenizer...).
     ``static_batches``: token-id tensors to calibrate static input scales on (None: dynamic).
     Returns {module name: input scale} (empty when dynamic)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     names = linear_names(model, ignore)
     scales = calibrate(model, names, static_batches) if static_batches is not None else {}
@@ -71,22 +88,13 @@ def write_w8a8(model: nn.Module, src: str, dst: str, static_batches=None, ignore
         state[n + ".weight"], state[n + ".weight_scale"] = q, s[:, None].to(dtype)
         if n in scales:
             state[n + ".input_scale"] = torch.tensor([scales[n]], dtype=dtype)
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors") and f != "model.safetensors.index.json" and os.path.isfile(os.path.join(src, f)):
-            shutil.copy(os.path.join(src, f), dst)
-    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
     act = dict(num_bits=8, type="int", symmetric=True, dynamic=not scales, strategy="tensor" if scales else "token")
-    config["quantization_config"] = {
+    write_folder(src, dst, state, {
         "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
         "ignore": list(ignore), "kv_cache_scheme": None,
         "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None, "input_activations": act,
                                       "weights": dict(num_bits=8, type="int", symmetric=True, dynamic=False, strategy="channel")}},
-    }
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    })
     return scales
 
 
