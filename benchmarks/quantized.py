@@ -58,18 +58,24 @@ print(json.dumps(sorted(rates)[len(rates) // 2]))
 INT4_GROUP = 128
 
 
-def gptq_int4_tensors(w: torch.Tensor, group: int = INT4_GROUP) -> dict:
+def gptq_int4_tensors(w: torch.Tensor, group: int = INT4_GROUP, sym: bool = False) -> dict:
     """One [N, K] float weight as GPTQ's int4 tensors (suffix -> tensor;
-    pagedgen/layers/quant_int4.py's table, the v1 format): asymmetric round-to-nearest per group of
-    ``group`` inputs, zero points kept in [1, 15] (v1 stores z - 1), scales in float16."""
+    pagedgen/layers/quant_int4.py's table, the v1 format): round-to-nearest per group of ``group``
+    inputs, asymmetric (zero points kept in [1, 15]) or, with ``sym``, symmetric as GPTQ's ``sym=True``
+    writes it (scale 2 max|w| / 15, zero point 8; the form vLLM's CPU backend loads); v1 stores z - 1,
+    scales in float16."""
     from pagedgen.layers.quant_int4 import pack_int32
 
     n, k = w.shape
     groups = -(-k // group)
     wp = torch.nn.functional.pad(w.float(), (0, groups * group - k)).view(n, groups, group)
-    lo, hi = wp.amin(-1).clamp(max=0), wp.amax(-1).clamp(min=0)
-    s = ((hi - lo) / 14).clamp(min=1e-8).half()
-    z = torch.round(-lo / s.float()).clamp(1, 15)
+    if sym:
+        s = (wp.abs().amax(-1) * 2 / 15).clamp(min=1e-8).half()
+        z = torch.full_like(s, 8, dtype=torch.float32)
+    else:
+        lo, hi = wp.amin(-1).clamp(max=0), wp.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 14).clamp(min=1e-8).half()
+        z = torch.round(-lo / s.float()).clamp(1, 15)
     q = (torch.round(wp / s.float()[..., None]) + z[..., None]).clamp(0, 15).reshape(n, -1)[:, :k].to(torch.uint8)
     zp = torch.nn.functional.pad((z.t().to(torch.uint8) - 1), (0, -n % 8))  # [G, N rounded up to 8]
     qk = torch.nn.functional.pad(q.t(), (0, 0, 0, -k % 8))  # [K rounded up to 8, N]
@@ -77,7 +83,7 @@ def gptq_int4_tensors(w: torch.Tensor, group: int = INT4_GROUP) -> dict:
             "g_idx": (torch.arange(k) // group).to(torch.int32)}
 
 
-def write_quantized(src: str, dst: str, scheme: str = "int8") -> None:
+def write_quantized(src: str, dst: str, scheme: str = "int8", int4_sym: bool = False) -> None:
     """``src``'s float checkpoint as compressed-tensors W8A8 (``scheme`` "int8": int8 per-channel
     weights of the decoder's projections, dynamic per-token activations), FP8 W8A16 ("fp8": e4m3
     per-channel weights, ``float-quantized``) or GPTQ int4 W4A16 ("int4": ``gptq_int4_tensors``) in
@@ -97,7 +103,7 @@ def write_quantized(src: str, dst: str, scheme: str = "int8") -> None:
         for name in f.keys():
             t = f.get_tensor(name)
             if QUANTIZED.search(name) and scheme == "int4":
-                for suffix, value in gptq_int4_tensors(t).items():
+                for suffix, value in gptq_int4_tensors(t, sym=int4_sym).items():
                     state[name[: -len("weight")] + suffix] = value
             elif QUANTIZED.search(name):
                 q, s = quantize(t)
@@ -111,7 +117,7 @@ def write_quantized(src: str, dst: str, scheme: str = "int8") -> None:
                 b.write(a.read())
     config = json.load(open(os.path.join(src, "config.json")))
     if scheme == "int4":
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "sym": False, "desc_act": False,
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "sym": int4_sym, "desc_act": False,
                                          "checkpoint_format": "gptq", "lm_head": False}
         json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
         return
@@ -150,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="random-135m,random-1b", help="random-135m, random-1b or checkpoint folders, comma-separated")
     ap.add_argument("--scheme", default="int8", choices=("int8", "fp8", "int4"), help="int8 W8A8, FP8 W8A16 or int4 W4A16 (GPTQ) weights")
+    ap.add_argument("--int4-sym", action="store_true", help="int4: symmetric groups (zero point 8), the GPTQ form vLLM's CPU backend loads")
     ap.add_argument("--dtype", default="bfloat16", help="the float baseline's and the activations' dtype")
     ap.add_argument("--batch-sizes", default="1,8,64", help="prompts per generate call (= max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -171,7 +178,7 @@ def main() -> None:
         src = _workload.ensure_random_model(model, args.dtype)[0] if model in _workload.RANDOM_MODELS else model
         dst = os.path.join(tempfile.gettempdir(), f"pagedgen-{args.scheme}-{os.path.basename(src.rstrip('/'))}")
         if not os.path.isfile(os.path.join(dst, "config.json")):
-            write_quantized(src, dst, args.scheme)
+            write_quantized(src, dst, args.scheme, int4_sym=args.int4_sym)
         vocab = json.load(open(os.path.join(src, "config.json")))["vocab_size"]
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             g = torch.Generator().manual_seed(batch)
