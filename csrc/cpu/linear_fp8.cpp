@@ -57,8 +57,10 @@ struct Fp8Panel {
   // The 16 codes of input k (16 bytes) dequantized: outputs 0-7 in w0, 8-15 in w1.
   PAGEDGEN_ALWAYS_INLINE void row(const Group& c, int64_t k, V8& w0, V8& w1) const {
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel)));
-    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000))),
-                                      _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(0x3F80)));
+    // t = code << 7 has the magnitude at bits 7-13 and the sign at bit 14; adding the sign bit to
+    // itself carries it to bit 15 (bit 15 of t is 0): sign << 15 | (code & 0x7f) << 7 in three ops.
+    const __m256i t = _mm256_slli_epi16(v, 7);
+    const __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
     w0 = as_vec(_mm256_cvtph_ps(_mm256_castsi256_si128(h))) * c.s0;
     w1 = as_vec(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))) * c.s1;
   }
