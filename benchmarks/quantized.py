@@ -16,8 +16,8 @@ greedy completions of the two agree.
 
 Targets (issue 46): W8A8 >= 1.7x bf16 on the Xeon with AMX, >= 1.4x on AVX-512 VNNI and AVX2 kinds;
 resident weights <= 55% of bf16. The AVX2 kernel is the only int8 kernel so far (every level runs it).
-FP8 W8A16 dequantizes each weight per call into the float GEMM (no FP8 kernel yet): expect it slower
-than bf16 until one lands; its resident weights are about half of bf16's. int4 W4A16 (AVX2 kernel,
+FP8 W8A16 (AVX2 + F16C kernel, the e4m3 bytes converted in registers, the int4 kernel's tile): speed
+against bf16 to be measured; its resident weights are about half of bf16's. int4 W4A16 (AVX2 kernel,
 codes dequantized in registers): target >= 1.5x bf16 at batch 1-8, resident weights <= 35% of bf16.
 Timings are only meaningful on a quiet machine; say which machine kind ran them.
 """

@@ -17,6 +17,7 @@
 #include "cpu/linear_amx.cpp"
 #include "cpu/linear_amx_emulated.cpp"
 #include "cpu/linear_avx512.cpp"
+#include "cpu/linear_fp8.cpp"
 #include "cpu/linear_int4.cpp"
 #include "cpu/linear_int8.cpp"
 #include "cpu/logprobs.cpp"

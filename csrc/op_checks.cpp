@@ -250,41 +250,87 @@ void attention_shared_memory(int64_t head_size, size_t bytes, int64_t limit) {
 
 namespace pagedgen::checks {
 
-Int4LinearSizes int4_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                            const at::Tensor& weight_scale, const at::Tensor& weight_zero, int64_t group_size,
-                            const c10::optional<at::Tensor>& bias, c10::DeviceType kernel) {
-  const char* op = "int4_linear";
+namespace {
+
+// The activations' side of a W-only linear (int4_linear, fp8_linear): input [M, K] float32 / bfloat16 /
+// float16 with contiguous rows, out [M, N] of input's dtype with contiguous rows that do not overlap
+// each other, bias [N] of a float dtype or undefined. Returns N (out's columns).
+int64_t w_only_activations(const char* op, const at::Tensor& out, const at::Tensor& input, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.dim() == 2, op, ": input must be [M, K], got ", input.sizes());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == input.size(0), op, ": out must be [", input.size(0), ", N], got ", out.sizes());
-  TORCH_CHECK(group_size >= 1, op, ": group_size must be >= 1, got ", group_size);
   const int64_t M = input.size(0), K = input.size(1), N = out.size(1);
-  const int64_t P = (N + 15) / 16, G = K == 0 ? 0 : (K + group_size - 1) / group_size;
-  TORCH_CHECK(weight.dim() == 3 && weight.size(0) == P && weight.size(1) == K && weight.size(2) == 8, op,
-              ": weight must be [", P, ", ", K, ", 8] (4-bit codes in panels of 16 outputs) for N = ", N, ", K = ", K,
-              ", got ", weight.sizes());
-  TORCH_CHECK(weight_scale.dim() == 3 && weight_scale.size(0) == P && weight_scale.size(1) == G && weight_scale.size(2) == 16,
-              op, ": weight_scale must be [", P, ", ", G, ", 16] for group_size ", group_size, ", got ", weight_scale.sizes());
-  TORCH_CHECK(weight_zero.sizes() == weight_scale.sizes(), op, ": weight_zero must be [", P, ", ", G, ", 16], got ",
-              weight_zero.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [", N, "], got ", bias->sizes());
   TORCH_CHECK(is_float(input.scalar_type()), op, ": input must be float32, bfloat16 or float16, got ", input.scalar_type());
   TORCH_CHECK(out.scalar_type() == input.scalar_type(), op, ": out must be ", input.scalar_type(), ", got ", out.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kByte, op, ": weight must be uint8, got ", weight.scalar_type());
-  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat, op, ": weight_scale must be float32, got ", weight_scale.scalar_type());
-  TORCH_CHECK(weight_zero.scalar_type() == at::kByte, op, ": weight_zero must be uint8, got ", weight_zero.scalar_type());
   if (has_bias) TORCH_CHECK(is_float(bias->scalar_type()), op, ": bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
   TORCH_CHECK(input.stride(1) == 1 || K <= 1, op, ": input rows must be contiguous, got strides ", input.strides());
   TORCH_CHECK((out.stride(1) == 1 || N <= 1) && (M <= 1 || out.stride(0) >= N), op,
               ": out rows must be contiguous and not overlap, got strides ", out.strides());
+  return N;
+}
+
+// A W-only weight in panels of 16 outputs: [ceil(N / 16), K, row] (`what`: its codes). Returns the panels.
+int64_t w_only_panels(const char* op, const at::Tensor& weight, int64_t N, int64_t K, int64_t row, const char* what) {
+  const int64_t P = (N + 15) / 16;
+  TORCH_CHECK(weight.dim() == 3 && weight.size(0) == P && weight.size(1) == K && weight.size(2) == row, op,
+              ": weight must be [", P, ", ", K, ", ", row, "] (", what, " in panels of 16 outputs) for N = ", N, ", K = ", K,
+              ", got ", weight.sizes());
+  return P;
+}
+
+// The W-only op's tensors (out, then `weights`) on one device of the kernel's type, out writable.
+void w_only_devices(const char* op, c10::DeviceType kernel, const at::Tensor& out, const c10::optional<at::Tensor>& bias,
+                    std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
+  same_device(op, kernel, out.device(), others);
+  if (bias.has_value() && bias->defined()) same_device(op, kernel, out.device(), {{"bias", &*bias}});
+  writable_output(op, "out", out, others);
+}
+
+}  // namespace
+
+Int4LinearSizes int4_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                            const at::Tensor& weight_scale, const at::Tensor& weight_zero, int64_t group_size,
+                            const c10::optional<at::Tensor>& bias, c10::DeviceType kernel) {
+  const char* op = "int4_linear";
+  const int64_t N = w_only_activations(op, out, input, bias);
+  TORCH_CHECK(group_size >= 1, op, ": group_size must be >= 1, got ", group_size);
+  const int64_t M = input.size(0), K = input.size(1), G = K == 0 ? 0 : (K + group_size - 1) / group_size;
+  const int64_t P = w_only_panels(op, weight, N, K, 8, "4-bit codes");
+  TORCH_CHECK(weight_scale.dim() == 3 && weight_scale.size(0) == P && weight_scale.size(1) == G && weight_scale.size(2) == 16,
+              op, ": weight_scale must be [", P, ", ", G, ", 16] for group_size ", group_size, ", got ", weight_scale.sizes());
+  TORCH_CHECK(weight_zero.sizes() == weight_scale.sizes(), op, ": weight_zero must be [", P, ", ", G, ", 16], got ",
+              weight_zero.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kByte, op, ": weight must be uint8, got ", weight.scalar_type());
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat, op, ": weight_scale must be float32, got ", weight_scale.scalar_type());
+  TORCH_CHECK(weight_zero.scalar_type() == at::kByte, op, ": weight_zero must be uint8, got ", weight_zero.scalar_type());
   TORCH_CHECK(weight.is_contiguous() && weight_scale.is_contiguous() && weight_zero.is_contiguous(), op,
               ": weight, weight_scale and weight_zero must be contiguous");
-  std::initializer_list<std::pair<const char*, const at::Tensor*>> others = {
-      {"input", &input}, {"weight", &weight}, {"weight_scale", &weight_scale}, {"weight_zero", &weight_zero}};
-  same_device(op, kernel, out.device(), others);
-  if (has_bias) same_device(op, kernel, out.device(), {{"bias", &*bias}});
-  writable_output(op, "out", out, others);
+  w_only_devices(op, kernel, out, bias,
+                 {{"input", &input}, {"weight", &weight}, {"weight_scale", &weight_scale}, {"weight_zero", &weight_zero}});
   return {M, N, K, P, G};
+}
+
+Fp8LinearSizes fp8_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                          const at::Tensor& weight_scale, int64_t block_k, const c10::optional<at::Tensor>& bias,
+                          c10::DeviceType kernel) {
+  const char* op = "fp8_linear";
+  const int64_t N = w_only_activations(op, out, input, bias);
+  TORCH_CHECK(block_k >= 0, op, ": block_k must be >= 0 (0: one scale per output channel), got ", block_k);
+  const int64_t M = input.size(0), K = input.size(1), B = block_k == 0 ? 1 : (K + block_k - 1) / block_k;
+  const int64_t P = w_only_panels(op, weight, N, K, 16, "FP8 codes");
+  if (block_k == 0) {
+    TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == N, op, ": weight_scale must be [", N,
+                "] (per output channel, block_k 0), got ", weight_scale.sizes());
+  } else {
+    TORCH_CHECK(weight_scale.dim() == 2 && weight_scale.size(0) == N && weight_scale.size(1) == B, op,
+                ": weight_scale must be [", N, ", ", B, "] for block_k ", block_k, ", got ", weight_scale.sizes());
+  }
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, op, ": weight must be float8_e4m3fn, got ", weight.scalar_type());
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat, op, ": weight_scale must be float32, got ", weight_scale.scalar_type());
+  TORCH_CHECK(weight.is_contiguous() && weight_scale.is_contiguous(), op, ": weight and weight_scale must be contiguous");
+  w_only_devices(op, kernel, out, bias, {{"input", &input}, {"weight", &weight}, {"weight_scale", &weight_scale}});
+  return {M, N, K, P, B};
 }
 
 }  // namespace pagedgen::checks

@@ -115,6 +115,20 @@ Int4LinearSizes int4_linear(const at::Tensor& out, const at::Tensor& input, cons
                             const at::Tensor& weight_scale, const at::Tensor& weight_zero, int64_t group_size,
                             const c10::optional<at::Tensor>& bias, c10::DeviceType kernel);
 
+// Sizes of a checked fp8_linear call.
+struct Fp8LinearSizes {
+  int64_t M, N, K;         // input [M, K], out [M, N]
+  int64_t panels, blocks;  // weight [panels, K, 16]; weight_scale [N] (blocks 1) or [N, blocks]
+};
+
+// FP8 W8A16 (pagedgen/layers/quant_fp8.py): input, out and bias as int4_linear's; block_k >= 0; weight
+// [ceil(N / 16), K, 16] float8_e4m3fn contiguous; weight_scale [N] float32 (block_k 0: per output
+// channel) or [N, ceil(K / block_k)] float32, contiguous. All on one device of the kernel's type. The
+// codes' values (no NaN: 0x7f, 0xff) and the scales' (scale * 2^8 finite) are the loader's to check.
+Fp8LinearSizes fp8_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                          const at::Tensor& weight_scale, int64_t block_k, const c10::optional<at::Tensor>& bias,
+                          c10::DeviceType kernel);
+
 // The generic CUDA attention kernel's shared memory for this head size against the device's limit.
 void attention_shared_memory(int64_t head_size, size_t bytes, int64_t limit);
 

@@ -85,6 +85,14 @@ TORCH_LIBRARY(pagedgen, m) {
   // float32 sum over k in order, then + bias, rounded once: a row's bits never depend on the other rows.
   // A CPU kernel only (AVX2; reference elsewhere). Checks: csrc/op_checks.h.
   m.def("int4_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_zero, int group_size, Tensor? bias) -> ()");
+  // FP8 W8A16 (issue 46; FP8 checkpoints, online quantization="fp8"): out [M, N] (input's dtype) = input
+  // [M, K] (float32/bf16/fp16) @ W^T + bias, W[n, k] = float32(code[n, k]) * weight_scale[n] (block_k 0:
+  // per output channel, weight_scale [N]) or * weight_scale[n, k / block_k] (block-wise, [N, ceil(K /
+  // block_k)]), float32; the float8_e4m3fn codes in panels of 16 outputs, weight [ceil(N / 16), K, 16] with
+  // weight[p, k, j] = code[16 p + j, k] (zeros past N; no NaN codes). Each output a float32 sum over k in
+  // order, then + bias, rounded once: a row's bits never depend on the other rows. A CPU kernel only
+  // (AVX2 + F16C; reference elsewhere). Checks: csrc/op_checks.h.
+  m.def("fp8_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, int block_k, Tensor? bias) -> ()");
   // True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (cpuid, xgetbv).
   m.def("cpu_has_amx() -> bool");
   // The levels of CPU kernels this CPU and OS can run, lowest first: a prefix of ["avx2", "avx512_bf16",

@@ -42,6 +42,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_panel.h"
 #include "vec.h"
 
 namespace pagedgen::cpu {
@@ -92,16 +93,7 @@ PAGEDGEN_ALWAYS_INLINE void tile(const float* x, int64_t ldx, const w_t* w, int6
   const V8 b0 = bias ? load<8>(bias) : V8{}, b1 = bias ? load<8>(bias + 8) : V8{};
   for (int r = 0; r < R; ++r) {
     const V8 y0 = bias ? acc[r][0] + b0 : acc[r][0], y1 = bias ? acc[r][1] + b1 : acc[r][1];
-    out_t* o = out + r * ldo;
-    if (ncols == kPanel) {
-      store<8>(o, y0);
-      store<8>(o + 8, y1);
-    } else if (ncols > 8) {
-      store<8>(o, y0);
-      store_partial<8>(o + 8, y1, ncols - 8);
-    } else {
-      store_partial<8>(o, y0, ncols);
-    }
+    store_panel_row(out + r * ldo, y0, y1, ncols);
   }
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "linear_panel.h"
 #include "vec.h"
 
 namespace pagedgen::cpu {
@@ -93,10 +94,9 @@ PAGEDGEN_ALWAYS_INLINE void tile(const int32_t* q, int64_t ldq, const int8_t* w,
 #undef PAGEDGEN_INT8_ROW
   const __m256i acc[kRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
   // the last panel's scales and bias are partial: lanes past N read as 0 and are never stored
-  const V8 ws0 = ncols >= 8 ? load<8>(ws) : load_partial<8>(ws, ncols);
-  const V8 ws1 = ncols == kPanel ? load<8>(ws + 8) : ncols > 8 ? load_partial<8>(ws + 8, ncols - 8) : V8{};
-  const V8 b0 = bias == nullptr ? V8{} : ncols >= 8 ? load<8>(bias) : load_partial<8>(bias, ncols);
-  const V8 b1 = bias == nullptr ? V8{} : ncols == kPanel ? load<8>(bias + 8) : ncols > 8 ? load_partial<8>(bias + 8, ncols - 8) : V8{};
+  V8 ws0, ws1, b0{}, b1{};
+  load_panel_row(ws, ncols, ws0, ws1);
+  if (bias != nullptr) load_panel_row(bias, ncols, b0, b1);
   for (int r = 0; r < R; ++r) {
     const V8 s = splat<8>(sx[r]);
     V8 y0 = __builtin_convertvector((I8)acc[r][0], V8) * s * ws0;  // (acc * sx) * ws
@@ -105,16 +105,7 @@ PAGEDGEN_ALWAYS_INLINE void tile(const int32_t* q, int64_t ldq, const int8_t* w,
       y0 = y0 + b0;
       y1 = y1 + b1;
     }
-    out_t* o = out + r * ldo;
-    if (ncols == kPanel) {
-      store<8>(o, y0);
-      store<8>(o + 8, y1);
-    } else if (ncols > 8) {
-      store<8>(o, y0);
-      store_partial<8>(o + 8, y1, ncols - 8);
-    } else {
-      store_partial<8>(o, y0, ncols);
-    }
+    store_panel_row(out + r * ldo, y0, y1, ncols);
   }
 }
 

@@ -3,7 +3,9 @@ and of FP8 checkpoints (``pagedgen.model.quantization`` decides which layers and
 
 A quantized ``LinearBase`` holds
 
-- ``weight``: [out, in] ``torch.float8_e4m3fn`` (1 byte per weight), symmetric;
+- ``weight``: ``torch.float8_e4m3fn`` (1 byte per weight), symmetric: [out, in] while loading; then,
+  where pagedgen._C has the ``fp8_linear`` kernel for the weight's device, packed once in panels of
+  16 outputs, [ceil(out / 16), in, 16] (``pack_fp8``: the packed copy replaces the [out, in] one);
 - ``weight_scale``: [out] float32, ``W[n, :] = float32(weight[n, :]) * weight_scale[n]`` (a
   checkpoint's per-tensor scale is repeated over the rows of its part: exact, and a fused q/k/v or
   gate/up layer keeps each part's own scale); or, for block-wise checkpoints (``weight_block_size``
@@ -12,21 +14,25 @@ A quantized ``LinearBase`` holds
   and ``weight_block_k = bk``;
 - ``input_scale``: None (activations stay in the model dtype: W8A16);
 
-and its forward runs ``pagedgen.layers.matmul.fp8_linear``: the weight dequantized to the
-activations' dtype, then the model's float GEMM (``linear``, in the row blocks of its
-``MatmulConfig``: batch-invariant as the float model is). The bias stays in the model dtype.
+and its forward runs ``pagedgen.layers.matmul.fp8_linear``: a packed weight goes to ``ops.fp8_linear``
+(csrc/cpu/linear_fp8.cpp: the codes converted to float32 in registers, each output a float32 sum
+over k in order: batch-invariant by construction); an unpacked one (no kernel: a GPU, or no AVX2) is
+dequantized to the activations' dtype and run by the model's float GEMM (``linear``, in the row
+blocks of its ``MatmulConfig``: batch-invariant as the float model is). The bias stays in the model dtype.
 
 Two ways in: ``make_fp8_params`` before loading a checkpoint that stores FP8 weights
 (compressed-tensors ``float-quantized``: ``weight`` F8_E4M3 [out, in] and ``weight_scale`` [out, 1]
 per channel or [1] / [] per tensor; vLLM's ``fp8`` format: ``weight`` F8_E4M3 and a per-tensor
-``weight_scale``), and ``quantize_linear_fp8`` after loading a float checkpoint (online
-``quantization="fp8"``, per output channel).
+``weight_scale``), then ``finish_fp8``; and ``quantize_linear_fp8`` after loading a float checkpoint
+(online ``quantization="fp8"``, per output channel). Both end with ``pack_linear_fp8``.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pagedgen import ops
 from pagedgen.layers.linear import LinearBase
 from pagedgen.layers.loading import read
 from pagedgen.layers.loading import check_shape
@@ -34,6 +40,9 @@ from pagedgen.layers.quant import _flat_scale, _param, quantize_linear_int8
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+PANEL = 16  # outputs per panel of the kernel's layout
+#: the kernel reads a code as float16 = value * 2^-8 and multiplies by scale * 2^8 (csrc/cpu/linear_fp8.cpp)
+SCALE_LIMIT = torch.finfo(torch.float32).max / 256
 
 
 def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,19 +152,66 @@ def make_fp8_params(module: LinearBase, block: tuple = (), block_scale_name: str
 
 
 def finish_fp8(module: LinearBase) -> None:
-    """After loading: ValueError for a ``weight_scale`` that is not finite and > 0, or an FP8 weight
-    that holds a NaN (e4m3fn has no infinities). A block-wise ``weight_scale_inv`` becomes ``weight_scale``."""
+    """After loading: ValueError for a ``weight_scale`` that is not finite and > 0 (or so large that
+    scale * 2^8 overflows float32: above ~1.3e36, never a real checkpoint's), or an FP8 weight that
+    holds a NaN (e4m3fn has no infinities). A block-wise ``weight_scale_inv`` becomes
+    ``weight_scale``. Then the weight is packed for the kernel (``pack_linear_fp8``)."""
     if getattr(module, "weight_scale_inv", None) is not None:
         module.weight_scale = module.weight_scale_inv
         del module.weight_scale_inv
     s = module.weight_scale
-    if not bool(torch.isfinite(s).all() and (s > 0).all()):
-        raise ValueError(f"a weight_scale of the checkpoint is not finite and > 0 (min {float(s.min())}, max {float(s.max())})")
-    if bool(torch.isnan(module.weight.float()).any()):
+    if not bool(torch.isfinite(s).all() and (s > 0).all() and (s <= SCALE_LIMIT).all()):
+        raise ValueError(f"a weight_scale of the checkpoint is not finite and > 0, or above {SCALE_LIMIT:.3g} "
+                         f"(min {float(s.min())}, max {float(s.max())})")
+    if _has_nan(module.weight):
         raise ValueError("the FP8 weight of the checkpoint holds a NaN")
+    pack_linear_fp8(module)
+
+
+def _has_nan(codes: torch.Tensor) -> bool:
+    """Whether float8_e4m3fn ``codes`` hold a NaN (the bytes 0x7f and 0xff)."""
+    return bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any())
+
+
+def pack_fp8(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float8_e4m3fn codes -> the kernel's [ceil(N / 16), K, 16] float8_e4m3fn panels:
+    ``out[p, k, j] = weight[16 p + j, k]``, zeros past N (the layout ``ops.fp8_linear`` reads: one
+    16-byte panel row per input feature).
+
+    Raises:
+        ValueError: ``weight`` is not a 2-D float8_e4m3fn tensor, or holds a NaN (0x7f / 0xff: the
+            kernel would read it as +-480).
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != FP8_DTYPE:
+        raise ValueError(f"pack_fp8 needs a 2-D float8_e4m3fn weight, got {getattr(weight, 'dtype', type(weight))} "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    if _has_nan(weight):
+        raise ValueError("pack_fp8: the FP8 weight holds a NaN (code 0x7f or 0xff)")
+    n, k = weight.shape
+    b = F.pad(weight.detach().view(torch.uint8), (0, 0, 0, -n % PANEL))  # [P * 16, K] bytes
+    return b.view(-1, PANEL, k).transpose(1, 2).contiguous().view(FP8_DTYPE)  # [P, K, 16]
+
+
+def unpack_fp8(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of ``pack_fp8``: [P, K, 16] panels -> the [n, K] float8_e4m3fn codes."""
+    p, k, _ = weight.shape
+    return weight.view(torch.uint8).transpose(1, 2).reshape(p * PANEL, k)[:n].contiguous().view(FP8_DTYPE)
+
+
+def pack_linear_fp8(module: LinearBase) -> int:
+    """``module``'s [out, in] FP8 weight packed in panels (``pack_fp8``) where pagedgen._C has the
+    ``fp8_linear`` kernel for its device; else left as it is (``fp8_linear`` then dequantizes it into
+    the float GEMM). The packed copy replaces the old one. Returns the bytes added (the zero rows that
+    pad the last panel)."""
+    w = module.weight
+    if w.dim() != 2 or not ops.has_kernel("fp8_linear", w.device.type):
+        return 0
+    module.weight = nn.Parameter(pack_fp8(w), requires_grad=False)
+    return module.weight.numel() - w.numel()
 
 
 def quantize_linear_fp8(module: LinearBase) -> int:
-    """Online quantization of a loaded float ``module`` (``quantize_weight_fp8``). Returns the bytes
-    the weights took in addition (negative: saved)."""
-    return quantize_linear_int8(module, quantize_weight_fp8)  # the same swap, 1-byte e4m3 weights
+    """Online quantization of a loaded float ``module`` (``quantize_weight_fp8``), then packed for the
+    kernel (``pack_linear_fp8``). Returns the bytes the weights took in addition (negative: saved)."""
+    extra = quantize_linear_int8(module, quantize_weight_fp8)  # the same swap, 1-byte e4m3 weights
+    return extra + pack_linear_fp8(module)

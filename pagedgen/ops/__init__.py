@@ -42,7 +42,7 @@ __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
     "silu_and_mul", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear",
-    "int4_linear", "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
+    "int4_linear", "fp8_linear", "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
 ]
 
 #: the most top logprobs per row ``logprob_topk``'s kernel keeps (csrc/op_checks.h, vLLM's default
@@ -278,3 +278,18 @@ def int4_linear(out, input, weight, weight_scale, weight_zero, group_size: int, 
             divide K, rows that are not contiguous, or dtypes other than the above.
     """
     _fused_impl("int4_linear", input.device.type)(out, input, weight, weight_scale, weight_zero, group_size, bias)
+
+
+def fp8_linear(out, input, weight, weight_scale, block_k: int, bias=None) -> None:
+    """out [M, N] (input's dtype) = input [M, K] (float32 / bfloat16 / float16) @ W^T + bias [N] for
+    FP8 W8A16 weights packed by ``pagedgen.layers.quant_fp8.pack_fp8`` ([ceil(N / 16), K, 16]
+    float8_e4m3fn, no NaN codes) with ``weight_scale`` [N] float32 (``block_k`` 0: per output
+    channel) or [N, ceil(K / block_k)] float32 (block-wise): ``W[n, k] = float32(code) * scale``. A
+    CPU kernel in builds with AVX2 and F16C (each output summed over k in order: batch-invariant).
+    See :func:`pagedgen.ops.reference.fp8_linear`.
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes that do not fit together, a negative block_k, rows
+            that are not contiguous, or dtypes other than the above.
+    """
+    _fused_impl("fp8_linear", input.device.type)(out, input, weight, weight_scale, block_k, bias)

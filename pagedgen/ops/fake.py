@@ -102,6 +102,12 @@ def _int4_linear(out, input, weight, weight_scale, weight_zero, group_size, bias
     torch._check(weight.shape[1] == input.shape[1], lambda: f"weight {weight.shape} does not fit input {input.shape}")
 
 
+def _fp8_linear(out, input, weight, weight_scale, block_k, bias) -> None:
+    # out: [M, N]; input: [M, K]; weight: [ceil(N / 16), K, 16] float8_e4m3fn
+    torch._check(out.shape[0] == input.shape[0], lambda: f"out {out.shape} and input {input.shape} differ in rows")
+    torch._check(weight.shape[1] == input.shape[1], lambda: f"weight {weight.shape} does not fit input {input.shape}")
+
+
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
@@ -119,6 +125,7 @@ _FAKES = {
     "int8_linear": _int8_linear,
     "add_lora_linear": _add_lora_linear,
     "int4_linear": _int4_linear,
+    "fp8_linear": _fp8_linear,
 }
 
 

@@ -348,3 +348,27 @@ def int4_linear(
     w = (codes - z).float() * s
     y = torch.nn.functional.linear(input.float(), w, None if bias is None else bias.float())
     out.copy_(y)
+
+
+def fp8_linear(
+    out: torch.Tensor,  # [M, N] float32, bfloat16 or float16 (input's dtype), written in place
+    input: torch.Tensor,  # [M, K] float32, bfloat16 or float16
+    weight: torch.Tensor,  # [ceil(N / 16), K, 16] float8_e4m3fn: weight[p, k, j] = code[16 p + j, k]
+    weight_scale: torch.Tensor,  # [N] float32 (block_k 0) or [N, ceil(K / block_k)] float32
+    block_k: int,  # input features per scale block; 0: one scale per output channel
+    bias: Optional[torch.Tensor] = None,  # [N] or None
+) -> None:
+    """FP8 W8A16 GEMM (FP8 checkpoints, online ``quantization="fp8"``; fake quantization in float):
+    each weight dequantized in float32 as ``float32(code[n, k]) * weight_scale[n]`` (or
+    ``* weight_scale[n, k // block_k]``; one float32 rounding), then ``out = float32(input) @ W^T +
+    bias`` in float32, rounded once to out's dtype. The weight layout is
+    ``pagedgen.layers.quant_fp8.pack_fp8``'s. The kernel sums each output over k in order (fused
+    multiply-adds); this reference lets torch's float32 GEMM pick its order, so the two agree to
+    float32 rounding, not bitwise. A NaN code (0x7f / 0xff) gives NaN here; the loaders refuse them."""
+    n = out.shape[1]
+    p, k, _ = weight.shape
+    codes = weight.float().transpose(1, 2).reshape(p * 16, k)[:n]  # [N, K] float32 (exact)
+    s = weight_scale.float()
+    s = s[:, None] if block_k == 0 else s.repeat_interleave(block_k, dim=1)[:, :k]  # [N, 1] or [N, K]
+    y = torch.nn.functional.linear(input.float(), codes * s, None if bias is None else bias.float())
+    out.copy_(y)

@@ -10,6 +10,7 @@ from pagedgen import ops
 from pagedgen.layers.matmul import int4_linear
 from pagedgen.layers.quant_int4 import AWQ_ORDER, pack_groups, pack_int4, pack_int32, unpack_int4, unpack_int32
 from pagedgen.ops import reference
+from w_only_cases import ACTIVATION_BAD_CALLS, assert_rows_independent
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 needs_kernel = pytest.mark.skipif(not ops.has_kernel("int4_linear"), reason="pagedgen._C has no int4_linear CPU kernel (AVX2)")
@@ -78,18 +79,7 @@ def test_rows_are_bitwise_independent_of_the_batch_and_threads(dtype):
     """A row alone (the in-register path), in tiles of any size and in a batch of 300 (the panel
     buffer path), on one thread or all: the same bits."""
     x, packed, _, b = case(300, 70, 160, 32, dtype, seed=5)
-    full = run(torch.ops.pagedgen.int4_linear, x, packed, 32, 70, b)
-    alone = torch.cat([run(torch.ops.pagedgen.int4_linear, x[i:i + 1], packed, 32, 70, b) for i in range(0, 300, 7)])
-    assert torch.equal(alone, full[0:300:7])
-    for m in (2, 3, 4, 5, 8, 13, 64):
-        for start in (0, 1, 150):
-            assert torch.equal(run(torch.ops.pagedgen.int4_linear, x[start:start + m], packed, 32, 70, b), full[start:start + m])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(run(torch.ops.pagedgen.int4_linear, x, packed, 32, 70, b), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_independent(lambda rows: run(torch.ops.pagedgen.int4_linear, rows, packed, 32, 70, b), x)
 
 
 def test_dispatch_wrapper_and_empty_batches():
@@ -115,12 +105,7 @@ def test_opcheck():
     (lambda a: a.update(w=a["w"].to(torch.int8)), "weight must be uint8"),
     (lambda a: a.update(s=a["s"].double()), "weight_scale must be float32"),
     (lambda a: a.update(z=a["z"][:, :1]), r"weight_zero must be \[2, 2, 16\]"),
-    (lambda a: a.update(x=a["x"].double()), "input must be float32, bfloat16 or float16"),
-    (lambda a: a.update(out=a["out"].half()), "out must be Float"),
-    (lambda a: a.update(bias=a["bias"][:5]), r"bias must be \[20\]"),
-    (lambda a: a.update(x=a["x"].t().contiguous().t()), "input rows must be contiguous"),
-    (lambda a: a.update(out=a["x"][:, :20]), "out must not overlap input"),
-])
+] + ACTIVATION_BAD_CALLS)
 def test_bad_calls_raise_naming_the_argument(change, match):
     x, (w, s, z), _, b = case(3, 20, 64, 32, torch.float32)
     args = dict(out=torch.empty(3, 20), x=x, w=w, s=s, z=z, group=32, bias=b)

@@ -187,6 +187,13 @@ if o.has_kernel("int4_linear"):
     a, b = torch.empty(5, 40), torch.empty(5, 40)
     o.int4_linear(a, inp, pack_int4(codes), sc, zp, 32, None); ref.int4_linear(b, inp, pack_int4(codes), sc, zp, 32, None)
     res["int4_linear"] = float((a - b).abs().max())
+if o.has_kernel("fp8_linear"):
+    from pagedgen.layers.quant_fp8 import pack_fp8
+    codes, inp = (torch.randn(40, 64) * 100).clamp(-448, 448).to(torch.float8_e4m3fn), torch.randn(5, 64)
+    sc = torch.rand(40, 4) * 1e-3 + 1e-4
+    a, b = torch.empty(5, 40), torch.empty(5, 40)
+    o.fp8_linear(a, inp, pack_fp8(codes), sc, 16, None); ref.fp8_linear(b, inp, pack_fp8(codes), sc, 16, None)
+    res["fp8_linear"] = float((a - b).abs().max())
 print(json.dumps(res))
 """
 

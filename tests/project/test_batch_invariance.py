@@ -157,7 +157,8 @@ def test_sweep_with_int8_weights_is_bitwise_the_default(stories_path, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sweep_with_fp8_weights_is_bitwise_the_default(stories_path, dtype):
-    """The same sweep with FP8 W8A16 weights (``quantization="fp8"``: dequantized into the float GEMM, docs/quantization.md)."""
+    """The same sweep with FP8 W8A16 weights (``quantization="fp8"``: the fp8_linear kernel on packed panels
+    where it is built, else dequantized into the float GEMM; docs/quantization.md)."""
     _sweep(stories_path, dtype, quantization="fp8")
 
 

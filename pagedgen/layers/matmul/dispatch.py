@@ -104,31 +104,44 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
                config: Optional[MatmulConfig] = None, block_k: int = 0) -> torch.Tensor:
     """FP8 W8A16: ``y = x @ (float32(weight) * weight_scale[:, None]).T + bias`` (block-wise scales:
-    ``weight_scale[n, k // block_k]`` for ``weight[n, k]``). On each call the
-    weight is dequantized in float32 (``float32(weight) * weight_scale``, one float32 rounding: 4
-    significant bits times 24 may need 28), rounded once more to the model's weight dtype
+    ``weight_scale[n, k // block_k]`` for ``weight[n, k]``).
+
+    A weight packed in panels (``pagedgen.layers.quant_fp8.pack_fp8``, what loading does where the
+    kernel exists) runs ``ops.fp8_linear``: each weight ``float32(code) * scale`` (one float32
+    rounding) converted in the kernel's registers, each output a float32 sum over k in order, + bias,
+    rounded once to x's dtype (batch-invariant by construction; in float32 the bits of pagedgen's
+    panel GEMM on the fake-quantized weights). An [N, K] weight (no kernel: a GPU, no AVX2) is
+    dequantized on each call in float32, rounded once more to the model's weight dtype
     (``config.weight_dtype``, else x's) and laid out as the float model's weights are (``config``:
-    panels / bf16 pairs for pagedgen's own GEMMs, else dense in the row blocks), then ``linear``
-    runs it: the float model's GEMM, so as batch-invariant as the float model is. Only the 1-byte
-    weight stays resident; the dequantized copy lives for the call.
+    panels / bf16 pairs for pagedgen's own GEMMs, else dense in the row blocks), then ``linear`` runs
+    it: the float model's GEMM, so as batch-invariant as the float model is; only the 1-byte weight
+    stays resident, the dequantized copy lives for the call.
 
     Args:
         x: [T, K] activations (float32, bfloat16 or float16).
-        weight: [N, K] float8_e4m3fn. weight_scale: [N] float32, or [N, ceil(K / block_k)] with
-            ``block_k`` > 0. bias: [N] or None.
-        config: the model's MatmulConfig (None: a plain ``F.linear`` in x's dtype).
+        weight: [N, K] float8_e4m3fn, or its panels [ceil(N / 16), K, 16] (``pack_fp8``).
+        weight_scale: [N] float32, or [N, ceil(K / block_k)] with ``block_k`` > 0. bias: [N] or None.
+        config: the model's MatmulConfig (None: a plain ``F.linear`` in x's dtype; unused by the kernel).
 
     Returns:
         [T, N] in x's dtype.
 
     Raises:
-        ValueError: ``weight`` is not a 2-D float8_e4m3fn tensor or ``weight_scale`` not of the shape above.
+        ValueError: ``weight`` is not a 2-D or packed 3-D float8_e4m3fn tensor or ``weight_scale`` not
+            of the shape above.
     """
-    n, k = weight.shape if weight.dim() == 2 else (-1, -1)
-    want = (n, -(-k // block_k)) if block_k > 0 else (n,)
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != want:
-        raise ValueError(f"fp8_linear needs a [N, K] float8_e4m3fn weight and {list(want)} scales (block_k={block_k}), got "
-                         f"{weight.dtype} {tuple(weight.shape)} and {tuple(weight_scale.shape)}")
+    packed = weight.dim() == 3
+    n = weight_scale.shape[0] if weight_scale.dim() in (1, 2) else -1
+    k = weight.shape[1] if weight.dim() in (2, 3) else -1
+    want_w = (-(-n // 16), k, 16) if packed else (n, k)
+    want_s = (n, -(-k // block_k)) if block_k > 0 else (n,)
+    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != want_w or tuple(weight_scale.shape) != want_s:
+        raise ValueError(f"fp8_linear needs a [N, K] (or packed [ceil(N / 16), K, 16]) float8_e4m3fn weight and {list(want_s)} "
+                         f"scales (block_k={block_k}), got {weight.dtype} {tuple(weight.shape)} and {tuple(weight_scale.shape)}")
+    if packed:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [T, N]
+        ops.fp8_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, block_k, bias)
+        return out
     if block_k > 0:
         weight_scale = weight_scale.float().repeat_interleave(block_k, dim=1)[:, :k]  # [N, K]
     else:

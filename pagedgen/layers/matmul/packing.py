@@ -105,7 +105,7 @@ def prepare_matmuls(model: nn.Module, config: MatmulConfig) -> int:
     converted or packed gets its own matrix; the embedding keeps its own. Returns the bytes the
     weights took in addition (0 when they are kept as they are; panels add the zero rows that pad
     the last one). Layers with int8 weights (``weight_scale`` set) get their weight packed by ``pack_int8`` (scales
-    and bias kept as they are); FP8 weights stay as they are."""
+    and bias kept as they are); FP8 weights keep the layout loading gave them (``pagedgen.layers.quant_fp8.pack_linear_fp8``)."""
     extra = 0
     for module in _matmul_modules(model):
         module.matmul = config
