@@ -147,8 +147,13 @@ bool attend_rows(const Params<scalar_t, cache_t>& p, const RowBlock& b, int64_t 
   // to float as the score and accumulate loops load them (exact, so the same bits as converting
   // first): one pass over each row instead of a conversion pass, a store and a reload. The
   // transposed-tile score path (many query heads per KV head) and small heads take float rows.
+  // A 1-byte cache reads in place where each K/V slice is converted about once: int8 codes always
+  // (two instructions, as bf16), fp8 codes (more: e4m3 ten) only for heads that do not share a KV
+  // head across score blocks (score_rows: one head at a time with AVX-512, pairs with AVX2); with
+  // larger groups they are converted once per token into kbuf / vbuf. The same bits either way.
   constexpr bool kFloat = kSame && std::is_same_v<scalar_t, float>;  // an fp32 cache: read in place
-  const bool raw = !kFloat && decode && kHeadSize > 16 && RG < kTransposedPairs;
+  const bool raw_codes = !kCodes || std::is_same_v<cache_t, int8_t> || G <= (kLanes >= 16 ? 1 : 2);
+  const bool raw = !kFloat && decode && kHeadSize > 16 && RG < kTransposedPairs && raw_codes;
   int64_t ring[kDecodeAhead + 1][kTile];  // decode: slots of the item's tile i in ring[i % (kDecodeAhead + 1)]
   const int64_t first_t0 = lo / kTile * kTile;
   int64_t read_t0 = first_t0;  // decode: the next tile whose slots to read from the block table
