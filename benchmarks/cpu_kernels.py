@@ -16,10 +16,14 @@ rounds, in ms, and the ratios are of those medians:
 With --vs-general, the paged call is also timed with PAGEDGEN_CPU_ATTENTION=general (the kernel's
 general path, which it reads at each call) in the same rounds: for head sizes 8 and 16, "general /
 paged" > 1 means the small-head path (csrc/cpu/attention_small.h) is faster than the general one.
+With --kv-cache-dtypes int8 fp8 ..., the shuffled cache is also quantized to each 1-byte dtype and
+paged_attention_quantized (the kernel reading the codes and scales itself) timed in the same rounds:
+"<dtype>/paged" < 1 means the 1-byte cache attends faster than the float one (issue 46's target: <= 1).
 
     python benchmarks/cpu_kernels.py            # 1,024-token prefill, 64 x 512 decode, fp32 and bf16, heads 64/128
     python benchmarks/cpu_kernels.py --quick    # small sizes, few rounds (CI: checks that it runs)
     python benchmarks/cpu_kernels.py --threads 1 --clock thread --head-sizes 8 16 --vs-general
+    python benchmarks/cpu_kernels.py --dtypes bfloat16 --num-heads 9 --num-kv-heads 3 --head-sizes 64 --kv-cache-dtypes int8 fp8
 """
 import argparse
 import os
@@ -50,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="thread: CPU time of the calling thread, on one thread (robust to other load on the machine)")
     p.add_argument("--vs-general", action="store_true",
                    help="also time the paged call on the kernel's general path (PAGEDGEN_CPU_ATTENTION=general)")
+    p.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=["int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="also time paged_attention_quantized over the cache quantized to these kv_cache_dtypes")
     p.add_argument("--quick", action="store_true", help="prefill 256, decode 8 x 256, head size 64, 3 rounds")
     args = p.parse_args(argv)
     if args.quick:
@@ -127,6 +133,16 @@ def bench(args, kind: str, head_size: int, dtype: torch.dtype) -> dict:
     }
     if args.vs_general:
         calls["general"] = on_general_path(paged(True))
+    if args.kv_cache_dtypes:
+        from pagedgen.ops import kv_quant
+
+        kc, vc, tables = paged_cache(k, v, bs, True)
+        out_q = torch.empty_like(query)
+        for name in args.kv_cache_dtypes:
+            code = kv_quant.KV_CACHE_DTYPES[name][0]
+            cache = (*kv_quant.quantize(kc, code), *kv_quant.quantize(vc, code))  # key codes, key scales, value ...
+            calls[name] = (lambda c: lambda: torch.ops.pagedgen.paged_attention_quantized(
+                out_q, query, c[0], c[2], c[1], c[3], tables, seq_lens, query_start_loc, scale, 0))(cache)
     r = interleaved_medians(calls, args.rounds)
     calls["paged"]()
     expected = calls["sdpa"]()  # [S, H, n or 1, D]
@@ -165,7 +181,8 @@ def main(argv=None) -> None:
     print(f"{torch.get_num_threads()} threads, heads {args.num_heads}/{args.num_kv_heads} (q/kv), block size "
           f"{args.block_size}; median ms over {args.rounds} interleaved rounds ({args.clock} clock)")
     print(f"{'workload':<30} {'dtype':<9} {'head':>4} {'paged':>9} {'contig tbl':>10} {'sdpa':>9} "
-          f"{'sdpa/paged':>10} {'paging price':>12} {'max diff':>9}" + (f" {'general':>9} {'gen/paged':>9}" if args.vs_general else ""))
+          f"{'sdpa/paged':>10} {'paging price':>12} {'max diff':>9}" + (f" {'general':>9} {'gen/paged':>9}" if args.vs_general else "")
+          + "".join(f" {n:>9} {n + '/paged':>13}" for n in args.kv_cache_dtypes))
     workloads = [("decode", f"decode {args.num_seqs} x {args.context_len} ctx")]
     if args.prefill_len:
         workloads.append(("prefill", f"prefill {args.prefill_len} (causal)"))
@@ -177,7 +194,8 @@ def main(argv=None) -> None:
                 price = r["paged"] / r["contiguous table"] - 1
                 print(f"{label:<30} {dtype_name:<9} {head_size:>4} {r['paged']:>9.3f} {r['contiguous table']:>10.3f} "
                       f"{r['sdpa']:>9.3f} {r['sdpa'] / r['paged']:>9.2f}x {price:>+11.1%} {r['max_abs_diff']:>9.1e}"
-                      + (f" {r['general']:>9.3f} {r['general'] / r['paged']:>8.2f}x" if args.vs_general else ""),
+                      + (f" {r['general']:>9.3f} {r['general'] / r['paged']:>8.2f}x" if args.vs_general else "")
+                      + "".join(f" {r[n]:>9.3f} {r[n] / r['paged']:>12.2f}x" for n in args.kv_cache_dtypes),
                       flush=True)
 
 

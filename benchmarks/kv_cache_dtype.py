@@ -11,7 +11,9 @@ TinyStories openings, per-request max_tokens, greedy, EOS ignored) in alternatio
 auto, ...), so that a shared machine's drift hits all alike. Reported per dtype: the blocks the
 memory holds (and their ratio to "auto"; target of issue 46: 2x), the wall time's median over
 ``--repeats`` and the output tokens/s (target: no lower than "auto"), the preemptions of the last
-run, and how many completions equal "auto"'s token for token. Target figures need a quiet machine.
+run, and how many completions equal "auto"'s token for token, and each dtype's model-matmul FLOP/s as
+a share of this run's matmul peak (benchmarks/_roofline.py, measured before the timed runs; a random
+model: the Llama shapes of its config.json). Target figures need a quiet machine.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import time
 
 import torch
 
+import _roofline
 import _workload
 
 
@@ -61,7 +64,8 @@ def model_path(name: str, dtype: str) -> str:
     return name
 
 
-def measure(args) -> list[dict]:
+def measure(args) -> tuple[list[dict], dict, int]:
+    """(one result dict per kv_cache_dtype, the matmul peak of this run, the workload's model-matmul FLOPs)."""
     from transformers import AutoTokenizer
 
     from pagedgen import LLM, SamplingParams
@@ -72,6 +76,10 @@ def measure(args) -> list[dict]:
                                               max_tokens=args.max_tokens, max_prompt_tokens=None,
                                               max_model_len=args.max_model_len, seed=0)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in limits]
+    with open(os.path.join(path, "config.json")) as f:
+        flops = _roofline.workload_flops(_roofline.gemm_shapes(json.load(f)),
+                                         _roofline.workload_rows([len(p) for p in prompts], limits))
+    peak = _roofline.matmul_peak(args.dtype)  # before the timed runs, in this process
     llms = {name: LLM(path, dtype=args.dtype, kv_cache_dtype=name, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len) for name in args.kv_cache_dtypes}
     warm = _workload.warmup_prompts(prompts)
@@ -97,14 +105,14 @@ def measure(args) -> list[dict]:
             wall_seconds=seconds[name], output_tokens_per_s=sum(limits) / wall, preemptions_last_run=preemptions[name],
             same_tokens_as_base=f"{sum(a == b for a, b in zip(tokens[name], tokens[base]))}/{len(prompts)}",
         ))  # fmt: skip
-    return results
+    return results, peak, flops
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = measure(args)
+    results, peak, flops = measure(args)
     base = results[0]
     print(f"{args.model} {args.dtype}, kv_cache_memory_bytes={args.kv_cache_memory_bytes}, {args.num_prompts} prompts, "
           f"{torch.get_num_threads()} thread(s), medians of {args.repeats}")
@@ -112,10 +120,16 @@ def main(argv=None) -> None:
     for r in results:
         print(f"{r['kv_cache_dtype']:<15}{r['num_kv_blocks']:>8}{r['blocks_vs_base']:>8.2f}{r['output_tokens_per_s']:>10.1f}"
               f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:>8.2f}{r['preemptions_last_run']:>9}  {r['same_tokens_as_base']}")
+    print(_roofline.describe_machine(_roofline.machine()))
+    for r in results:
+        print(_roofline.share_line(r["kv_cache_dtype"], flops, statistics.median(r["wall_seconds"]), peak))
+    if peak.get("problems"):
+        print("matmul peak:", "; ".join(peak["problems"]))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "kv_cache_dtype.json"), "w") as f:
-            json.dump(dict(args={k: v for k, v in vars(args).items()}, results=results), f, indent=1)
+            json.dump(dict(args={k: v for k, v in vars(args).items()}, results=results, model_matmul_flops=flops,
+                           matmul_peak_flops=peak["peak"]), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 #include "cpu/argmax.cpp"
 #include "cpu/cache.cpp"
 #include "cpu/kv_dequantize.cpp"
+#include "cpu/kv_quantize.cpp"
 #include "cpu/linear.cpp"
 #include "cpu/linear_amx.cpp"
 #include "cpu/linear_amx_emulated.cpp"

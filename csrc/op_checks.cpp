@@ -66,11 +66,14 @@ void writable_output(const char* op, const char* name, const at::Tensor& out,
                 " must not overlap ", input, " (they share memory)");
 }
 
-AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                               const at::Tensor& value_cache, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t sliding_window,
-                               c10::DeviceType kernel) {
-  const char* op = "paged_attention";
+namespace {
+// paged_attention's checks, and paged_attention_quantized's with codes = true (key_cache and
+// value_cache then hold 1-byte codes, checked by the caller, instead of the query's dtype).
+AttentionSizes attention_sizes(const char* op, const at::Tensor& out, const at::Tensor& query,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                               const at::Tensor& query_start_loc, int64_t sliding_window, c10::DeviceType kernel,
+                               bool codes) {
   const bool cuda = kernel == c10::DeviceType::CUDA;
   // ranks and sizes
   TORCH_CHECK(query.dim() == 3, op, ": query must be [num_tokens, num_heads, head_size], got ", query.sizes());
@@ -102,9 +105,14 @@ AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, c
   // dtypes
   const at::ScalarType dtype = query.scalar_type();
   TORCH_CHECK(is_float(dtype), op, ": query dtype must be float32, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              op, ": out, query, key_cache and value_cache must share one dtype, got ", out.scalar_type(), ", ", dtype,
-              ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
+  if (codes) {
+    TORCH_CHECK(out.scalar_type() == dtype, op, ": out and query must share one dtype, got ", out.scalar_type(), " and ",
+                dtype);
+  } else {
+    TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+                op, ": out, query, key_cache and value_cache must share one dtype, got ", out.scalar_type(), ", ", dtype,
+                ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kInt, op, ": block_tables must be int32, got ",
               block_tables.scalar_type());
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt, op, ": seq_lens must be int32, got ", seq_lens.scalar_type());
@@ -137,6 +145,41 @@ AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, c
   same_device(op, kernel, query.device(),
               {{"out", &out}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
                {"block_tables", &block_tables}, {"seq_lens", &seq_lens}, {"query_start_loc", &query_start_loc}});
+  return s;
+}
+}  // namespace
+
+AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t sliding_window,
+                               c10::DeviceType kernel) {
+  return attention_sizes("paged_attention", out, query, key_cache, value_cache, block_tables, seq_lens,
+                         query_start_loc, sliding_window, kernel, false);
+}
+
+AttentionSizes paged_attention_quantized(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache, const at::Tensor& key_scales,
+                                         const at::Tensor& value_scales, const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                         int64_t sliding_window, c10::DeviceType kernel) {
+  const char* op = "paged_attention_quantized";
+  const at::ScalarType ct = key_cache.scalar_type();
+  TORCH_CHECK(ct == at::kChar || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2, op,
+              ": key_cache must hold int8, float8_e4m3fn or float8_e5m2 codes, got ", ct);
+  TORCH_CHECK(value_cache.scalar_type() == ct, op, ": value_cache must have key_cache's dtype ", ct, ", got ",
+              value_cache.scalar_type());
+  const AttentionSizes s = attention_sizes(op, out, query, key_cache, value_cache, block_tables, seq_lens,
+                                           query_start_loc, sliding_window, kernel, true);
+  const auto check_scales = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.sizes() == key_cache.sizes().slice(0, 3), op, ": ", name, " ", t.sizes(),
+                " must be key_cache's [num_blocks, block_size, num_kv_heads] ", key_cache.sizes().slice(0, 3));
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, " must be bfloat16, got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  };
+  check_scales("key_scales", key_scales);
+  check_scales("value_scales", value_scales);
+  writable_output(op, "out", out, {{"key_scales", &key_scales}, {"value_scales", &value_scales}});
+  same_device(op, kernel, query.device(), {{"key_scales", &key_scales}, {"value_scales", &value_scales}});
   return s;
 }
 

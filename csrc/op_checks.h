@@ -56,6 +56,14 @@ AttentionSizes paged_attention(const at::Tensor& out, const at::Tensor& query, c
                                const at::Tensor& value_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t sliding_window,
                                c10::DeviceType kernel);
+// The same for paged_attention_quantized: key_cache / value_cache of int8, float8_e4m3fn or
+// float8_e5m2 codes (one dtype), key_scales / value_scales [num_blocks, block_size, num_kv_heads]
+// bfloat16, contiguous; out and query of one float dtype.
+AttentionSizes paged_attention_quantized(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache, const at::Tensor& key_scales,
+                                         const at::Tensor& value_scales, const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                         int64_t sliding_window, c10::DeviceType kernel);
 
 // key, value [num_tokens, num_kv_heads, head_size] of one float dtype (any strides); key_cache,
 // value_cache [num_blocks, block_size, num_kv_heads, head_size] contiguous, of one float dtype (the

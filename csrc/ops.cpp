@@ -118,6 +118,23 @@ TORCH_LIBRARY(pagedgen, m) {
   // block_size, num_kv_heads, head_size] float, codes [num_blocks, ...] int8 / float8, scales
   // [num_blocks, block_size, num_kv_heads] bf16, blocks [num_out] int64. A CPU kernel only.
   m.def("kv_dequantize_blocks(Tensor(a!) out, Tensor codes, Tensor scales, Tensor blocks) -> ()");
+  // The write of the 1-byte KV cache: each token's key and value rows (per KV head) quantized with
+  // their own scale into slot slot_mapping[t] (< 0: skipped), bitwise kv_quant.quantize: key, value
+  // [num_tokens, num_kv_heads, head_size] float, caches [num_blocks, block_size, num_kv_heads,
+  // head_size] int8 / float8, scales [num_blocks, block_size, num_kv_heads] bf16. A CPU kernel only.
+  m.def(
+      "reshape_and_cache_quantized(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor(c!) key_scales, Tensor(d!) value_scales, Tensor slot_mapping) -> ()");
+  // paged_attention over the 1-byte KV cache, read by the kernel itself: key_cache / value_cache
+  // [num_blocks, block_size, num_kv_heads, head_size] int8 / float8 codes, key_scales / value_scales
+  // [num_blocks, block_size, num_kv_heads] bf16; float32 attention over the values float(code) *
+  // float(scale) (each token's scale applied to its scores and weights: q . k = s_k (q . code)).
+  // Other arguments as paged_attention's; every block id a row reads is checked before any work.
+  // A CPU kernel only.
+  m.def(
+      "paged_attention_quantized(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor key_scales, Tensor value_scales, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "float scale, int sliding_window) -> ()");
 }
 
 // A bare module init so that `import pagedgen._C` loads the library (and runs the registrations). This

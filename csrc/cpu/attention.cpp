@@ -39,6 +39,18 @@
 //     kept across calls. No allocation, no ATen call per item.
 //   * float32 accumulation and softmax whatever the cache dtype; bf16 caches on AVX512-BF16 builds
 //     score with vdpbf16ps from the bf16 query and K as stored (score_rows_bf16, attention_math.h).
+//   * The 1-byte KV cache (pagedgen::paged_attention_quantized, kv_cache_dtype int8 / fp8): the same
+//     kernel templated on the cache's element (Params<scalar_t, cache_t>, cache_t a 1-byte code
+//     instead of scalar_t), so every case of the general path serves both (prefill blocks, decode
+//     rows and verify blocks with their prefetch, GQA, windows, any head size, the threading, batch
+//     invariance). K and V rows are read as float(code) (kv_codes.h: widened, or placed as fp16 bits,
+//     in registers; in place for decode rows, into the tile buffers for prefill blocks) and each
+//     token's scales applied once per token and head: q . k = s_k (q . code) on the scores, the
+//     weights times s_v before the V accumulation (attention_general.h). So a value costs the read of
+//     one byte and a conversion as cheap as bf16's, nothing is copied per step, and the result is
+//     float32 attention over float(code) * float(scale) up to float rounding (the reference:
+//     kv_quant.paged_attention_quantized, in float32). Head sizes 8 and 16 take the general path too
+//     (the small-head path reads K rows in its register transposes and has no 1-byte read yet).
 //
 // Strides: query and out are read/written through all three of their strides (they may be views of a
 // larger qkv or output tensor; no copy is made), block_tables through both of its strides.
@@ -131,15 +143,15 @@ inline bool general_path_forced() {
   return v != nullptr && std::strcmp(v, "general") == 0;
 }
 
-template <typename scalar_t, int kHeadSize>
-void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* lens, int64_t num_seqs, int64_t work) {
+template <typename scalar_t, int kHeadSize, typename cache_t>
+void attend_all(const Params<scalar_t, cache_t>& p, const int32_t* qsl, const int32_t* lens, int64_t num_seqs, int64_t work) {
   constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
   const auto threads_for = [&](int64_t num_items) {
     return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(work / kMinWorkPerThread, num_items), 1,
                                                 std::max(1, at::get_num_threads())));
   };
 #if defined(PAGEDGEN_SMALL_HEADS)
-  if constexpr (kHeadSize == 8 || kHeadSize == 16) {
+  if constexpr ((kHeadSize == 8 || kHeadSize == 16) && std::is_same_v<cache_t, scalar_t>) {  // not a 1-byte cache
     if (!general_path_forced()) {
       // One item per row block and group of KV heads: all KV heads of the rows, unless there are too
       // few blocks to share out, then the KV heads of one column tile (attention_small_heads.h).
@@ -207,18 +219,102 @@ void attend_all(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* le
             });
 }
 
-template <typename scalar_t>
-void dispatch_head_size(const Params<scalar_t>& p, const int32_t* qsl, const int32_t* lens, int64_t num_seqs,
+template <typename scalar_t, typename cache_t>
+void dispatch_head_size(const Params<scalar_t, cache_t>& p, const int32_t* qsl, const int32_t* lens, int64_t num_seqs,
                         int64_t work) {
   switch (p.head_size) {
-    case 8: return attend_all<scalar_t, 8>(p, qsl, lens, num_seqs, work);
-    case 16: return attend_all<scalar_t, 16>(p, qsl, lens, num_seqs, work);
-    case 32: return attend_all<scalar_t, 32>(p, qsl, lens, num_seqs, work);
-    case 64: return attend_all<scalar_t, 64>(p, qsl, lens, num_seqs, work);
-    case 128: return attend_all<scalar_t, 128>(p, qsl, lens, num_seqs, work);
-    case 256: return attend_all<scalar_t, 256>(p, qsl, lens, num_seqs, work);
-    default: return attend_all<scalar_t, 0>(p, qsl, lens, num_seqs, work);  // run-time loop bounds
+    case 8: return attend_all<scalar_t, 8, cache_t>(p, qsl, lens, num_seqs, work);
+    case 16: return attend_all<scalar_t, 16, cache_t>(p, qsl, lens, num_seqs, work);
+    case 32: return attend_all<scalar_t, 32, cache_t>(p, qsl, lens, num_seqs, work);
+    case 64: return attend_all<scalar_t, 64, cache_t>(p, qsl, lens, num_seqs, work);
+    case 128: return attend_all<scalar_t, 128, cache_t>(p, qsl, lens, num_seqs, work);
+    case 256: return attend_all<scalar_t, 256, cache_t>(p, qsl, lens, num_seqs, work);
+    default: return attend_all<scalar_t, 0, cache_t>(p, qsl, lens, num_seqs, work);  // run-time loop bounds
   }
+}
+
+// The checked call of either op (sizes, dtypes and devices checked by csrc/op_checks.cpp): the values
+// of query_start_loc and seq_lens, then the kernel. key_scales / value_scales: nullptr for a float
+// cache; with them (a 1-byte cache) every block id a row will read is checked here too, before any
+// work (the float op reports one as its items read it).
+void run_attention(const char* op, const checks::AttentionSizes& sz, const at::Tensor& out, const at::Tensor& query,
+                   const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor* key_scales,
+                   const at::Tensor* value_scales, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  const int64_t num_tokens = sz.num_tokens, num_heads = sz.num_heads, head_size = sz.head_size;
+  const int64_t num_blocks = sz.num_blocks, block_size = sz.block_size, num_kv_heads = sz.num_kv_heads;
+  const int64_t num_seqs = sz.num_seqs;
+
+  // The values (shared checks read none): query_start_loc and seq_lens here, block ids as items read them.
+  const at::Tensor lens_t = seq_lens.contiguous(), qsl_t = query_start_loc.contiguous();  // [num_seqs (+ 1)], tiny
+  const int32_t* lens = lens_t.const_data_ptr<int32_t>();
+  const int32_t* qsl = qsl_t.const_data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, op, ": query_start_loc must run from 0 to ",
+              "num_tokens=", num_tokens, ", got ", qsl[0], " .. ", qsl[num_seqs]);
+  const int64_t capacity = block_tables.size(1) * block_size;
+  const int32_t* table = block_tables.const_data_ptr<int32_t>();
+  int64_t attended = 0;  // (row, token) pairs of the call
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(qsl[s + 1] >= qsl[s], op, ": query_start_loc must not decrease, got ", qsl[s], " then ",
+                qsl[s + 1], " at sequence ", s);
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= capacity, op, ": seq_lens[", s, "] = ", lens[s],
+                " is outside [0, ", capacity, "], the block table's capacity");
+    const int64_t q_len = qsl[s + 1] - qsl[s], len = lens[s];
+    const int64_t span = sliding_window > 0 ? std::min<int64_t>(len, sliding_window) : len;
+    attended += std::min(q_len, len) * (span + 8);  // + 8: a row's fixed cost, in tokens
+    if (key_scales != nullptr && q_len > 0) {  // the blocks of [first row's window start, len)
+      const int64_t first = window_start(std::max<int64_t>(0, len - q_len), sliding_window) / block_size;
+      for (int64_t j = first; j * block_size < len; ++j) {
+        const int64_t id = table[s * block_tables.stride(0) + j * block_tables.stride(1)];
+        TORCH_CHECK(id >= 0 && id < num_blocks, op, ": block_tables[", s, ", ", j, "] = ", id,
+                    " is outside the cache's blocks [0, ", num_blocks, ")");
+      }
+    }
+  }
+  if (num_tokens == 0 || num_heads == 0) return;
+  const int64_t work = attended * num_heads * head_size;  // ~ multiply-adds of the call
+
+  dispatch_float_types(query.scalar_type(), op, [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const auto launch = [&](auto cache_zero) {
+      using cache_t = decltype(cache_zero);
+      Params<scalar_t, cache_t> p;
+      p.out = out.data_ptr<scalar_t>();
+      p.query = query.const_data_ptr<scalar_t>();
+      p.key_cache = static_cast<const cache_t*>(key_cache.const_data_ptr());
+      p.value_cache = static_cast<const cache_t*>(value_cache.const_data_ptr());
+      if (key_scales != nullptr) {
+        p.key_scales = key_scales->const_data_ptr<c10::BFloat16>();
+        p.value_scales = value_scales->const_data_ptr<c10::BFloat16>();
+      }
+      p.block_tables = table;
+      p.out_s0 = out.stride(0), p.out_s1 = out.stride(1), p.out_s2 = out.stride(2);
+      p.q_s0 = query.stride(0), p.q_s1 = query.stride(1), p.q_s2 = query.stride(2);
+      p.bt_s0 = block_tables.stride(0), p.bt_s1 = block_tables.stride(1);
+      p.num_heads = num_heads, p.num_kv_heads = num_kv_heads, p.head_size = head_size;
+      p.group = num_heads / num_kv_heads, p.block_size = block_size, p.num_blocks = num_blocks;
+      p.sliding_window = sliding_window;
+      p.scale = static_cast<float>(scale);
+      // Rows at a negative position (a sequence with fewer context tokens than new ones, e.g. the
+      // seq_len 0 padding rows of a CUDA-graph batch) attend to nothing: zeros.
+      for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = qsl[s + 1] - qsl[s];
+        for (int64_t i = 0; i < q_len - lens[s]; ++i) {
+          for (int64_t h = 0; h < num_heads; ++h) {
+            scalar_t* o = p.out + (qsl[s] + i) * p.out_s0 + h * p.out_s1;
+            for (int64_t d = 0; d < head_size; ++d) o[d * p.out_s2] = scalar_t(0.0f);
+          }
+        }
+      }
+      dispatch_head_size(p, qsl, lens, num_seqs, work);
+    };
+    switch (key_cache.scalar_type()) {
+      case at::kChar: return launch(int8_t{});
+      case at::kFloat8_e4m3fn: return launch(c10::Float8_e4m3fn{});
+      case at::kFloat8_e5m2: return launch(c10::Float8_e5m2{});
+      default: return launch(scalar_t{});  // a float cache of the query's dtype (checked)
+    }
+  });
 }
 
 void paged_attention_cpu(const at::Tensor& out,              // [num_tokens, num_heads, head_size]
@@ -231,62 +327,31 @@ void paged_attention_cpu(const at::Tensor& out,              // [num_tokens, num
                          double scale, int64_t sliding_window) {
   const checks::AttentionSizes sz = checks::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                             query_start_loc, sliding_window, c10::DeviceType::CPU);
-  const auto dtype = query.scalar_type();
-  const int64_t num_tokens = sz.num_tokens, num_heads = sz.num_heads, head_size = sz.head_size;
-  const int64_t num_blocks = sz.num_blocks, block_size = sz.block_size, num_kv_heads = sz.num_kv_heads;
-  const int64_t num_seqs = sz.num_seqs;
+  run_attention("paged_attention", sz, out, query, key_cache, value_cache, nullptr, nullptr, block_tables, seq_lens,
+                query_start_loc, scale, sliding_window);
+}
 
-  // The values (shared checks read none): query_start_loc and seq_lens here, block ids as items read them.
-  const at::Tensor lens_t = seq_lens.contiguous(), qsl_t = query_start_loc.contiguous();  // [num_seqs (+ 1)], tiny
-  const int32_t* lens = lens_t.const_data_ptr<int32_t>();
-  const int32_t* qsl = qsl_t.const_data_ptr<int32_t>();
-  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "paged_attention: query_start_loc must run from 0 to ",
-              "num_tokens=", num_tokens, ", got ", qsl[0], " .. ", qsl[num_seqs]);
-  const int64_t capacity = block_tables.size(1) * block_size;
-  int64_t attended = 0;  // (row, token) pairs of the call
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(qsl[s + 1] >= qsl[s], "paged_attention: query_start_loc must not decrease, got ", qsl[s], " then ",
-                qsl[s + 1], " at sequence ", s);
-    TORCH_CHECK(lens[s] >= 0 && lens[s] <= capacity, "paged_attention: seq_lens[", s, "] = ", lens[s],
-                " is outside [0, ", capacity, "], the block table's capacity");
-    const int64_t q_len = qsl[s + 1] - qsl[s], len = lens[s];
-    const int64_t span = sliding_window > 0 ? std::min<int64_t>(len, sliding_window) : len;
-    attended += std::min(q_len, len) * (span + 8);  // + 8: a row's fixed cost, in tokens
-  }
-  if (num_tokens == 0 || num_heads == 0) return;
-  const int64_t work = attended * num_heads * head_size;  // ~ multiply-adds of the call
-
-  dispatch_float_types(dtype, "paged_attention", [&](auto zero) {
-    using scalar_t = decltype(zero);
-    Params<scalar_t> p;
-    p.out = out.data_ptr<scalar_t>();
-    p.query = query.const_data_ptr<scalar_t>();
-    p.key_cache = key_cache.const_data_ptr<scalar_t>();
-    p.value_cache = value_cache.const_data_ptr<scalar_t>();
-    p.block_tables = block_tables.const_data_ptr<int32_t>();
-    p.out_s0 = out.stride(0), p.out_s1 = out.stride(1), p.out_s2 = out.stride(2);
-    p.q_s0 = query.stride(0), p.q_s1 = query.stride(1), p.q_s2 = query.stride(2);
-    p.bt_s0 = block_tables.stride(0), p.bt_s1 = block_tables.stride(1);
-    p.num_heads = num_heads, p.num_kv_heads = num_kv_heads, p.head_size = head_size;
-    p.group = num_heads / num_kv_heads, p.block_size = block_size, p.num_blocks = num_blocks;
-    p.sliding_window = sliding_window;
-    p.scale = static_cast<float>(scale);
-    // Rows at a negative position (a sequence with fewer context tokens than new ones, e.g. the
-    // seq_len 0 padding rows of a CUDA-graph batch) attend to nothing: zeros.
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      const int64_t q_len = qsl[s + 1] - qsl[s];
-      for (int64_t i = 0; i < q_len - lens[s]; ++i) {
-        for (int64_t h = 0; h < num_heads; ++h) {
-          scalar_t* o = p.out + (qsl[s] + i) * p.out_s0 + h * p.out_s1;
-          for (int64_t d = 0; d < head_size; ++d) o[d * p.out_s2] = scalar_t(0.0f);
-        }
-      }
-    }
-    dispatch_head_size(p, qsl, lens, num_seqs, work);
-  });
+// pagedgen::paged_attention_quantized: paged_attention over the 1-byte cache, its codes and scales
+// read by the kernel itself (the general path for every head size).
+void paged_attention_quantized_cpu(const at::Tensor& out,    // [num_tokens, num_heads, head_size]
+                                   const at::Tensor& query,  // [num_tokens, num_heads, head_size]
+                                   const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_size] codes
+                                   const at::Tensor& value_cache,   // the same
+                                   const at::Tensor& key_scales,    // [num_blocks, block_size, num_kv_heads] bf16
+                                   const at::Tensor& value_scales,  // the same
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  const checks::AttentionSizes sz =
+      checks::paged_attention_quantized(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
+                                        seq_lens, query_start_loc, sliding_window, c10::DeviceType::CPU);
+  run_attention("paged_attention_quantized", sz, out, query, key_cache, value_cache, &key_scales, &value_scales,
+                block_tables, seq_lens, query_start_loc, scale, sliding_window);
 }
 
 }  // namespace
 }  // namespace pagedgen::cpu
 
-TORCH_LIBRARY_IMPL(pagedgen, CPU, m) { m.impl("paged_attention", &pagedgen::cpu::paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(pagedgen, CPU, m) {
+  m.impl("paged_attention", &pagedgen::cpu::paged_attention_cpu);
+  m.impl("paged_attention_quantized", &pagedgen::cpu::paged_attention_quantized_cpu);
+}

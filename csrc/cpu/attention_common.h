@@ -12,13 +12,19 @@
 
 namespace pagedgen::cpu {
 
-// Sizes, raw pointers and strides (in elements) shared by all threads.
-template <typename scalar_t>
+// Sizes, raw pointers and strides (in elements) shared by all threads. cache_t: the cache's element,
+// scalar_t (a float cache) or a 1-byte code (int8_t, c10::Float8_e4m3fn, c10::Float8_e5m2: the
+// cache of kv_cache_dtype int8 / fp8, read with its scales, kv_codes.h).
+template <typename scalar_t, typename cache_t = scalar_t>
 struct Params {
-  scalar_t* out;                // out: [num_tokens, num_heads, head_size], strides out_s*
-  const scalar_t* query;        // query: [num_tokens, num_heads, head_size], strides q_s*
-  const scalar_t* key_cache;    // key_cache: [num_blocks, block_size, num_kv_heads, head_size], contiguous
-  const scalar_t* value_cache;  // value_cache: same shape as key_cache, contiguous
+  scalar_t* out;               // out: [num_tokens, num_heads, head_size], strides out_s*
+  const scalar_t* query;       // query: [num_tokens, num_heads, head_size], strides q_s*
+  const cache_t* key_cache;    // key_cache: [num_blocks, block_size, num_kv_heads, head_size], contiguous
+  const cache_t* value_cache;  // value_cache: same shape as key_cache, contiguous
+  // 1-byte caches: [num_blocks, block_size, num_kv_heads] bfloat16, contiguous (the scale of a row
+  // at element offset e of the cache is at e / head_size); nullptr for a float cache
+  const c10::BFloat16* key_scales = nullptr;
+  const c10::BFloat16* value_scales = nullptr;
   const int32_t* block_tables;  // block_tables: [num_seqs, max_blocks], strides bt_s*
   int64_t out_s0, out_s1, out_s2, q_s0, q_s1, q_s2, bt_s0, bt_s1;
   int64_t num_heads, num_kv_heads, head_size, group, block_size, num_blocks;
@@ -154,15 +160,15 @@ struct PrefetchHook {
   PAGEDGEN_ALWAYS_INLINE void operator()() const { prefetch->step(); }
 };
 
-template <typename scalar_t>
-BlockWalker walker_of(const Params<scalar_t>& p, const RowBlock& b, int64_t start) {
+template <typename scalar_t, typename cache_t>
+BlockWalker walker_of(const Params<scalar_t, cache_t>& p, const RowBlock& b, int64_t start) {
   return BlockWalker(p.block_tables + b.seq * p.bt_s0, p.bt_s1, p.block_size, p.num_blocks, start, b.pos + b.rows);
 }
 
 // Scaled query of heads [h0, h0 + heads) of query row `row` into q: [heads, D] float; running max
 // -inf and sum 0 into m, l: [heads].
-template <typename scalar_t>
-void load_query(const Params<scalar_t>& p, int64_t row, int64_t h0, int heads, int D, float* q, float* m, float* l) {
+template <typename scalar_t, typename cache_t>
+void load_query(const Params<scalar_t, cache_t>& p, int64_t row, int64_t h0, int heads, int D, float* q, float* m, float* l) {
   const scalar_t* query = p.query + row * p.q_s0 + h0 * p.q_s1;
   const Vec<kLanes> scale = splat<kLanes>(p.scale);
   for (int h = 0; h < heads; ++h) {
@@ -182,8 +188,8 @@ void load_query(const Params<scalar_t>& p, int64_t row, int64_t h0, int heads, i
 
 // The 16-bit words of query heads [h0, h0 + heads) of `row` as the model gave them (unscaled):
 // q[h * D + d]. The operand of the bf16 score path (score_rows_bf16); scalar_t is 16 bits wide.
-template <typename scalar_t>
-void load_query_bits(const Params<scalar_t>& p, int64_t row, int64_t h0, int heads, int D, uint16_t* q) {
+template <typename scalar_t, typename cache_t>
+void load_query_bits(const Params<scalar_t, cache_t>& p, int64_t row, int64_t h0, int heads, int D, uint16_t* q) {
   static_assert(sizeof(scalar_t) == sizeof(uint16_t), "load_query_bits: a 16-bit dtype");
   const scalar_t* query = p.query + row * p.q_s0 + h0 * p.q_s1;
   for (int h = 0; h < heads; ++h) {
@@ -197,8 +203,8 @@ void load_query_bits(const Params<scalar_t>& p, int64_t row, int64_t h0, int hea
 }
 
 // out[row, h0 + h] = acc[h] / l[h] for the item's heads (zeros when `valid` is false).
-template <typename scalar_t>
-void store_output(const Params<scalar_t>& p, int64_t row, int64_t h0, int heads, int D, const float* acc,
+template <typename scalar_t, typename cache_t>
+void store_output(const Params<scalar_t, cache_t>& p, int64_t row, int64_t h0, int heads, int D, const float* acc,
                   const float* l, bool valid) {
   scalar_t* out = p.out + row * p.out_s0 + h0 * p.out_s1;
   for (int h = 0; h < heads; ++h) {

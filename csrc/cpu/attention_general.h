@@ -16,6 +16,9 @@
 // whatever R is, so a row's output is bitwise the same in a prefill chunk of any size, in a verify
 // block, as a decode row, and whatever the other rows of the call are (reading in place or from a
 // converted copy, and the prefetches, never change the arithmetic).
+// A 1-byte KV cache (cache_t a code, attention.cpp) is read as bf16 is, its rows as float(code) (in
+// place for decode rows and short blocks, converted into kbuf / vbuf otherwise), with each token's
+// scales applied to its scores and weights (scale_slots): the same per-row arithmetic on every route.
 //
 // Measured (issue 34; AMD EPYC Zen 4, AVX512-BF16, bf16 cache, head size 64, 9 heads / 3 KV heads,
 // 8 sequences of 100-300 tokens): short blocks are bound by the score, softmax and V-accumulation
@@ -30,6 +33,7 @@
 
 #include "attention_common.h"
 #include "attention_math.h"
+#include "kv_codes.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -42,6 +46,26 @@ inline int64_t general_scratch_floats(int64_t R, int64_t kv_heads, int64_t group
   const int64_t heads = R * kv_heads * group;
   return 2 * heads * head_size + R * group * kTile + 2 * heads + 3 * kTile * head_size + 2 * kLanes * kTile +
          (heads * head_size + 1) / 2 + 32;  // + the bf16 bits of the queries (bf16 scores)
+}
+
+// One K or V row of D values as the attention reads it, into dst[0:D] as float: a float cache's row
+// converted, or a 1-byte cache's codes as float (kv_codes.h; the row's scale is applied to its
+// scores and weights, scale_slots).
+template <typename cache_t>
+PAGEDGEN_ALWAYS_INLINE void kv_row_to_float(const cache_t* src, float* dst, int D) {
+  if constexpr (is_kv_code<cache_t>()) {
+    codes_to_float(src, dst, D);
+  } else {
+    to_float(src, dst, D);
+  }
+}
+
+// s[j] *= f[j] over the registers that hold the slots [ja, jb) of a tile (the 1-byte cache's
+// per-token scales on scores and weights; lanes outside [ja, jb) are masked or never read).
+inline void scale_slots(float* s, const float* f, int ja, int jb) {
+  for (int t = first_register(ja); t < end_register(jb); ++t) {
+    store<kLanes>(s + t * kLanes, load<kLanes>(s + t * kLanes) * load<kLanes>(f + t * kLanes));
+  }
 }
 
 // Tiles ahead of the current one whose K/V rows a decode item prefetches (one tile of fp32 head
@@ -64,12 +88,17 @@ inline bool streamed_block(int64_t rows, int64_t group) { return rows == 1 || ro
 // rows of those heads together: a block is then one contiguous run of memory. `then`: the row block
 // of the item this thread runs next with the same KV heads (nullptr if none or not known), whose
 // first tiles a decode row prefetches while it ends.
-template <typename scalar_t, int kHeadSize>
-bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch,
+template <typename scalar_t, int kHeadSize, typename cache_t>
+bool attend_rows(const Params<scalar_t, cache_t>& p, const RowBlock& b, int64_t kv_begin, int64_t kv_end, float* scratch,
                  const RowBlock* then = nullptr) {
   // bf16 with AVX512-BF16 and a head of whole 32-element slices: every row's scores from the bf16
   // query and the cache's K directly (score_rows_bf16); K is never converted.
-  constexpr bool kDot = std::is_same_v<scalar_t, c10::BFloat16> && bf16_dot_head<kHeadSize>();
+  // A 1-byte cache (cache_t a code, kv_codes.h): rows of float(code), converted into kbuf / vbuf or
+  // read in place (decode rows), the tokens' scales applied to the scores and the weights (sk, sv);
+  // never scored with vdpbf16ps.
+  constexpr bool kSame = std::is_same_v<cache_t, scalar_t>;  // a float cache of the query's dtype
+  constexpr bool kCodes = is_kv_code<cache_t>();
+  constexpr bool kDot = kSame && std::is_same_v<scalar_t, c10::BFloat16> && bf16_dot_head<kHeadSize>();
   const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(p.head_size);
   const int G = static_cast<int>(p.group), R = b.rows, K = static_cast<int>(kv_end - kv_begin);
   const int RG = R * G;  // (row, query head) pairs of one KV head
@@ -85,8 +114,10 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   uint16_t* qbits = reinterpret_cast<uint16_t*>(part + 2 * kLanes * kTile);  // [K, R, G, D] bf16 queries (kDot)
   const float* krows[kTile];  // slot j: the tile's K row of token (tile start + j), as float
   const float* vrows[kTile];
-  const scalar_t* kraw[kTile];  // slot j: the same rows in the cache (bf16/fp16 decode rows read in place)
-  const scalar_t* vraw[kTile];
+  const cache_t* kraw[kTile];  // slot j: the same rows in the cache (bf16/fp16/1-byte decode rows read in place)
+  const cache_t* vraw[kTile];
+  alignas(64) float sk[kTile];  // a 1-byte cache: slot j's key scale (times code_fold), 0 outside [ua, ub)
+  alignas(64) float sv[kTile];  // and its value scale
   int64_t slots[kTile];
 
   for (int k = 0; k < K; ++k) {
@@ -98,7 +129,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   }
   std::fill(acc, acc + K * RG * D, 0.0f);
   const int64_t row_stride = p.num_kv_heads * D;  // elements between tokens in a block
-  const int64_t bytes = K * D * static_cast<int64_t>(sizeof(scalar_t));  // of a token's row for the item's KV heads
+  const int64_t bytes = K * D * static_cast<int64_t>(sizeof(cache_t));  // of a token's row for the item's KV heads
   auto prefetch = [&](int64_t slot) {
     prefetch_lines(p.key_cache + slot * row_stride + kv_begin * D, bytes);
     prefetch_lines(p.value_cache + slot * row_stride + kv_begin * D, bytes);
@@ -112,19 +143,24 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
   // prefill block re-reads each tile for many (row, head) pairs, and the walker's prefetch of the next
   // block's rows is enough.
   const bool decode = streamed_block(R, G);
-  // bf16/fp16 decode rows and short blocks with a compile-time head size read K/V in place, converted
+  // bf16/fp16/1-byte decode rows and short blocks with a compile-time head size read K/V in place, converted
   // to float as the score and accumulate loops load them (exact, so the same bits as converting
   // first): one pass over each row instead of a conversion pass, a store and a reload. The
   // transposed-tile score path (many query heads per KV head) and small heads take float rows.
-  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-  const bool raw = !kFloat && decode && kHeadSize > 16 && RG < kTransposedPairs;
+  // A 1-byte cache reads in place where each K/V slice is converted about once: int8 codes always
+  // (two instructions, as bf16), fp8 codes (more: e4m3 ten) only for heads that do not share a KV
+  // head across score blocks (score_rows: one head at a time with AVX-512, pairs with AVX2); with
+  // larger groups they are converted once per token into kbuf / vbuf. The same bits either way.
+  constexpr bool kFloat = kSame && std::is_same_v<scalar_t, float>;  // an fp32 cache: read in place
+  const bool raw_codes = !kCodes || std::is_same_v<cache_t, int8_t> || G <= (kLanes >= 16 ? 1 : 2);
+  const bool raw = !kFloat && decode && kHeadSize > 16 && RG < kTransposedPairs && raw_codes;
   int64_t ring[kDecodeAhead + 1][kTile];  // decode: slots of the item's tile i in ring[i % (kDecodeAhead + 1)]
   const int64_t first_t0 = lo / kTile * kTile;
   int64_t read_t0 = first_t0;  // decode: the next tile whose slots to read from the block table
   const auto ring_of = [&](int64_t t) { return ring[(t - first_t0) / kTile % (kDecodeAhead + 1)]; };
   TilePrefetch ahead{reinterpret_cast<const char*>(p.key_cache), reinterpret_cast<const char*>(p.value_cache),
-                     row_stride * static_cast<int64_t>(sizeof(scalar_t)),
-                     kv_begin * D * static_cast<int64_t>(sizeof(scalar_t)), bytes};
+                     row_stride * static_cast<int64_t>(sizeof(cache_t)),
+                     kv_begin * D * static_cast<int64_t>(sizeof(cache_t)), bytes};
   const PrefetchHook hook{&ahead};
   bool ok = true;
   for (int64_t t0 = first_t0; t0 < end && ok; t0 += kTile) {
@@ -137,8 +173,14 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
     } else {
       for (; ok && read_t0 < end && read_t0 <= t0 + kDecodeAhead * kTile; read_t0 += kTile) {
         const int a = static_cast<int>(std::max(lo, read_t0) - read_t0);
-        ok = walk.next(static_cast<int>(std::min(end, read_t0 + kTile) - read_t0) - a, ring_of(read_t0) + a,
-                       [](int64_t) {});
+        const int n = static_cast<int>(std::min(end, read_t0 + kTile) - read_t0);
+        ok = walk.next(n - a, ring_of(read_t0) + a, [](int64_t) {});
+        if constexpr (kCodes) {  // that tile's scales too (the K/V rows: TilePrefetch)
+          for (int j = a; ok && j < n; ++j) {
+            __builtin_prefetch(p.key_scales + ring_of(read_t0)[j] * p.num_kv_heads + kv_begin, 0, 2);
+            __builtin_prefetch(p.value_scales + ring_of(read_t0)[j] * p.num_kv_heads + kv_begin, 0, 2);
+          }
+        }
       }
       if (!ok) break;
       cur = ring_of(t0);
@@ -164,8 +206,16 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
     const bool hook_math = decode && (kFloat || raw);
     for (int k = 0; k < K; ++k) {
       const int64_t col = (kv_begin + k) * D;  // this KV head's first element in a token's row
+      if constexpr (kCodes) {  // the registers' slots outside [ua, ub): scale 0
+        for (int j = first_register(ua) * kLanes; j < ua; ++j) sk[j] = sv[j] = 0.0f;
+        for (int j = ub; j < end_register(ub) * kLanes; ++j) sk[j] = sv[j] = 0.0f;
+      }
       for (int j = ua; j < ub; ++j) {
         const int64_t row = cur[j] * row_stride + col;
+        if constexpr (kCodes) {
+          sk[j] = static_cast<float>(p.key_scales[row / D]) * code_fold<cache_t>();
+          sv[j] = static_cast<float>(p.value_scales[row / D]) * code_fold<cache_t>();
+        }
         if (kDot || raw) kraw[j] = p.key_cache + row;
         if (raw) {
           vraw[j] = p.value_cache + row;
@@ -184,11 +234,12 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         // as float into kbuf/vbuf: converted (bf16/fp16), or copied for a block of rows that reads
         // them many times (in the cache, rows lie num_kv_heads * head_size apart, which maps them to
         // few L1 sets)
+        // (a 1-byte cache: its codes as float, kv_codes.h)
         if constexpr (!kDot) {
-          to_float(p.key_cache + row, kbuf + j * D, D);
+          kv_row_to_float(p.key_cache + row, kbuf + j * D, D);
           krows[j] = kbuf + j * D;
         }
-        to_float(p.value_cache + row, vbuf + j * D, D);
+        kv_row_to_float(p.value_cache + row, vbuf + j * D, D);
         vrows[j] = vbuf + j * D;
       }
       if constexpr (kHeadSize > 0 && kHeadSize <= 16) transpose_tile<kHeadSize>(krows, ua, ub, kt);
@@ -225,7 +276,7 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
         }
         // scores, softmax and V accumulation of the run's (row, head) pairs [h0, h1), with `hk` called
         // from the token loops
-        const auto run = [&](auto hk, auto* const* ks, auto* const* vs) {
+        const auto run = [&](auto hk, const auto* ks, const auto* vs) {
           const int h0 = i0 * G, h1 = i1 * G;
           if (scored) {
           } else if constexpr (kDot) {
@@ -239,9 +290,13 @@ bool attend_rows(const Params<scalar_t>& p, const RowBlock& b, int64_t kv_begin,
           } else {
             score_rows_runtime(qk + h0 * D, h1 - h0, D, krows, ja, jb, sc + h0 * kTile, hk);
           }
+          if constexpr (kCodes) {  // q . k = s_k (q . code)
+            for (int h = h0; h < h1; ++h) scale_slots(sc + h * kTile, sk, ja, jb);
+          }
           for (int h = h0; h < h1; ++h) {
             const float alpha = softmax_tile(sc + h * kTile, ja, jb, mk[h], lk[h]);  // scores -> weights
             rescale(ak + h * D, D, alpha);
+            if constexpr (kCodes) scale_slots(sc + h * kTile, sv, ja, jb);  // (w s_v) . code
           }
           if constexpr (kHeadSize > 0) {  // acc[h] += sum_j w[h, j] * v[j]
             accumulate_heads<kHeadSize>(ak + h0 * D, h1 - h0, sc + h0 * kTile, vs, ja, jb, hk);

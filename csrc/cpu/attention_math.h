@@ -18,6 +18,7 @@
 // (head, token) with a horizontal sum. Any other head size uses the `*_runtime` loops.
 #pragma once
 
+#include "kv_codes.h"  // load<W> of 1-byte codes (a 1-byte cache's rows read in place)
 #include "vec.h"
 
 #include <algorithm>
@@ -124,9 +125,11 @@ inline void score_transposed(const float* q, int G, const float* kt, int ja, int
 
 // The dot product of one (head, token) pair: q[0:W] * k[0:W], then fused multiply-adds of the next
 // W-lane slices in order, then the fixed hsum tree. k: float, or the cache's bf16/fp16 read in place
-// (converted to float exactly on load: the same bits).
-template <int kD, typename kv_t = float>
-inline float dot_row(const float* q, const kv_t* k) {
+// (converted to float exactly on load: the same bits), or the 1-byte cache's codes (kv_codes.h:
+// float(code) on load, as in a converted tile). The loops below take rows of any of these kinds
+// (Row: a pointer that load<W> accepts).
+template <int kD, typename Row = const float*>
+inline float dot_row(const float* q, Row k) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   Vec<W> dot = load<W>(q) * load<W>(k);
   for (int v = 1; v < NV; ++v) dot = fmadd<W>(load<W>(q + v * W), load<W>(k + v * W), dot);
@@ -254,8 +257,8 @@ PAGEDGEN_ALWAYS_INLINE __m512 register_scores(const Chain& chain, int g0, int ja
 // sc[b, j] = dot_row(q[b], k[j]) for HB heads and the slots [ja, jb): register blocks of HB heads by
 // four tokens (each K slice loaded, and converted, once for the HB heads; 4 * HB independent chains),
 // each pair still dot_row's sequence of operations; then hsum_many. q: [HB, kD]; sc: [HB, kTile].
-template <int kD, int HB, typename Hook, typename kv_t>
-inline void score_block(const float* q, const kv_t* const* k, int ja, int jb, float* sc, Hook& hook) {
+template <int kD, int HB, typename Hook, typename Row>
+inline void score_block(const float* q, const Row* k, int ja, int jb, float* sc, Hook& hook) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   int j = ja;
   for (; j + 4 <= jb; j += 4) {
@@ -296,8 +299,8 @@ constexpr int kMaxRegisterHead = 128;
 // sc[j] = dot_row(q, k[j]) for the slots j of [ja, jb) in the 16-slot register starting at slot g0 (the
 // register's other slots get 0, and their K rows are not read): dot_row's chain per slot, then
 // hsum16x16 (its tree). q: [kD]; k: rows as float, or in the cache's dtype; sc: [kTile].
-template <int kD, typename Hook, typename kv_t>
-PAGEDGEN_ALWAYS_INLINE void score_register(const float* q, const kv_t* const* k, int g0, int ja, int jb, float* sc,
+template <int kD, typename Hook, typename Row>
+PAGEDGEN_ALWAYS_INLINE void score_register(const float* q, const Row* k, int g0, int ja, int jb, float* sc,
                                            Hook& hook) {
   constexpr int NV = kD / 16;
   Vec<16> qv[NV];
@@ -317,8 +320,8 @@ PAGEDGEN_ALWAYS_INLINE void score_register(const float* q, const kv_t* const* k,
 // whole 16-float slices up to kMaxRegisterHead, one head's 16-slot register at a time
 // (score_register); otherwise in blocks of up to kMaxHeadBlock heads (score_block). The same bits
 // either way. k: rows as float, or in the cache's dtype.
-template <int kD, typename Hook = NoHook, typename kv_t = float>
-inline void score_rows(const float* q, int G, const kv_t* const* k, int ja, int jb, float* sc, Hook hook = {}) {
+template <int kD, typename Hook = NoHook, typename Row = const float*>
+inline void score_rows(const float* q, int G, const Row* k, int ja, int jb, float* sc, Hook hook = {}) {
 #if defined(__AVX512F__)
   if constexpr (head_lanes<kD>() == 16 && kD <= kMaxRegisterHead) {
     static_assert(kTile % 16 == 0, "a tile must be whole 16-slot registers");
@@ -502,8 +505,8 @@ constexpr int accumulate_chains() {
 
 // acc[0:kD] += sum_j w[j] * v[j] over the slots [ja, jb) of a tile (v: rows as float, or in the
 // cache's dtype).
-template <int kD, typename Hook = NoHook, typename kv_t = float>
-inline void accumulate_tile(float* acc, const float* w, const kv_t* const* v, int ja, int jb, Hook hook = {}) {
+template <int kD, typename Hook = NoHook, typename Row = const float*>
+inline void accumulate_tile(float* acc, const float* w, const Row* v, int ja, int jb, Hook hook = {}) {
   constexpr int W = head_lanes<kD>(), NV = kD / W, U = accumulate_chains<kD>();
   Vec<W> a[U][NV] = {};
   int j = ja;
@@ -529,8 +532,8 @@ inline void accumulate_tile(float* acc, const float* w, const kv_t* const* v, in
 // slice loaded (and converted) once for all of them: acc[b] += sum_j w[b, j] * v[j], in chunks of
 // four vectors (4 * HB accumulator registers), every element still one chain over the tokens, then
 // added to acc: accumulate_tile's bits. acc: [HB, kD]; w: [HB, kTile].
-template <int kD, int HB, typename Hook, typename kv_t>
-inline void accumulate_block(float* acc, const float* w, const kv_t* const* v, int ja, int jb, Hook& hook) {
+template <int kD, int HB, typename Hook, typename Row>
+inline void accumulate_block(float* acc, const float* w, const Row* v, int ja, int jb, Hook& hook) {
   constexpr int W = head_lanes<kD>(), NV = kD / W;
   static_assert(accumulate_chains<kD>() == 1 && NV % 4 == 0, "accumulate_block: heads of whole 4-register chunks");
   for (int c = 0; c < NV; c += 4) {
@@ -562,8 +565,8 @@ inline void accumulate_block(float* acc, const float* w, const kv_t* const* v, i
 // acc[h] += sum_j w[h, j] * v[j] for the G heads and the slots [ja, jb): blocks of up to
 // kMaxHeadBlock heads that share each V slice (accumulate_block) where the head is whole 4-register
 // chunks, else accumulate_tile head by head; the same bits either way. acc: [G, kD]; w: [G, kTile].
-template <int kD, typename Hook = NoHook, typename kv_t = float>
-inline void accumulate_heads(float* acc, int G, const float* w, const kv_t* const* v, int ja, int jb, Hook hook = {}) {
+template <int kD, typename Hook = NoHook, typename Row = const float*>
+inline void accumulate_heads(float* acc, int G, const float* w, const Row* v, int ja, int jb, Hook hook = {}) {
   constexpr bool kBlocks = accumulate_chains<kD>() == 1 && (kD / head_lanes<kD>()) % 4 == 0;
   for_head_blocks<kBlocks ? kMaxHeadBlock : 1>(G, [&](auto hb, int h) {
     constexpr int HB = decltype(hb)::value;

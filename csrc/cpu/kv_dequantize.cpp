@@ -10,8 +10,11 @@
 //   blocks: [num_out] int64, each in [0, num_blocks): out[u] is codes[blocks[u]] dequantized
 //
 // Each output element depends on its code and its row's scale only, with the rounding of torch's
-// `(codes.float() * scales.float()[..., None]).to(dtype)` (a float32 product, then vec.h's stores,
-// which round as c10 does): bitwise the reference, whatever the blocks or the threads.
+// `(codes.float() * scales.float()[..., None]).to(dtype)` (a float32 product, rounded as c10 does):
+// bitwise the reference, whatever the blocks or the threads. The conversion is the attention
+// kernel's (kv_codes.h), so this op's tests over all 256 codes check the kernel's bit tricks too.
+// The engine no longer calls it (paged_attention_quantized reads the codes itself); it serves the
+// copy path of kv_quant.paged_attention_quantized where only the reference attention runs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -20,21 +23,24 @@
 
 #include <cstdint>
 
+#include "kv_codes.h"
 #include "vec.h"
 
 namespace pagedgen::cpu {
 namespace {
 
-// One row (head_size values of one token and KV head): dst[d] = dtype(float(src[d]) * s).
+// One row (head_size values of one token and KV head): dst[d] = dtype(float(src[d]) * s), through
+// the attention kernel's own conversion (kv_codes.h: tmp holds the values already rounded to
+// scalar_t, so the store is exact).
 template <typename code_t, typename scalar_t>
-inline void dequantize_row(const code_t* src, float s, scalar_t* dst, int64_t D, float* tmp) {
-  for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(src[d]) * s;  // int8: vectorised by the compiler
+inline void dequantize_out_row(const code_t* src, float s, scalar_t* dst, int64_t D, float* tmp) {
+  dequantize_row<scalar_t>(src, s, tmp, static_cast<int>(D));
   if constexpr (std::is_same_v<scalar_t, float>) {
     std::memcpy(dst, tmp, D * sizeof(float));
   } else {
     int64_t d = 0;
     for (; d + kLanes <= D; d += kLanes) store<kLanes>(dst + d, load<kLanes>(tmp + d));
-    for (; d < D; ++d) dst[d] = static_cast<scalar_t>(tmp[d]);  // c10's rounding, as vec.h's stores
+    for (; d < D; ++d) dst[d] = static_cast<scalar_t>(tmp[d]);
   }
 }
 
@@ -53,7 +59,7 @@ void dequantize_blocks(const at::Tensor& out, const at::Tensor& codes, const at:
     for (int64_t r = begin; r < end; ++r) {
       const int64_t u = r / rows_per_block, within = r % rows_per_block;
       const int64_t row = blocks[u] * rows_per_block + within;  // the source row in codes / scales
-      dequantize_row(src + row * D, static_cast<float>(scl[row]), dst + r * D, D, tmp.data());
+      dequantize_out_row(src + row * D, static_cast<float>(scl[row]), dst + r * D, D, tmp.data());
     }
   });
 }

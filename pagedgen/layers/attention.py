@@ -30,11 +30,12 @@ def _paged_attention(
 ) -> None:
     """The one call of ``ops.paged_attention`` (the varlen op: each sequence's rows of ``query``
     attend causally over its cached tokens, within ``sliding_window`` when it is not 0), or of
-    ``ops.paged_attention_quantized`` over a 1-byte cache (its gather plan made once per step)."""
+    ``ops.paged_attention_quantized`` over a 1-byte cache (its kernel reads the codes; without it,
+    the copy path's gather plan is made once per step)."""
     if len(kv_cache) == 2:
         ops.paged_attention(out, query, *kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale, sliding_window)
         return
-    if attn.kv_gather is None:
+    if attn.kv_gather is None and not ops.quantized_attention_reads_codes(query.device.type):
         attn.kv_gather = kv_quant.gather_plan(attn.block_tables, attn.seq_lens, kv_cache[0].shape[1])
     ops.paged_attention_quantized(out, query, *kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale,
                                   sliding_window, attn.kv_gather)

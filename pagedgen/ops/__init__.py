@@ -15,9 +15,10 @@ AVX512-BF16, chosen only where ``has_kernel("packed_linear_bf16")``. ``add_lora_
 LoRA delta of one projection, by adapter slot) has a CPU kernel in builds with AVX2 and FMA; its
 reference runs elsewhere (a GPU, no AVX2).
 
-The 1-byte KV cache (``kv_cache_dtype`` int8 / fp8) goes through ``reshape_and_cache_quantized`` and
-``paged_attention_quantized`` (``kv_quant.py``: PyTorch around the float attention op and
-``kv_dequantize_blocks``, whose CPU kernel dequantizes a step's blocks in one pass).
+The 1-byte KV cache (``kv_cache_dtype`` int8 / fp8) goes through ``reshape_and_cache_quantized``
+(a CPU kernel, else ``kv_quant.py``'s PyTorch ops) and ``paged_attention_quantized``: a CPU kernel that reads the codes
+and scales as it attends (csrc/cpu/kv_codes.h), else ``kv_quant.py``'s copy path (the step's blocks
+dequantized by ``kv_dequantize_blocks``, then the float attention op).
 """
 import functools
 import importlib
@@ -41,8 +42,8 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-    "silu_and_mul", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "packed_linear", "packed_linear_bf16", "int8_linear",
-    "int4_linear", "fp8_linear", "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
+    "silu_and_mul", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "quantized_attention_reads_codes", "packed_linear",
+    "packed_linear_bf16", "int8_linear", "int4_linear", "fp8_linear", "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
 ]
 
 #: the most top logprobs per row ``logprob_topk``'s kernel keeps (csrc/op_checks.h, vLLM's default
@@ -128,7 +129,17 @@ def paged_attention(
 
 
 def reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping) -> None:
-    """See :func:`pagedgen.ops.kv_quant.reshape_and_cache_quantized` (the 1-byte cache's write)."""
+    """The 1-byte cache's write: the CPU kernel (csrc/cpu/kv_quantize.cpp, one pass), else
+    :func:`pagedgen.ops.kv_quant.reshape_and_cache_quantized` (its oracle: the same bytes).
+
+    Raises:
+        ValueError: as ``kv_quant.reshape_and_cache_quantized`` (caches, scales, a slot past the
+            cache), before anything is written.
+    """
+    if has_kernel("reshape_and_cache_quantized", key_cache.device.type):
+        kv_quant.check_write(key_cache, value_cache, key_scales, value_scales, slot_mapping)
+        torch.ops.pagedgen.reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping)
+        return
     kv_quant.reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping)
 
 
@@ -136,12 +147,36 @@ def paged_attention_quantized(
     out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, query_start_loc, scale: float,
     sliding_window: int = 0, gathered=None,
 ) -> None:
-    """``paged_attention`` over the 1-byte cache, dequantized as it is read; see
-    :func:`pagedgen.ops.kv_quant.paged_attention_quantized`."""
+    """``paged_attention`` over the 1-byte cache (``kv_quant.py``): the CPU kernel reads the codes and
+    scales itself (``torch.ops.pagedgen.paged_attention_quantized``; ``gathered`` unused); elsewhere
+    :func:`pagedgen.ops.kv_quant.paged_attention_quantized` (the step's blocks dequantized into a
+    float32 copy, then ``paged_attention`` in float32; ``gathered``: its ``gather_plan`` for the
+    step). Both compute in float32 over the values ``float(code) * float(scale)`` (the kernel applies
+    each token's scale to its scores and weights: the same up to float rounding).
+
+    Raises:
+        ValueError: caches that are not int8 / float8 codes of one dtype, or scales not
+            [num_blocks, block_size, num_kv_heads] bfloat16 (``kv_quant``, before any work).
+        RuntimeError: the kernel's checks of the other arguments (as ``paged_attention``'s), and a
+            block table entry a row reads outside the cache (before any work).
+    """
+    if has_kernel("paged_attention_quantized", query.device.type):
+        kv_quant.check_layout(key_cache, value_cache, key_scales, value_scales)
+        torch.ops.pagedgen.paged_attention_quantized(
+            out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, query_start_loc, scale,
+            sliding_window,
+        )
+        return
     kv_quant.paged_attention_quantized(
         paged_attention, kv_dequantize_blocks, out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
         query_start_loc, scale, sliding_window, gathered,
     )
+
+
+def quantized_attention_reads_codes(device_type: str) -> bool:
+    """True where ``paged_attention_quantized`` runs the kernel that reads the codes itself (the CPU
+    kernels are loaded): no ``kv_quant.gather_plan`` is needed for the step."""
+    return has_kernel("paged_attention_quantized", device_type)
 
 
 def kv_dequantize_blocks(out, codes, scales, blocks) -> None:

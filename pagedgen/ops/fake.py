@@ -32,6 +32,19 @@ def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
     )
 
 
+def _paged_attention_quantized(out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
+                               query_start_loc, scale, sliding_window) -> None:
+    # as _paged_attention; key_scales, value_scales: [num_blocks, block_size, num_kv_heads]
+    _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window)
+    torch._check(key_scales.shape == key_cache.shape[:3] and value_scales.shape == key_cache.shape[:3],
+                 lambda: f"key_scales {key_scales.shape} and value_scales {value_scales.shape} must be key_cache's "
+                 f"first three dimensions {key_cache.shape[:3]}")
+
+
+def _reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping) -> None:
+    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
 def _copy_blocks(key_cache, value_cache, block_mapping) -> None:
     return None
 
@@ -120,6 +133,8 @@ _FAKES = {
     "argmax": _argmax,
     "logprob_topk": _logprob_topk,
     "kv_dequantize_blocks": _kv_dequantize_blocks,
+    "paged_attention_quantized": _paged_attention_quantized,
+    "reshape_and_cache_quantized": _reshape_and_cache_quantized,
     "packed_linear": _packed_linear,
     "packed_linear_bf16": _packed_linear_bf16,
     "int8_linear": _int8_linear,

@@ -8,7 +8,7 @@ Layout of one layer (the float cache's, plus one scale per token and KV head in 
 A token's head vector x (head_size floats) is stored as codes q and a scale s with
 ``s = bf16(max|x| / qmax)`` and ``q = quantize(clamp(x / s, -qmax, qmax))`` (int8: round half to
 even, qmax 127; fp8: the float8 conversion, qmax 448 for e4m3 and 57344 for e5m2); it is read back
-as ``x' = (float(q) * float(s))`` rounded to the query's dtype. Each stored value depends on that token's own
+as ``x' = float(q) * float(s)``. Each stored value depends on that token's own
 vector only: not on the other tokens of its block, nor on the step it was written in, nor on the
 batch. So a cached prefix reads the same whoever wrote it (prefix caching, copy-on-write and swap
 move codes and scales together, byte for byte), and batch invariance holds as for the float cache.
@@ -19,13 +19,18 @@ A block costs ``block_size * num_kv_heads * (head_size + 2)`` bytes per layer fo
 for values: 66 / 128 = 0.52 of a bfloat16 cache's for head_size 64 (1.94x the blocks in the same
 memory), 0.51 for head_size 128; a quarter and a bit of a float32 cache's.
 
-The attention reads a step's blocks dequantized: ``paged_attention_quantized`` finds the blocks the
-step's block tables name (each once), dequantizes them into a compact float cache of the query's
-dtype (``ops.kv_dequantize_blocks``: one pass of the CPU kernel csrc/cpu/kv_dequantize.cpp, or its
-reference, bitwise the same) and runs ``paged_attention`` (the compiled kernel, or the reference)
-over it with the table renumbered; the values it reads are exactly the dequantized ones, so the
-kernel's batch invariance carries over. The engine refuses the 1-byte cache on a GPU for now (no
-CUDA kernel reads it; ``torch.unique`` would sync and CUDA graphs could not capture it).
+The read: the attention computes in float32 over the values ``float(q) * float(s)`` (not rounded to
+the model's dtype). On the CPU a kernel does the write in one pass (``ops.reshape_and_cache_quantized``,
+csrc/cpu/kv_quantize.cpp, the same bytes as ``reshape_and_cache_quantized`` below, its oracle), and
+the attention kernel reads the codes and scales itself (``ops.paged_attention_quantized``,
+csrc/cpu/attention*.h with csrc/cpu/kv_codes.h: K and V as float(code) in registers, each token's
+scales applied to its scores and weights, no copy of the blocks; its per-row arithmetic is fixed, so
+batch invariance holds as for the float cache). ``paged_attention_quantized`` below is the copy path,
+the oracle of that kernel and its fallback where it is not built: it finds the blocks the step's
+block tables name (each once, ``gather_plan``), dequantizes them into a compact float32 cache
+(``ops.kv_dequantize_blocks``) and runs a float attention op over it in float32, the table
+renumbered. The engine refuses the 1-byte cache on a GPU for now (no CUDA kernel reads it;
+``torch.unique`` would sync and CUDA graphs could not capture it).
 """
 from __future__ import annotations
 
@@ -86,8 +91,9 @@ def quantize(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, to
     return q.to(code_dtype), scales
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., head_size], scales [...] -> ``float(codes) * float(scales)`` rounded to ``dtype``."""
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes [..., head_size], scales [...] -> ``float(codes) * float(scales)`` rounded to ``dtype``
+    (float32: the values the attention reads)."""
     return (codes.float() * scales.float().unsqueeze(-1)).to(dtype)
 
 
@@ -107,11 +113,9 @@ def reshape_and_cache_quantized(
             than the cache's first three dimensions, or a slot past the cache.
     """
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
-    _check_layout(key_cache, value_cache, key_scales, value_scales)
+    check_write(key_cache, value_cache, key_scales, value_scales, slot_mapping)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    if slots.numel() and int(slots.max()) >= num_blocks * block_size:
-        raise ValueError(f"reshape_and_cache_quantized: a slot of slot_mapping is past the cache's {num_blocks * block_size} slots")
     for x, cache, scale_cache in ((key, key_cache, key_scales), (value, value_cache, value_scales)):
         codes, scales = quantize(x[valid], cache.dtype)
         cache.view(-1, num_kv_heads, head_size)[slots] = codes
@@ -134,22 +138,25 @@ def paged_attention_quantized(
     sliding_window: int = 0,
     gathered: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
-    """``attention`` over the dequantized cache: the same result as dequantizing the whole cache to
-    ``query``'s dtype and calling ``attention`` on it (the oracle of the tests), reading only the
-    blocks the tables name for ``seq_lens``. ``gathered``: ``gather_plan``'s answer for these
+    """``attention`` in float32 over the dequantized cache: the same result as dequantizing the whole
+    cache to float32 and calling ``attention`` on it with a float32 query (the oracle of the CPU
+    kernel), rounded to ``out``'s dtype once, reading only the blocks the tables name for ``seq_lens``. ``gathered``: ``gather_plan``'s answer for these
     tables, when the caller computed it once for all layers of the step.
 
     Raises:
         ValueError: as ``reshape_and_cache_quantized`` for the caches and scales; ``attention``
             raises its own errors for the other arguments.
     """
-    _check_layout(key_cache, value_cache, key_scales, value_scales)
+    check_layout(key_cache, value_cache, key_scales, value_scales)
     blocks, tables = gathered if gathered is not None else gather_plan(block_tables, seq_lens, key_cache.shape[1])
-    keys = torch.empty((blocks.shape[0],) + key_cache.shape[1:], dtype=query.dtype, device=query.device)  # [U, block_size, Hkv, D]
+    keys = torch.empty((blocks.shape[0],) + key_cache.shape[1:], dtype=torch.float32, device=query.device)  # [U, block_size, Hkv, D]
     values = torch.empty_like(keys)
     dequantize_blocks(keys, key_cache, key_scales, blocks)
     dequantize_blocks(values, value_cache, value_scales, blocks)
-    attention(out, query, keys, values, tables, seq_lens, query_start_loc, scale, sliding_window)
+    result = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    attention(result, query.float(), keys, values, tables, seq_lens, query_start_loc, scale, sliding_window)
+    if result is not out:
+        out.copy_(result)
 
 
 def gather_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +174,18 @@ def gather_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     return blocks, tables
 
 
-def _check_layout(key_cache, value_cache, key_scales, value_scales) -> None:
+def check_write(key_cache, value_cache, key_scales, value_scales, slot_mapping) -> None:
+    """``check_layout``, and ValueError for a slot of ``slot_mapping`` past the cache."""
+    check_layout(key_cache, value_cache, key_scales, value_scales)
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
+        raise ValueError(f"reshape_and_cache_quantized: a slot of slot_mapping is past the cache's {num_slots} slots")
+
+
+def check_layout(key_cache, value_cache, key_scales, value_scales) -> None:
+    """ValueError unless key_cache / value_cache are int8 / float8 codes of one dtype and one shape
+    [num_blocks, block_size, num_kv_heads, head_size] and key_scales / value_scales
+    [num_blocks, block_size, num_kv_heads] bfloat16 (the message names the tensor)."""
     if key_cache.dtype not in _QMAX or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"1-byte KV cache: key_cache and value_cache must be int8 or float8 of one dtype, got "
                          f"{key_cache.dtype} and {value_cache.dtype}")

@@ -26,7 +26,8 @@ class AttentionMetadata:
         seq_lens: [S] int32, each sequence's context length after this step (cached + new tokens).
         query_start_loc: [S + 1] int32, 0, then the cumulative number of new tokens per sequence.
         max_seq_len: the largest of ``seq_lens`` (host int, so that no device value is read).
-        kv_gather: with the 1-byte KV cache, the blocks the step reads and its renumbered tables
+        kv_gather: with the 1-byte KV cache where its attention kernel is not built (the copy path),
+            the blocks the step reads and its renumbered tables
             (``kv_quant.gather_plan``), made by the first layer and reused by the others; None before.
     """
 

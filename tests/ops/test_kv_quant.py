@@ -2,8 +2,9 @@
 dequantized blocks against the float op over the whole dequantized cache (the oracle), the scales
 moving with copy_blocks / swap_blocks, the error bounds of the codes, and the bad calls.
 
-The attention comparisons are bitwise: ``paged_attention_quantized`` hands the float op exactly the
-values a full dequantization gives, only fewer blocks, renumbered. Slots the call must not read are
+The attention is compared with its oracle, float32 attention over the float32 dequantized cache
+(the copy path with the reference ops); tests/ops/test_kv_quant_attention.py covers the CPU kernel's
+own cases (its conversions, bitwise checks, batch invariance). Slots the call must not read are
 NaN (attention_batches.varlen_batch) and stay NaN through quantization, so reading one would show.
 """
 import pytest
@@ -71,25 +72,25 @@ def test_write_is_per_token_whatever_the_batch(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size,group,window", [(16, 2, 0), (64, 1, 0), (64, 4, 20)])
-def test_attention_is_the_float_op_over_the_dequantized_cache(name, dtype, head_size, group, window):
+def test_attention_is_float32_attention_over_the_dequantized_cache(name, dtype, head_size, group, window):
+    """ops.paged_attention_quantized (the CPU kernel when built) against its oracle: the copy path with
+    the reference ops (float32 attention over the float32 dequantized cache); the copy path over the
+    compiled float op too (its fallback), with the step's gather plan."""
     batch = paged_batch(SPECS, 16, 2, 2 * group, head_size, dtype, window=window, seed=3, device="cpu")
     kc, vc, ks, vs = _quantized(batch, name)
-    full_k, full_v = kv_quant.dequantize(kc, ks, dtype), kv_quant.dequantize(vc, vs, dtype)
     args = (batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], head_size ** -0.5, window)
     want = torch.full_like(batch["query"], float("nan"))
-    ops.paged_attention(want, batch["query"], full_k, full_v, *args)
+    kv_quant.paged_attention_quantized(reference.paged_attention, reference.kv_dequantize_blocks, want, batch["query"], kc, vc, ks, vs, *args)
     got = torch.full_like(batch["query"], float("nan"))
     ops.paged_attention_quantized(got, batch["query"], kc, vc, ks, vs, *args)
-    assert torch.equal(got, want)  # bitwise: the same values, fewer blocks
     assert not bool(got.isnan().any())
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, want, **tol)
     plan = kv_quant.gather_plan(batch["block_tables"], batch["seq_lens"], 16)
-    again = torch.empty_like(got)
-    ops.paged_attention_quantized(again, batch["query"], kc, vc, ks, vs, *args, gathered=plan)
-    assert torch.equal(again, want)
-    ref = torch.empty_like(got)  # the reference op as the float op: the oracle of the kernel
-    kv_quant.paged_attention_quantized(reference.paged_attention, reference.kv_dequantize_blocks, ref, batch["query"], kc, vc, ks, vs, *args)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
-    torch.testing.assert_close(got, ref, **tol)
+    copied = torch.full_like(got, float("nan"))
+    kv_quant.paged_attention_quantized(ops.paged_attention, ops.kv_dequantize_blocks, copied, batch["query"], kc, vc, ks, vs,
+                                       *args, gathered=plan)
+    torch.testing.assert_close(copied, want, **tol)
 
 
 def test_gather_plan_reads_each_block_once():
@@ -187,3 +188,32 @@ def test_dequantize_kernel_checks_and_opcheck():
     with pytest.raises(RuntimeError, match="out .* must be"):
         torch.ops.pagedgen.kv_dequantize_blocks(out[:1], codes, scales, torch.tensor([0, 1]))
     torch.library.opcheck(torch.ops.pagedgen.kv_dequantize_blocks, (out, codes, scales, torch.tensor([2, 0])))
+
+
+@pytest.mark.skipif(not ops.has_kernel("reshape_and_cache_quantized"), reason="pagedgen._C without the reshape_and_cache_quantized CPU kernel")
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kernel_is_bitwise_the_reference(name, dtype):
+    """The CPU kernel of the write (csrc/cpu/kv_quantize.cpp) against kv_quant's PyTorch ops: the same
+    codes and scales byte for byte, from strided key/value views (a qkv projection's), over values of
+    many magnitudes, a zero vector and padding slots; other slots untouched."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(40, 3, 2, 24, generator=gen) * torch.logspace(-6, 4, 40)[:, None, None, None]).to(dtype)
+    qkv[7, 1, 0] = 0.0
+    key, value = qkv[:, 1], qkv[:, 2]  # [40, 2, 24], strided
+    slots = torch.randperm(56, generator=gen)[:40]
+    slots[[3, 30]] = -1
+    want = kv_quant.allocate(name, 7, 8, 2, 24, dtype, "cpu")
+    got = kv_quant.allocate(name, 7, 8, 2, 24, dtype, "cpu")
+    for a, b in zip(want, got):
+        a.view(torch.uint8 if a.element_size() == 1 else torch.int16).fill_(3)
+        b.view(torch.uint8 if b.element_size() == 1 else torch.int16).fill_(3)
+    kv_quant.reshape_and_cache_quantized(key, value, *want, slots)
+    torch.ops.pagedgen.reshape_and_cache_quantized(key, value, *got, slots)
+    for a, b in zip(want, got):
+        bits = torch.uint8 if a.element_size() == 1 else torch.int16
+        assert torch.equal(a.view(bits), b.view(bits))
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = 56 is outside the cache's 56 slots"):
+        torch.ops.pagedgen.reshape_and_cache_quantized(key[:1], value[:1], *got, torch.tensor([56]))
+    if name == "int8":  # (torch's schema check compares mutated float8 tensors with an op float8 lacks)
+        torch.library.opcheck(torch.ops.pagedgen.reshape_and_cache_quantized, (key, value, *got, slots))
