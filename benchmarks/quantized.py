@@ -176,7 +176,7 @@ def main() -> None:
     results = []
     for model in args.models.split(","):
         src = _workload.ensure_random_model(model, args.dtype)[0] if model in _workload.RANDOM_MODELS else model
-        dst = os.path.join(tempfile.gettempdir(), f"pagedgen-{args.scheme}-{os.path.basename(src.rstrip('/'))}")
+        dst = os.path.join(tempfile.gettempdir(), f"pagedgen-{args.scheme}{'-sym' if args.int4_sym else ''}-{os.path.basename(src.rstrip('/'))}")
         if not os.path.isfile(os.path.join(dst, "config.json")):
             write_quantized(src, dst, args.scheme, int4_sym=args.int4_sym)
         vocab = json.load(open(os.path.join(src, "config.json")))["vocab_size"]

@@ -6,8 +6,9 @@
 // 0-7 and 8-15), then per row of the tile the input is broadcast and one fused multiply-add runs per 8
 // outputs. Each output is a float32 sum over k in order, from 0, then + bias, rounded once to out's
 // dtype. With more than kRows rows, a panel's weights are dequantized once into a float buffer [K, 16]
-// (the same values) and every row tile reads it: the same operations in the same order, so a row's bits
-// are the same whichever path runs, whatever M, the row's position, the tiling or the threads
+// (the same values) and every row tile, of up to kBufferRows rows (balanced) (12 accumulators, 2 weight vectors
+// and a broadcast fill AVX2's 16 registers), reads it: the same operations in the same order, so a row's
+// bits are the same whichever path runs, whatever M, the row's position, the tiling or the threads
 // (batch-invariant by construction). Threads split the panels (each weight byte read by one thread).
 //
 // A dequantizer D is one panel's view of the weight:
@@ -31,7 +32,8 @@
 namespace pagedgen::cpu::wonly {
 
 constexpr int kPanel = 16;                      // output features per panel
-constexpr int kRows = 4;                        // rows per tile
+constexpr int kRows = 4;                        // rows per tile when the weights are dequantized in registers
+constexpr int kBufferRows = 6;                  // rows per tile reading a dequantized panel buffer
 constexpr int64_t kMinMacsPerThread = 1 << 16;  // smaller GEMMs run on one thread
 
 using V8 = Vec<8>;
@@ -41,9 +43,9 @@ PAGEDGEN_ALWAYS_INLINE V8 as_vec(__m256 v) { return reinterpret_cast<const V8&>(
 // Rows r < R (x rows ldx apart, float32), one panel: acc[r] += x[r, k] * W[:, k] over k in order, the
 // weights dequantized in registers by d (kFromBuffer false) or read from the panel's float buffer wf [K, 16].
 template <int R, bool kFromBuffer, typename D>
-PAGEDGEN_ALWAYS_INLINE void tile(const float* x, int64_t ldx, int64_t K, const D& d, const float* wf, V8 (&acc)[kRows][2]) {
-  static_assert(R >= 1 && R <= kRows);
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = V8{};
+PAGEDGEN_ALWAYS_INLINE void tile(const float* x, int64_t ldx, int64_t K, const D& d, const float* wf, V8 (&acc)[kBufferRows][2]) {
+  static_assert(R >= 1 && R <= (kFromBuffer ? kBufferRows : kRows));
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V8{};
   const int64_t G = (K + d.group - 1) / d.group;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * d.group, k1 = std::min(K, k0 + d.group);
@@ -67,6 +69,8 @@ PAGEDGEN_ALWAYS_INLINE void tile(const float* x, int64_t ldx, int64_t K, const D
       if constexpr (R > 1) PAGEDGEN_WONLY_ROW(1)
       if constexpr (R > 2) PAGEDGEN_WONLY_ROW(2)
       if constexpr (R > 3) PAGEDGEN_WONLY_ROW(3)
+      if constexpr (R > 4) PAGEDGEN_WONLY_ROW(4)
+      if constexpr (R > 5) PAGEDGEN_WONLY_ROW(5)
 #undef PAGEDGEN_WONLY_ROW
     }
   }
@@ -88,7 +92,7 @@ void dequantize_panel(const D& d, int64_t K, float* wf) {
 
 // acc + bias rounded to out's dtype, the first ncols outputs of R rows (ldo apart).
 template <int R, typename out_t>
-PAGEDGEN_ALWAYS_INLINE void write_back(V8 (&acc)[kRows][2], const float* bias, out_t* out, int64_t ldo, int ncols) {
+PAGEDGEN_ALWAYS_INLINE void write_back(V8 (&acc)[kBufferRows][2], const float* bias, out_t* out, int64_t ldo, int ncols) {
   V8 b0{}, b1{};
   if (bias != nullptr) load_panel_row(bias, ncols, b0, b1);
   for (int r = 0; r < R; ++r) {
@@ -104,11 +108,26 @@ PAGEDGEN_ALWAYS_INLINE void write_back(V8 (&acc)[kRows][2], const float* bias, o
 template <bool kFromBuffer, typename D, typename out_t>
 void row_tiles(const float* x, int64_t ldx, int64_t M, int64_t K, const D& d, const float* wf, const float* bias, out_t* out,
                int64_t ldo, int ncols) {
-  V8 acc[kRows][2];
-  for (int64_t m = 0; m < M; m += kRows) {
+  // Balanced tiles (8 rows: 4 + 4, not 6 + 2); a row's operations are the same in any tile.
+  constexpr int kMax = kFromBuffer ? kBufferRows : kRows;
+  const int64_t tiles = (M + kMax - 1) / kMax, step = (M + tiles - 1) / tiles;
+  V8 acc[kBufferRows][2];
+  for (int64_t m = 0; m < M; m += step) {
     const float* xm = x + m * ldx;
     out_t* om = out + m * ldo;
-    switch (std::min<int64_t>(kRows, M - m)) {
+    switch (std::min<int64_t>(step, M - m)) {
+      case 6:
+        if constexpr (kFromBuffer) {
+          tile<6, true>(xm, ldx, K, d, wf, acc);
+          write_back<6>(acc, bias, om, ldo, ncols);
+        }
+        break;
+      case 5:
+        if constexpr (kFromBuffer) {
+          tile<5, true>(xm, ldx, K, d, wf, acc);
+          write_back<5>(acc, bias, om, ldo, ncols);
+        }
+        break;
       case 4: tile<4, kFromBuffer>(xm, ldx, K, d, wf, acc); write_back<4>(acc, bias, om, ldo, ncols); break;
       case 3: tile<3, kFromBuffer>(xm, ldx, K, d, wf, acc); write_back<3>(acc, bias, om, ldo, ncols); break;
       case 2: tile<2, kFromBuffer>(xm, ldx, K, d, wf, acc); write_back<2>(acc, bias, om, ldo, ncols); break;
