@@ -273,12 +273,13 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
     and vLLM's CPU backend do), and on a CPU with oneDNN bf16 (AMX, AVX-512 BF16) prepack the bf16
     weights themselves. Where pagedgen._C has its own GEMM (``packed_linear``: AVX2 builds), the
     weights packed in panels in the run's dtype are a path too, and for bf16 where it has
-    ``packed_linear_bf16`` (AVX512-BF16 builds) the weights packed in bf16 pairs. The roofline takes, per shape, the
-    best path, so that no engine beats it by picking another."""
+    ``packed_linear_bf16`` (AVX512-BF16 builds) the weights packed in bf16 pairs, and where the CPU has
+    AMX and the amx level is loaded (``cpu_has_amx``) the same pairs on AMX tiles (``packed_linear_bf16_amx``,
+    the default there). The roofline takes, per shape, the best path, so that no engine beats it by picking another."""
     import torch
 
     from pagedgen import ops
-    from pagedgen.layers.matmul import native_reduced_precision, onednn_prepack_supported
+    from pagedgen.layers.matmul import cpu_has_amx, native_reduced_precision, onednn_prepack_supported
 
     paths = ["F.linear", "fp32 weights"] if dtype in ("bfloat16", "float16") else ["F.linear"]
     if device != "cpu":
@@ -287,6 +288,8 @@ def matmul_paths(dtype: str, device: str = "cpu") -> list[str]:
         paths = paths + ["pagedgen panels"]
     if dtype == "bfloat16" and ops.has_kernel("packed_linear_bf16"):
         paths = paths + ["pagedgen bf16 pairs"]
+    if dtype == "bfloat16" and cpu_has_amx():
+        paths = paths + ["pagedgen AMX"]
     if not onednn_prepack_supported():
         return paths
     paths = paths + ["oneDNN prepacked"]
@@ -300,6 +303,7 @@ PATHS = {
     "oneDNN prepacked bf16": "oneDNN's inner product on the bf16 weights prepacked once (pagedgen.layers.matmul.prepack)",
     "pagedgen panels": "pagedgen's own GEMM (pagedgen.ops.packed_linear) on the weights packed once in panels in the run's dtype (pagedgen.layers.matmul.pack_panels)",
     "pagedgen bf16 pairs": "pagedgen's AVX512-BF16 GEMM (pagedgen.ops.packed_linear_bf16) on the bf16 weights packed once in pairs (pagedgen.layers.matmul.pack_pairs)",
+    "pagedgen AMX": "pagedgen's AMX GEMM (packed_linear_bf16_amx, self-checked) on the same bf16 pairs",
 }
 
 
@@ -309,14 +313,18 @@ def _path_fn(path: str, x, w, w32):
     pairs" the weight in pairs."""
     import torch.nn.functional as F
 
-    from pagedgen.layers.matmul import linear
+    from pagedgen.layers.matmul import MatmulConfig, amx_self_check, linear
+
+    if path == "pagedgen AMX":
+        amx_self_check()  # the check the engine runs before its first use
 
     if path == "F.linear":
         return lambda: F.linear(x, w)
     if path == "fp32 weights":
         return lambda: F.linear(x.float(), w32).to(x.dtype)
     # pagedgen's own call on the packed weight, conversions included
-    return lambda: linear(x, w32, None, None, w.shape[0])
+    config = MatmulConfig(x.dtype, pairs=True, amx=True) if path == "pagedgen AMX" else None
+    return lambda: linear(x, w32, None, config, w.shape[0])
 
 
 def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, device: str = "cpu",
@@ -371,6 +379,7 @@ def measure(shapes: list[dict], m_prefill: int, m_decode: int, dtype: str, devic
                 "oneDNN prepacked bf16": prepack(w) if "oneDNN prepacked bf16" in paths else None,  # [N, K] bf16, oneDNN layout
                 "pagedgen panels": pack_panels(w) if "pagedgen panels" in paths else None,  # [ceil(N / 16), K, 16]
                 "pagedgen bf16 pairs": pack_pairs(w) if "pagedgen bf16 pairs" in paths else None,  # [ceil(N / 16), ceil(K / 2), 16, 2]
+                "pagedgen AMX": pack_pairs(w) if "pagedgen AMX" in paths else None,  # the same pairs
             }
             decode_ms = {m_decode} | set(m_grid or ())
             for m in sorted(decode_ms if s["lm_head"] else decode_ms | {m_prefill}):

@@ -215,9 +215,11 @@ def test_choose_matmul(monkeypatch):
 def test_choose_matmul_packed_panels(monkeypatch):
     """"auto" takes the packed-panel GEMM on AVX2 CPUs where it is built, for every dtype, and the
     bf16-pair GEMM for bf16 on AVX512-BF16 CPUs without AMX where it is built, batch-invariant either
-    way; "pagedgen" asks for them anywhere and is an error where they are not built."""
+    way; "pagedgen" asks for them anywhere and is an error where they are not built. (The AMX GEMM,
+    which "auto" takes for bf16 where cpu_has_amx(): tests/ops/test_packed_linear_amx.py.)"""
     cpu = torch.device("cpu")
     monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(lin.choice, "cpu_has_amx", lambda: False)
     auto = lin.choose_matmul(torch.bfloat16, cpu, False)
     avx2 = ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2"
     pairs = not avx2 and lin.bf16_pairs_available() and not lin.amx_available()
@@ -244,7 +246,8 @@ def test_choose_matmul_packed_panels(monkeypatch):
 
 def test_bf16_pairs_available_needs_the_kernel_avx512_and_the_cpu_flag(monkeypatch):
     """The bf16-pair GEMM is taken only where its kernel is built, torch's capability is AVX512 and
-    /proc/cpuinfo lists avx512_bf16; with AMX "auto" keeps oneDNN's AMX GEMM (not measured there yet)."""
+    /proc/cpuinfo lists avx512_bf16; with AMX tiles that the loaded kernels cannot use (cpu_has_amx() False)
+    "auto" keeps oneDNN's AMX GEMM (tests/ops/test_packed_linear_amx.py: the AMX GEMM where they can)."""
     if not ops.has_kernel("packed_linear_bf16"):
         assert not lin.bf16_pairs_available()
         return
@@ -253,6 +256,7 @@ def test_bf16_pairs_available_needs_the_kernel_avx512_and_the_cpu_flag(monkeypat
     assert not lin.bf16_pairs_available()
     monkeypatch.setattr(lin.choice, "cpu_has_flag", lambda flag: True)
     monkeypatch.setattr(lin.choice, "amx_available", lambda: True)
+    monkeypatch.setattr(lin.choice, "cpu_has_amx", lambda: False)
     monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         assert lin.cpu_matmul_backend(torch.bfloat16) == "onednn" and not lin.choose_matmul(torch.bfloat16, torch.device("cpu"), True).pairs

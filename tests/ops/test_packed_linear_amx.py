@@ -195,6 +195,52 @@ def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
     assert not cfg.amx and not cfg.pairs
 
 
+def test_auto_takes_the_amx_gemm_where_the_cpu_has_amx(monkeypatch):
+    """"auto" (the default) runs bf16 models on the AMX GEMM where cpu_has_amx() (here reported, the op
+    swapped for the emulation); float32/fp16 models keep their paths; a self-check that fails, by a
+    raising kernel or a wrong result, falls back to oneDNN with a RuntimeWarning by default, while
+    PAGEDGEN_CPU_MATMUL=amx raises on a wrong result; PAGEDGEN_CPU_MATMUL=onednn opts out."""
+    monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(lin.choice, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
+    calls = []
+
+    class FakeOps:
+        def packed_linear_bf16_amx(self, *a):
+            calls.append(a[0].shape)
+            emulated(*a)
+
+    real_ops = torch.ops.pagedgen
+    monkeypatch.setattr(torch.ops, "pagedgen", FakeOps(), raising=False)
+    assert lin.cpu_matmul_backend(torch.bfloat16) == "amx"
+    for invariant in (True, False):  # batch-invariant by construction either way
+        cfg = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=invariant)
+        assert cfg.amx and cfg.pairs and cfg.batch_invariant and "AMX" in cfg.reason
+    w = torch.randn(40, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    check_close(lin.linear(x, lin.pack_pairs(w), None, cfg, out_features=40), x, w, None)
+    assert calls[-1] == (3, 40)
+    monkeypatch.setattr(torch.ops, "pagedgen", real_ops)
+    for dtype in (torch.float32, torch.float16):
+        assert not lin.choose_matmul(dtype, torch.device("cpu"), batch_invariant=True).amx
+
+    class WrongOps:
+        def packed_linear_bf16_amx(self, out, *a):
+            emulated(out, *a)
+            out[0, 0] += 1.0
+
+    monkeypatch.setattr(torch.ops, "pagedgen", WrongOps(), raising=False)
+    monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
+    with pytest.warns(RuntimeWarning, match=r"out\[0, 0\].*the default AMX GEMM falls back to oneDNN"):
+        cfg = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)
+    assert not cfg.amx and not cfg.pairs and lin.amx_check._AMX_CHECKED == []
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "amx")
+    with pytest.raises(RuntimeError, match=r"self-check: out\[0, 0\]"):
+        lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "onednn")
+    assert not lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True).amx
+
+
 @needs_amx
 @pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_amx_decode_shapes(shape):

@@ -10,7 +10,7 @@
   offer, ``PAGEDGEN_CPU_MATMUL``; its docstring describes every path and its measurements.
 - ``packing``: the weight layouts (``pack_panels``, ``pack_pairs``, ``pack_int8``, oneDNN's ``prepack``) and
   ``prepare_matmuls``, which puts a loaded model's weights in the chosen one.
-- ``amx_check``: ``amx_self_check``, which pagedgen's opt-in AMX GEMM passes before a model uses it.
+- ``amx_check``: ``amx_self_check``, which pagedgen's AMX GEMM (the default for bf16 models on CPUs with AMX) passes before a model uses it.
 
 Every public name is imported from here (``pagedgen.layers.matmul.X``). A function or a flag read by
 another function is replaced (in tests) in the module that reads it, e.g. ``matmul.choice.cpu_has_amx``

@@ -1,7 +1,9 @@
-"""``amx_self_check``: pagedgen's AMX GEMM (opt-in, ``PAGEDGEN_CPU_MATMUL=amx``; see ``choice``) has not
-yet run on AMX hardware, so before a model uses it, it is checked once per process against the float32
-product and for batch invariance; a kernel that raises makes it unusable here (``AmxUnavailableError``:
-``choose_matmul`` falls back to oneDNN), a wrong result is a RuntimeError.
+"""``amx_self_check``: pagedgen's AMX GEMM (the default for bf16 models on CPUs with AMX; see ``choice``)
+runs code that only AMX hardware executes (every other CPU tests its emulated twin), so before a model
+uses it, it is checked once per process against the float32 product and for batch invariance; a kernel
+that raises makes it unusable here (``AmxUnavailableError``), a wrong result is a RuntimeError.
+``choose_matmul`` falls back to oneDNN on either by default, and raises the latter when
+``PAGEDGEN_CPU_MATMUL=amx`` asked for the AMX GEMM.
 """
 from __future__ import annotations
 

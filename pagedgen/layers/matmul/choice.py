@@ -24,8 +24,8 @@ and the build offer and ``PAGEDGEN_CPU_MATMUL``; applied after loading by ``prep
   ``vdpbf16ps`` over the pairs in order, + bias, rounded once: batch-invariant by construction.
   Measured there 2026-12-04 (benchmarks/results/history.md; one thread, thread CPU time, weights cold):
   1.0-4.4x oneDNN's row-blocked bf16 GEMM at 1-4 rows, 0.94-1.45x at 16, 0.93-1.10x at 64-1,024. On a
-  Xeon with AMX oneDNN's AMX GEMM stays the default (pagedgen's AMX GEMM is opt-in until measured
-  there, below); float32/fp16 models on this kind keep oneDNN (below).
+  Xeon with AMX, pagedgen's AMX GEMM on the same pairs (below); float32/fp16 models on these kinds keep
+  oneDNN (below).
 - **Compute dtype** (where the panels are not used). bf16/fp16 weights on a CPU whose oneDNN has no
   bf16/fp16 kernels (no AVX-512 BF16/FP16, no AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
   False) are kept as a float32 copy, and ``linear`` computes ``F.linear(x.float(), W32).to(x.dtype)``:
@@ -57,21 +57,25 @@ and the build offer and ``PAGEDGEN_CPU_MATMUL``; applied after loading by ``prep
   prepacked fp16 GEMM was slower than the dense one there).
 
 ``PAGEDGEN_CPU_MATMUL`` (read when an LLM is built): "auto" (the default: the packed panels on AVX2
-CPUs where the kernel is built, else oneDNN prepacking), "pagedgen" (the packed panels on any CPU
+CPUs where the kernel is built, the AMX GEMM for bf16 models on CPUs with AMX, the bf16 pairs for bf16
+models on AVX512-BF16 CPUs, else oneDNN prepacking), "pagedgen" (the packed panels on any CPU
 whose build has the kernel), "onednn" (oneDNN prepacking, float32 copies of bf16/fp16 weights where
 oneDNN has no kernels for them), "mkl" (no packing: MKL for every float32 weight, the dense GEMM for
-bf16 ones), "amx" (opt-in, below).
+bf16 ones), "amx" (the AMX GEMM asked for: an error where it cannot run).
 
-**pagedgen's AMX GEMM (opt-in: ``PAGEDGEN_CPU_MATMUL=amx``).** The bf16 pairs of ``pack_pairs`` are
+**pagedgen's AMX GEMM (the default for bf16 models on a CPU with AMX; issue 47).** The bf16 pairs of ``pack_pairs`` are
 also the B tiles of AMX's ``tdpbf16ps``; ``ops``' ``packed_linear_bf16_amx`` (csrc/cpu/linear_amx.cpp,
 tile loop in linear_amx_loop.h) runs them in 16 x 16 tiles: a fixed k order (chunks of 32 in order,
 zero-padded) and the same tile for every row whatever M, float32 accumulation in the tiles, one rounding.
 Its packing and tile loop are tested through an emulation of the tiles (``packed_linear_bf16_amx_emulated``)
-on CPUs without AMX, and it has run on a Xeon with AMX (its tests pass there; 1.43-1.55x the default end
-to end, issue 47). It is still chosen only when asked for, only for bf16 models on a CPU with AMX whose
-loaded CPU kernels are the amx level (``cpu_has_amx``: cpuid, XCR0, ``ops.cpu_isa_features()``), and only
-after a self-check at first use (``amx_self_check``: a small GEMM against float32 and
-batch invariance; a mismatch raises RuntimeError). Asked for on a CPU without AMX it raises ValueError.
+on CPUs without AMX, and it has run on a Xeon with AMX (its tests pass there; 1.43-1.55x oneDNN's
+row-blocked AMX GEMM end to end, issue 47, whose row blocks cost ~1.5x in the batch-invariant mode). It
+runs bf16 models only, on a CPU with AMX whose loaded CPU kernels are the amx level (``cpu_has_amx``:
+cpuid, XCR0, ``ops.cpu_isa_features()``, asked once per process), and only after a self-check at first
+use (``amx_self_check``: a small GEMM against float32 and batch invariance). By default a kernel that
+raises or fails the check leaves oneDNN's GEMM (row-blocked in the batch-invariant mode) in its place,
+with a RuntimeWarning that says why; asked for by ``PAGEDGEN_CPU_MATMUL=amx``, a wrong result is a
+RuntimeError and a CPU without AMX a ValueError.
 """
 from __future__ import annotations
 
@@ -100,9 +104,10 @@ MATMUL_BACKENDS = ("auto", "pagedgen", "onednn", "mkl", "amx")
 
 def cpu_matmul_backend(dtype: Optional[torch.dtype] = None) -> str:
     """The CPU matmul path ``PAGEDGEN_CPU_MATMUL`` asks for, "auto" resolved: "pagedgen" (packed
-    panels) on a CPU whose torch capability is AVX2 when the kernel is built; "pagedgen" for a
-    bfloat16 model (``dtype``) on a CPU with AVX512-BF16 and no AMX where the bf16-pair kernel is
-    built (``bf16_pairs_available``); else "onednn".
+    panels) on a CPU whose torch capability is AVX2 when the kernel is built; "amx" for a bfloat16
+    model (``dtype``) on a CPU with AMX and the amx level loaded (``cpu_has_amx``); "pagedgen" for a
+    bfloat16 model on a CPU with AVX512-BF16 and no AMX where the bf16-pair kernel is built
+    (``bf16_pairs_available``); else "onednn".
 
     Raises:
         ValueError: ``PAGEDGEN_CPU_MATMUL`` is not one of ``MATMUL_BACKENDS``, or is "pagedgen" where
@@ -112,11 +117,13 @@ def cpu_matmul_backend(dtype: Optional[torch.dtype] = None) -> str:
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"PAGEDGEN_CPU_MATMUL must be one of {MATMUL_BACKENDS}, got {backend!r}")
     if backend == "auto":
+        if dtype == torch.bfloat16 and cpu_has_amx():  # 1.43-1.55x oneDNN's AMX GEMM end to end (issue 47)
+            return "amx"
         if ops.has_kernel("packed_linear") and torch.backends.cpu.get_cpu_capability() == "AVX2":
             return "pagedgen"
         # AVX512-BF16 without AMX (AMD EPYC Zen 4): the bf16-pair GEMM beat oneDNN's row-blocked GEMM at
-        # every random-135m/1b shape (benchmarks/results/history.md, 2026-12-04). With AMX, oneDNN's AMX GEMM stays
-        # until an AMX micro-kernel is measured there.
+        # every random-135m/1b shape (benchmarks/results/history.md, 2026-12-04). With AMX tiles that this
+        # build cannot use (no amx level loaded), oneDNN's AMX GEMM.
         return "pagedgen" if dtype == torch.bfloat16 and bf16_pairs_available() and not amx_available() else "onednn"
     if backend == "amx" and not cpu_has_amx():
         raise ValueError("PAGEDGEN_CPU_MATMUL=amx needs a CPU with AMX-TILE and AMX-BF16 enabled by the OS and pagedgen._C "
@@ -205,7 +212,10 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
 
     Raises:
         ValueError: ``batch_invariant`` on a device other than the CPU (no such mode there yet);
-            an unknown ``PAGEDGEN_CPU_MATMUL``.
+            an unknown ``PAGEDGEN_CPU_MATMUL``; ``PAGEDGEN_CPU_MATMUL=amx`` for a model other than
+            bfloat16 or on a CPU without AMX.
+        RuntimeError: ``PAGEDGEN_CPU_MATMUL=amx`` and the AMX GEMM gave a wrong result at its
+            self-check (by default that falls back to oneDNN with a RuntimeWarning instead).
     """
     device = torch.device(device)
     if device.type != "cpu":
@@ -214,13 +224,17 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         return MatmulConfig(dtype, reason=f"{device.type}: the model dtype's own GEMM")
     backend = cpu_matmul_backend(dtype)
     if backend == "amx":
+        asked = os.environ.get("PAGEDGEN_CPU_MATMUL", "auto").strip().lower() == "amx"
         if dtype != torch.bfloat16:
             raise ValueError(f"PAGEDGEN_CPU_MATMUL=amx runs bfloat16 models only, got {dtype}")
         try:
             amx_self_check()
-            return MatmulConfig(dtype, pairs=True, amx=True, reason="pagedgen's AMX GEMM on bf16 pairs (tdpbf16ps, float32 sums; opt-in)")
-        except AmxUnavailableError as e:  # a wrong result raises RuntimeError through; an unusable kernel falls back
-            warnings.warn(f"{e}; PAGEDGEN_CPU_MATMUL=amx falls back to oneDNN", RuntimeWarning, stacklevel=2)
+            return MatmulConfig(dtype, pairs=True, amx=True, reason="pagedgen's AMX GEMM on bf16 pairs (tdpbf16ps, float32 sums)")
+        except RuntimeError as e:  # asked for: a wrong result raises; an unusable kernel, or any failure by default, falls back
+            if asked and not isinstance(e, AmxUnavailableError):
+                raise
+            who = "PAGEDGEN_CPU_MATMUL=amx" if asked else "the default AMX GEMM"
+            warnings.warn(f"{e}; {who} falls back to oneDNN", RuntimeWarning, stacklevel=2)
             backend = "onednn"
     if backend == "pagedgen":  # batch-invariant whatever batch_invariant says: no cost to it
         if dtype == torch.bfloat16 and bf16_pairs_available():

@@ -42,7 +42,7 @@ class MatmulConfig:
         pairs: every weight (bf16) is packed into bf16 pairs (``pack_pairs``) for pagedgen's
             AVX512-BF16 GEMM (``ops.packed_linear_bf16``), batch-invariant by itself as well.
         amx: with ``pairs``, ``linear`` runs the pairs with pagedgen's AMX GEMM
-            (``packed_linear_bf16_amx``; opt-in, ``PAGEDGEN_CPU_MATMUL=amx``).
+            (``packed_linear_bf16_amx``; the default for bf16 on CPUs with AMX, ``choice``).
     """
 
     weight_dtype: torch.dtype
