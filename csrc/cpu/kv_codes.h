@@ -11,15 +11,15 @@
 //   int8:   sign-extended to int32 (vpmovsxbd), then to float (vcvtdq2ps): exact.
 //   e5m2:   the code is the upper byte of an fp16 with the same value: `code << 8`, then F16C's
 //           vcvtph2ps (present on every AVX2 CPU): exact, infinities and NaNs included.
-//   e4m3fn: sign << 15 | (code & 0x7f) << 7 is an fp16 of value code * 2^-8 (the 4 exponent bits
-//           in the low bits of fp16's 5, the 3 mantissa bits on top of fp16's 10; normals and
-//           subnormals both land exactly); the codes 0x7f / 0xff (e4m3fn's only NaNs) become fp16
+//   e4m3fn: sign << 15 | (code & 0x7f) << 7 is an fp16 of value code * 2^-8 (fp8_bits.h, the
+//           placement the FP8 GEMM shares); the codes 0x7f / 0xff (e4m3fn's only NaNs) become fp16
 //           NaNs; then vcvtph2ps. The 2^8 goes into the scale (code_fold): (code * 2^-8) * (s * 2^8)
 //           is the same real product as code * s, rounded once, so the same float (s * 2^8 is exact
 //           for every finite bf16 scale below 2^120; larger scales do not occur, |x| / 448).
 // tests/ops/test_kv_quant_attention.py checks all 256 codes of each dtype against torch's conversion.
 #pragma once
 
+#include "fp8_bits.h"
 #include "vec.h"
 
 #include <c10/util/BFloat16.h>
@@ -54,22 +54,12 @@ PAGEDGEN_ALWAYS_INLINE Vec<kLanes> load_codes(const code_t* p) {
   static_assert(kLanes == 16);
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m256i w = _mm256_cvtepu8_epi16(bytes);  // 16 words, the codes zero-extended
-  const auto splat16 = [](short x) { return _mm256_set1_epi16(x); };
-  const auto and_ = [](__m256i a, __m256i b) { return _mm256_and_si256(a, b); };
-  const auto or_ = [](__m256i a, __m256i b) { return _mm256_or_si256(a, b); };
-  const auto cmpeq = [](__m256i a, __m256i b) { return _mm256_cmpeq_epi16(a, b); };
   const auto to_float = [](__m256i h) { return _mm512_cvtph_ps(h); };
-#define PAGEDGEN_KV_SHL(a, n) _mm256_slli_epi16(a, n)
 #else
   static_assert(kLanes == 8);
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   const __m128i w = _mm_cvtepu8_epi16(bytes);  // 8 words, the codes zero-extended
-  const auto splat16 = [](short x) { return _mm_set1_epi16(x); };
-  const auto and_ = [](__m128i a, __m128i b) { return _mm_and_si128(a, b); };
-  const auto or_ = [](__m128i a, __m128i b) { return _mm_or_si128(a, b); };
-  const auto cmpeq = [](__m128i a, __m128i b) { return _mm_cmpeq_epi16(a, b); };
   const auto to_float = [](__m128i h) { return _mm256_cvtph_ps(h); };
-#define PAGEDGEN_KV_SHL(a, n) _mm_slli_epi16(a, n)
 #endif
   if constexpr (std::is_same_v<code_t, int8_t>) {
 #if defined(__AVX512F__)
@@ -78,17 +68,20 @@ PAGEDGEN_ALWAYS_INLINE Vec<kLanes> load_codes(const code_t* p) {
     const __m256 r = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 #endif
     return reinterpret_cast<const Vec<kLanes>&>(r);
-  } else if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
-    const auto r = to_float(PAGEDGEN_KV_SHL(w, 8));
-    return reinterpret_cast<const Vec<kLanes>&>(r);
   } else {
-    const auto mag = and_(w, splat16(0x7f));
-    auto h = or_(PAGEDGEN_KV_SHL(and_(w, splat16(0x80)), 8), PAGEDGEN_KV_SHL(mag, 7));
-    h = or_(h, and_(cmpeq(mag, splat16(0x7f)), splat16(0x7e00)));  // 0x7f: NaN (sign | 0x3f80 | 0x7e00)
-    const auto r = to_float(h);
+#if defined(__AVX512F__)
+    using U = U16x16;  // the 16 codes of w
+    using W = __m256i;
+#else
+    using U = U16x8;
+    using W = __m128i;
+#endif
+    const U c = (U)w;
+    const U h = std::is_same_v<code_t, c10::Float8_e5m2> ? U(c << 8)  // e5m2: the upper byte of an fp16
+                                                         : e4m3_half_bits_nan(c);
+    const auto r = to_float((W)h);
     return reinterpret_cast<const Vec<kLanes>&>(r);
   }
-#undef PAGEDGEN_KV_SHL
 #else
   Vec<kLanes> r;
   for (int i = 0; i < kLanes; ++i) r[i] = static_cast<float>(p[i]) / code_fold<code_t>();

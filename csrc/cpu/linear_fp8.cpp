@@ -8,11 +8,9 @@
 //
 // The dequantizer of the shared W-only tile (csrc/cpu/linear_wonly.h: the row tiles, the panel buffer
 // from kRows rows on, the threads; batch-invariant by construction): per k, one 16-byte load of the
-// panel's 16 codes widened to 16-bit lanes (vpmovzxbw), each e4m3 code's bits placed as float16 bits,
-//   h = sign << 15 | (code & 0x7f) << 7,
-// e4m3's 4 exponent bits (bias 7) becoming the low 4 of float16's 5 (bias 15) and its 3 mantissa bits
-// the top of float16's 10: h is exactly the code's value times 2^-8, normals and subnormals alike (an
-// e4m3 subnormal m * 2^-9 is the float16 subnormal m * 2^-17). F16C's vcvtph2ps converts each half to
+// panel's 16 codes widened to 16-bit lanes (vpmovzxbw), each e4m3 code's bits placed as float16 bits
+// (fp8_bits.h, shared with the 1-byte KV cache's read: h = sign << 15 | (code & 0x7f) << 7 in three
+// operations), h exactly the code's value times 2^-8. F16C's vcvtph2ps converts each half to
 // float32 (exact) and one multiply by scale * 2^8 (exact: a power of two) gives float32(code) * scale
 // rounded once, the reference's value. The NaN codes 0x7f / 0xff would read as +-480: the loaders
 // refuse them (pagedgen.layers.quant_fp8.pack_fp8), and the scale must keep scale * 2^8 finite.
@@ -24,6 +22,7 @@
 #include <cstdint>
 
 #include "../op_checks.h"
+#include "fp8_bits.h"
 #include "linear_wonly.h"
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -57,10 +56,7 @@ struct Fp8Panel {
   // The 16 codes of input k (16 bytes) dequantized: outputs 0-7 in w0, 8-15 in w1.
   PAGEDGEN_ALWAYS_INLINE void row(const Group& c, int64_t k, V8& w0, V8& w1) const {
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel)));
-    // t = code << 7 has the magnitude at bits 7-13 and the sign at bit 14; adding the sign bit to
-    // itself carries it to bit 15 (bit 15 of t is 0): sign << 15 | (code & 0x7f) << 7 in three ops.
-    const __m256i t = _mm256_slli_epi16(v, 7);
-    const __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+    const __m256i h = (__m256i)e4m3_half_bits((U16x16)v);  // fp8_bits.h
     w0 = as_vec(_mm256_cvtph_ps(_mm256_castsi256_si128(h))) * c.s0;
     w1 = as_vec(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))) * c.s1;
   }
