@@ -2,7 +2,7 @@
 random-weight checkpoint in ``--dtype`` (bf16 by default), pagedgen on the same checkpoint quantized
 (``--scheme``: "int8", W8A8 in compressed-tensors' ``int-quantized`` layout, per-channel weights and
 dynamic per-token activations; "fp8", FP8 e4m3 W8A16 in its ``float-quantized`` layout, per-channel
-weights; "int4", W4A16 in GPTQ's layout, asymmetric groups of 128, round-to-nearest; written here
+weights; "int4", W4A16 in GPTQ's layout, asymmetric groups of 128 (``--int4-sym``, ``--int4-group``), round-to-nearest; written here
 from the float one), and optionally vLLM's CPU backend on that checkpoint (in
 its own venv, ``--vllm-venv``). Per model and batch size: output tokens/s (medians of ``--repeats``
 runs, ``ignore_eos``), the ratio quantized / float, the resident bytes of the weights, and how many
@@ -12,6 +12,7 @@ greedy completions of the two agree.
     python benchmarks/quantized.py --scheme fp8                        # FP8 W8A16 instead of int8 W8A8
     python benchmarks/quantized.py --scheme int4                       # int4 W4A16 (GPTQ layout) instead
     python benchmarks/quantized.py --models random-135m --batch-sizes 1,8 --vllm-venv benchmarks/.vllm-venv
+    python benchmarks/quantized.py --scheme int4 --int4-sym --int4-group 64 --models random-135m --vllm-venv benchmarks/.vllm-venv
     python benchmarks/quantized.py --quick [--scheme fp8]              # stories260K, tiny sizes: a smoke test
 
 Targets (issue 46): W8A8 >= 1.7x bf16 on the Xeon with AMX, >= 1.4x on AVX-512 VNNI and AVX2 kinds;
@@ -50,8 +51,8 @@ sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 llm.generate(prompts[:2], sp, use_tqdm=False)
 rates = []
 for _ in range(repeats):
-    t = time.perf_counter(); llm.generate(prompts, sp, use_tqdm=False); rates.append(len(prompts) * max_tokens / (time.perf_counter() - t))
-print(json.dumps(sorted(rates)[len(rates) // 2]))
+    t = time.perf_counter(); outs = llm.generate(prompts, sp, use_tqdm=False); rates.append(len(prompts) * max_tokens / (time.perf_counter() - t))
+print(json.dumps({"tok_s": sorted(rates)[len(rates) // 2], "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
 """
 
 
@@ -83,11 +84,11 @@ def gptq_int4_tensors(w: torch.Tensor, group: int = INT4_GROUP, sym: bool = Fals
             "g_idx": (torch.arange(k) // group).to(torch.int32)}
 
 
-def write_quantized(src: str, dst: str, scheme: str = "int8", int4_sym: bool = False) -> None:
+def write_quantized(src: str, dst: str, scheme: str = "int8", int4_sym: bool = False, int4_group: int = INT4_GROUP) -> None:
     """``src``'s float checkpoint as compressed-tensors W8A8 (``scheme`` "int8": int8 per-channel
     weights of the decoder's projections, dynamic per-token activations), FP8 W8A16 ("fp8": e4m3
-    per-channel weights, ``float-quantized``) or GPTQ int4 W4A16 ("int4": ``gptq_int4_tensors``) in
-    ``dst``, one tensor at a time."""
+    per-channel weights, ``float-quantized``) or GPTQ int4 W4A16 ("int4": ``gptq_int4_tensors``, groups
+    of ``int4_group`` inputs) in ``dst``, one tensor at a time."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -103,7 +104,7 @@ def write_quantized(src: str, dst: str, scheme: str = "int8", int4_sym: bool = F
         for name in f.keys():
             t = f.get_tensor(name)
             if QUANTIZED.search(name) and scheme == "int4":
-                for suffix, value in gptq_int4_tensors(t, sym=int4_sym).items():
+                for suffix, value in gptq_int4_tensors(t, group=int4_group, sym=int4_sym).items():
                     state[name[: -len("weight")] + suffix] = value
             elif QUANTIZED.search(name):
                 q, s = quantize(t)
@@ -117,7 +118,7 @@ def write_quantized(src: str, dst: str, scheme: str = "int8", int4_sym: bool = F
                 b.write(a.read())
     config = json.load(open(os.path.join(src, "config.json")))
     if scheme == "int4":
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "sym": int4_sym, "desc_act": False,
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": int4_group, "sym": int4_sym, "desc_act": False,
                                          "checkpoint_format": "gptq", "lm_head": False}
         json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
         return
@@ -157,6 +158,8 @@ def main() -> None:
     ap.add_argument("--models", default="random-135m,random-1b", help="random-135m, random-1b or checkpoint folders, comma-separated")
     ap.add_argument("--scheme", default="int8", choices=("int8", "fp8", "int4"), help="int8 W8A8, FP8 W8A16 or int4 W4A16 (GPTQ) weights")
     ap.add_argument("--int4-sym", action="store_true", help="int4: symmetric groups (zero point 8), the GPTQ form vLLM's CPU backend loads")
+    ap.add_argument("--int4-group", type=int, default=INT4_GROUP, choices=(32, 64, 128),
+                    help="int4: inputs per group (vLLM's CPU backend needs the hidden size a multiple of it: 64 for random-135m's 576)")
     ap.add_argument("--dtype", default="bfloat16", help="the float baseline's and the activations' dtype")
     ap.add_argument("--batch-sizes", default="1,8,64", help="prompts per generate call (= max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -176,9 +179,10 @@ def main() -> None:
     results = []
     for model in args.models.split(","):
         src = _workload.ensure_random_model(model, args.dtype)[0] if model in _workload.RANDOM_MODELS else model
-        dst = os.path.join(tempfile.gettempdir(), f"pagedgen-{args.scheme}{'-sym' if args.int4_sym else ''}-{os.path.basename(src.rstrip('/'))}")
+        int4 = f"{'-sym' if args.int4_sym else ''}-g{args.int4_group}" if args.scheme == "int4" else ""
+        dst = os.path.join(tempfile.gettempdir(), f"pagedgen-{args.scheme}{int4}-{os.path.basename(src.rstrip('/'))}")
         if not os.path.isfile(os.path.join(dst, "config.json")):
-            write_quantized(src, dst, args.scheme, int4_sym=args.int4_sym)
+            write_quantized(src, dst, args.scheme, int4_sym=args.int4_sym, int4_group=args.int4_group)
         vocab = json.load(open(os.path.join(src, "config.json")))["vocab_size"]
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             g = torch.Generator().manual_seed(batch)
@@ -202,13 +206,17 @@ def main() -> None:
                 env.pop("PYTHONPATH", None)
                 proc = subprocess.run([os.path.join(args.vllm_venv, "bin", "python"), "-c", _VLLM_SNIPPET, dst, f.name,
                                        str(args.max_tokens), str(args.repeats)], capture_output=True, text=True, env=env)
-                row["vllm_quant_tok_s"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+                vllm = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+                row["vllm_quant_tok_s"] = vllm["tok_s"] if vllm else None
+                # the target (issue 46): the same greedy tokens as vLLM on the same file for >= 95% of requests
+                row["vllm_same_greedy"] = sum(list(a) == b for a, b in zip(quant_tokens, vllm["tokens"])) / batch if vllm else None
                 if proc.returncode != 0:
                     print(f"vLLM failed: {proc.stderr[-1500:]}", file=sys.stderr)
             results.append(row)
             print(f"{model} batch {batch}: {args.dtype} {row['float_tok_s']:.1f} tok/s, {args.scheme} {row['quant_tok_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x), weights {row['weight_share']:.0%} of {args.dtype}, same greedy {row['same_greedy']:.0%}"
-                  + (f", vLLM {args.scheme} {row['vllm_quant_tok_s']} tok/s" if args.vllm_venv else ""), flush=True)
+                  + (f", vLLM {args.scheme} {row['vllm_quant_tok_s']} tok/s, same greedy as vLLM {row['vllm_same_greedy']}"
+                     if args.vllm_venv else ""), flush=True)
             flops = _roofline.workload_flops(_roofline.gemm_shapes(json.load(open(os.path.join(src, "config.json")))),
                                              _roofline.workload_rows([args.prompt_len] * batch, [args.max_tokens] * batch))
             out_tokens = batch * args.max_tokens
