@@ -22,7 +22,7 @@ from pagedgen import ops
 from pagedgen.layers.matmul.packing import pack_int8
 
 #: the fewest rows an int8 GEMM runs on AMX tiles (fewer: the AVX2 tiles, which read each weight byte
-#: once with no repacking). A guess until measured on the Xeon (benchmarks/quantized.py --int8-path):
+#: once with no repacking). A guess until measured on the Xeon (benchmarks/int8_gemm.py, per shape and M):
 #: one A tile of 16 rows pays for turning a panel's pairs into quads (K * 16 bytes per panel).
 INT8_AMX_MIN_ROWS = 16
 INT8_PATHS = ("auto", "avx2", "amx")
