@@ -68,7 +68,7 @@ namespace {
 // The tile instructions take the register number as a literal, hence the switches (constants once
 // inlined into the loop).
 // GCC 12's _tile_loadd asm names neither the memory it reads nor a "memory" clobber, so the compiler
-// may sink or drop the stores that fill the A and B buffers (pack_a, b_tile's tail) past it; the
+// may sink or drop the stores that fill the A and B buffers (the kinds' rows() and prepare_b()) past it; the
 // loads here are the same instruction with a "memory" clobber, and ldtilecfg takes the whole config
 // as its operand (GCC's passes 8 of its 64 bytes).
 #define PAGEDGEN_TILELOADD(dst, base, stride) \
