@@ -83,23 +83,17 @@ std::vector<std::string> cpu_supported_isa() {
   return levels;
 }
 
-// True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (XCR0 bits 17-18).
-bool cpu_has_amx() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return features().amx_tiles;
+#define PAGEDGEN_FEATURE(name) features().name
 #else
-  return false;
+#define PAGEDGEN_FEATURE(name) false
 #endif
-}
+
+// True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (XCR0 bits 17-18).
+bool cpu_has_amx() { return PAGEDGEN_FEATURE(amx_tiles); }
 
 // True when the CPU has AMX-TILE and AMX-INT8 and the OS enables the tile state (XCR0 bits 17-18).
-bool cpu_has_amx_int8() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return features().amx_int8;
-#else
-  return false;
-#endif
-}
+bool cpu_has_amx_int8() { return PAGEDGEN_FEATURE(amx_int8); }
 
 }  // namespace
 }  // namespace pagedgen
