@@ -202,11 +202,15 @@ def main() -> None:
             row = {"model": model, "batch": batch, "dtype": args.dtype, "scheme": args.scheme}
             kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=args.prompt_len + args.max_tokens + 8)
             llms = {"float": LLM(src, **kw)}
-            paths = args.int8_path.split(",") if args.scheme == "int8" else ["auto"]
+            before = os.environ.get("PAGEDGEN_CPU_INT8")
+            paths = args.int8_path.split(",") if args.scheme == "int8" else [before or "auto"]
             for path in paths:
                 os.environ["PAGEDGEN_CPU_INT8"] = path  # read when the LLM is built
                 llms["quant" if path == paths[0] else f"quant_{path}"] = LLM(dst, **kw)
-            os.environ.pop("PAGEDGEN_CPU_INT8")
+            if before is None:
+                os.environ.pop("PAGEDGEN_CPU_INT8")
+            else:
+                os.environ["PAGEDGEN_CPU_INT8"] = before
             row["int8_paths"] = {path: int8_path(llms["quant" if path == paths[0] else f"quant_{path}"]) for path in paths}
             rates, tokens = measure(llms, prompts, args.max_tokens, args.repeats)
             row["float_tok_s"], row["quant_tok_s"] = rates["float"], rates["quant"]
