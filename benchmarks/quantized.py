@@ -14,9 +14,14 @@ greedy completions of the two agree.
     python benchmarks/quantized.py --models random-135m --batch-sizes 1,8 --vllm-venv benchmarks/.vllm-venv
     python benchmarks/quantized.py --scheme int4 --int4-sym --int4-group 64 --models random-135m --vllm-venv benchmarks/.vllm-venv
     python benchmarks/quantized.py --quick [--scheme fp8]              # stories260K, tiny sizes: a smoke test
+    python benchmarks/quantized.py --int8-path auto,avx2               # the Xeon with AMX: W8A8 on the AMX-INT8 tiles and on
+                                                                       # the AVX2 tiles, beside bf16 (PAGEDGEN_CPU_MATMUL=amx for
+                                                                       # pagedgen's AMX bf16 GEMM as the baseline)
 
 Targets (issue 46): W8A8 >= 1.7x bf16 on the Xeon with AMX, >= 1.4x on AVX-512 VNNI and AVX2 kinds;
-resident weights <= 55% of bf16. The AVX2 kernel is the only int8 kernel so far (every level runs it).
+resident weights <= 55% of bf16. The int8 GEMM is the AVX2 kernel on every level, and on the amx level
+from 16 rows the AMX-INT8 tiles (same bits; unmeasured); each row names the int8 path that ran
+(``--int8-path``: PAGEDGEN_CPU_INT8 per run, "auto", "avx2", "amx").
 FP8 W8A16 (AVX2 + F16C kernel, the e4m3 bytes converted in registers, the int4 kernel's tile): speed
 against bf16 to be measured; its resident weights are about half of bf16's. int4 W4A16 (AVX2 kernel,
 codes dequantized in registers): target >= 1.5x bf16 at batch 1-8, resident weights <= 35% of bf16.
@@ -153,6 +158,15 @@ def measure(llms: dict, prompts, max_tokens: int, repeats: int) -> tuple[dict, d
     return {name: statistics.median(r) for name, r in rates.items()}, tokens
 
 
+def int8_path(llm) -> str:
+    """Which int8 GEMM a model's layers run (its MatmulConfig), with the CPU kernels' level."""
+    from pagedgen import ops
+
+    rows = llm.matmul_config.int8_amx_min_rows
+    tiles = f"AMX-INT8 tiles from {rows} rows, AVX2 tiles below" if rows else "AVX2 tiles"
+    return f"{tiles} (CPU kernels {ops.cpu_isa()})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="random-135m,random-1b", help="random-135m, random-1b or checkpoint folders, comma-separated")
@@ -167,6 +181,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-venv", default=None, help="a venv with vLLM's CPU backend: also run it on the quantized checkpoint")
     ap.add_argument("--quick", action="store_true", help="stories260K in float32, batch 4, 8 tokens, 1 repeat (a smoke test)")
+    ap.add_argument("--int8-path", default="auto", help="int8 scheme: PAGEDGEN_CPU_INT8 values to run side by side, comma-separated "
+                    "(auto: AMX-INT8 tiles from 16 rows where the CPU and level have them; avx2: the AVX2 tiles only)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.quick:
@@ -189,9 +205,21 @@ def main() -> None:
             prompts = [{"prompt_token_ids": torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()} for _ in range(batch)]
             row = {"model": model, "batch": batch, "dtype": args.dtype, "scheme": args.scheme}
             kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=args.prompt_len + args.max_tokens + 8)
-            llms = {"float": LLM(src, **kw), "quant": LLM(dst, **kw)}
+            llms = {"float": LLM(src, **kw)}
+            before = os.environ.get("PAGEDGEN_CPU_INT8")
+            paths = args.int8_path.split(",") if args.scheme == "int8" else [before or "auto"]
+            for path in paths:
+                os.environ["PAGEDGEN_CPU_INT8"] = path  # read when the LLM is built
+                llms["quant" if path == paths[0] else f"quant_{path}"] = LLM(dst, **kw)
+            if before is None:
+                os.environ.pop("PAGEDGEN_CPU_INT8")
+            else:
+                os.environ["PAGEDGEN_CPU_INT8"] = before
+            row["int8_paths"] = {path: int8_path(llms["quant" if path == paths[0] else f"quant_{path}"]) for path in paths}
             rates, tokens = measure(llms, prompts, args.max_tokens, args.repeats)
             row["float_tok_s"], row["quant_tok_s"] = rates["float"], rates["quant"]
+            for path in paths[1:]:
+                row[f"quant_{path}_tok_s"] = rates[f"quant_{path}"]
             row["float_weight_bytes"], row["quant_weight_bytes"] = weight_bytes(llms["float"].model), weight_bytes(llms["quant"].model)
             float_tokens, quant_tokens = tokens["float"], tokens["quant"]
             del llms
@@ -217,6 +245,10 @@ def main() -> None:
                   f"({row['speedup']:.2f}x), weights {row['weight_share']:.0%} of {args.dtype}, same greedy {row['same_greedy']:.0%}"
                   + (f", vLLM {args.scheme} {row['vllm_quant_tok_s']} tok/s, same greedy as vLLM {row['vllm_same_greedy']}"
                      if args.vllm_venv else ""), flush=True)
+            if args.scheme == "int8":
+                print("  int8 paths: " + "; ".join(f"PAGEDGEN_CPU_INT8={p}: {row['int8_paths'][p]}"
+                                                    + (f", {row[f'quant_{p}_tok_s']:.1f} tok/s" if p != paths[0] else "")
+                                                    for p in paths), flush=True)
             flops = _roofline.workload_flops(_roofline.gemm_shapes(json.load(open(os.path.join(src, "config.json")))),
                                              _roofline.workload_rows([args.prompt_len] * batch, [args.max_tokens] * batch))
             out_tokens = batch * args.max_tokens

@@ -39,6 +39,7 @@ bool bit(uint32_t word, int i) { return (word >> i) & 1u; }
 struct Features {
   bool avx2 = false, avx512_bf16 = false, amx = false;
   bool amx_tiles = false;  // AMX-TILE and AMX-BF16 with the tile state enabled, whatever the rest
+  bool amx_int8 = false;   // AMX-TILE and AMX-INT8 with the tile state enabled, whatever the rest
 
   Features() {
     const uint32_t max_leaf = cpuid(0, 0).a;
@@ -58,7 +59,8 @@ struct Features {
     avx512_bf16 = avx2 && os_avx512 && bit(l7.b, 16) /*F*/ && bit(l7.b, 17) /*DQ*/ && bit(l7.b, 28) /*CD*/ &&
                   bit(l7.b, 30) /*BW*/ && bit(l7.b, 31) /*VL*/ && bit(l7.c, 11) /*VNNI*/ && bit(l7s1.a, 5) /*BF16*/;
     amx_tiles = os_tiles && bit(l7.d, 24) /*AMX-TILE*/ && bit(l7.d, 22) /*AMX-BF16*/;
-    amx = avx512_bf16 && amx_tiles && bit(l7.d, 25) /*AMX-INT8*/;
+    amx_int8 = os_tiles && bit(l7.d, 24) /*AMX-TILE*/ && bit(l7.d, 25) /*AMX-INT8*/;
+    amx = avx512_bf16 && amx_tiles && amx_int8;
   }
 };
 
@@ -81,14 +83,17 @@ std::vector<std::string> cpu_supported_isa() {
   return levels;
 }
 
-// True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (XCR0 bits 17-18).
-bool cpu_has_amx() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return features().amx_tiles;
+#define PAGEDGEN_FEATURE(name) features().name
 #else
-  return false;
+#define PAGEDGEN_FEATURE(name) false
 #endif
-}
+
+// True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (XCR0 bits 17-18).
+bool cpu_has_amx() { return PAGEDGEN_FEATURE(amx_tiles); }
+
+// True when the CPU has AMX-TILE and AMX-INT8 and the OS enables the tile state (XCR0 bits 17-18).
+bool cpu_has_amx_int8() { return PAGEDGEN_FEATURE(amx_int8); }
 
 }  // namespace
 }  // namespace pagedgen
@@ -96,4 +101,5 @@ bool cpu_has_amx() {
 TORCH_LIBRARY_IMPL(pagedgen, CompositeExplicitAutograd, m) {
   m.impl("cpu_supported_isa", &pagedgen::cpu_supported_isa);
   m.impl("cpu_has_amx", &pagedgen::cpu_has_amx);
+  m.impl("cpu_has_amx_int8", &pagedgen::cpu_has_amx_int8);
 }

@@ -67,6 +67,12 @@ TORCH_LIBRARY(pagedgen, m) {
   // (zeros past N and K), exact int32 sums, then float32 acc * x_scale[m] * weight_scale[n] (+ bias[n]),
   // rounded once: a row's bits never depend on the other rows. A CPU kernel only (AVX2; reference elsewhere).
   m.def("int8_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> ()");
+  // The same product (same arguments, checks and bits, for every M) with AMX-INT8 tiles (tdpbssd;
+  // csrc/cpu/linear_amx.cpp, csrc/cpu/linear_int8_amx.h); raises on a CPU without AMX-INT8 and in builds
+  // of a level below amx. pagedgen.layers.matmul.int8_linear picks it from INT8_AMX_MIN_ROWS rows.
+  m.def("int8_linear_amx(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> ()");
+  // Its tile loop on an emulation of the AMX tiles in plain C++ (any CPU with AVX2; slow): the same bits.
+  m.def("int8_linear_amx_emulated(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> ()");
   // Multi-LoRA (issue 48; punica's SGMV shrink and expand in one op, vLLM's add_lora_linear): out [M, N]
   // (input's dtype) += each row's adapter delta, for input [M, K] (float32/bf16/fp16) whose row m has the
   // adapter slot slots[m] (int32 [M]; -1: none, the row is left as it is). lora_a [S, K, P R] holds each
@@ -95,6 +101,8 @@ TORCH_LIBRARY(pagedgen, m) {
   m.def("fp8_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor weight_scale, int block_k, Tensor? bias) -> ()");
   // True when the CPU has AMX-TILE and AMX-BF16 and the OS enables the tile state (cpuid, xgetbv).
   m.def("cpu_has_amx() -> bool");
+  // True when the CPU has AMX-TILE and AMX-INT8 and the OS enables the tile state (cpuid, xgetbv).
+  m.def("cpu_has_amx_int8() -> bool");
   // The levels of CPU kernels this CPU and OS can run, lowest first: a prefix of ["avx2", "avx512_bf16",
   // "amx"] (csrc/cpu_features.cpp, in this baseline module).
   m.def("cpu_supported_isa() -> str[]");

@@ -17,45 +17,35 @@
 // position, the tiling or the threads: batch-invariant by construction.
 //
 // Threads split the panels (each weight byte read by one thread); rows go in tiles of up to 4 (8 int32
-// accumulators). Registered in the levels with AVX2 (all of x86-64's); the AVX-512 VNNI (vpdpwssd) and
-// AMX-INT8 (tdpbssd) variants are not written yet: those levels run this AVX2 code.
+// accumulators). Registered in the levels with AVX2 (all of x86-64's). The quantization, the checks and
+// the write-back are in linear_int8_common.h, shared with the AMX-INT8 tiles (int8_linear_amx,
+// linear_int8_amx.h), which give the same bits; the layers take those from 16 rows on the amx level
+// (pagedgen/layers/matmul/int8_amx.py). The AVX-512 VNNI (vpdpwssd) variant is not written: the
+// avx512_bf16 level runs this AVX2 code.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "linear_int8_common.h"
 #include "linear_panel.h"
 #include "vec.h"
 
 namespace pagedgen::cpu {
-namespace int8_gemm {  // its own namespace: the unity build (csrc/cpu_kernels.cpp) shares one with linear.cpp
+namespace int8_gemm {
 
-constexpr int kPanel = 16;         // output features per panel
 constexpr int kRows = 4;           // rows per tile
-constexpr int64_t kMaxK = 132104;  // 2^31 / (128 * 127): int32 sums cannot overflow below this
 constexpr int64_t kMinMacsPerThread = 1 << 16;  // smaller GEMMs run on one thread
 
-// One input row quantized: pairs of int16 packed in int32 (q[i] = x[2i] | x[2i + 1] << 16), and its scale.
+// One input row quantized (row_scale, quantize): pairs of int16 packed in int32 (q[i] = x[2i] | x[2i + 1] << 16); returns its scale.
 template <typename in_t>
 float quantize_row(const in_t* x, int64_t K, const float* static_scale, int32_t* q) {
-  float s;
-  if (static_scale != nullptr) {
-    s = *static_scale;
-  } else {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
-    s = amax / 127.0f;
-    if (!(s > 0.0f)) s = 1.0f;
-  }
+  const float s = row_scale(x, K, static_scale);
   const auto quant = [&](int64_t k) -> uint32_t {
-    if (k >= K) return 0;
-    const float v = std::nearbyint(static_cast<float>(x[k]) / s);  // round half to even (the default mode)
-    return static_cast<uint16_t>(static_cast<int16_t>(std::min(std::max(v, -128.0f), 127.0f)));
+    return k < K ? static_cast<uint16_t>(static_cast<int16_t>(quantize(x[k], s))) : 0u;
   };
   for (int64_t i = 0; i < (K + 1) / 2; ++i) q[i] = static_cast<int32_t>(quant(2 * i) | (quant(2 * i + 1) << 16));
   return s;
@@ -97,16 +87,7 @@ PAGEDGEN_ALWAYS_INLINE void tile(const int32_t* q, int64_t ldq, const int8_t* w,
   V8 ws0, ws1, b0{}, b1{};
   load_panel_row(ws, ncols, ws0, ws1);
   if (bias != nullptr) load_panel_row(bias, ncols, b0, b1);
-  for (int r = 0; r < R; ++r) {
-    const V8 s = splat<8>(sx[r]);
-    V8 y0 = __builtin_convertvector((I8)acc[r][0], V8) * s * ws0;  // (acc * sx) * ws
-    V8 y1 = __builtin_convertvector((I8)acc[r][1], V8) * s * ws1;
-    if (bias != nullptr) {
-      y0 = y0 + b0;
-      y1 = y1 + b1;
-    }
-    store_panel_row(out + r * ldo, y0, y1, ncols);
-  }
+  for (int r = 0; r < R; ++r) write_row(acc[r][0], acc[r][1], sx[r], ws0, ws1, bias != nullptr, b0, b1, out + r * ldo, ncols);
 }
 
 template <typename out_t>
@@ -140,40 +121,12 @@ void int8_linear_cpu(const at::Tensor& out,                          // [M, N], 
                      const at::Tensor& weight_scale,                 // [N] float32
                      const c10::optional<at::Tensor>& input_scale,   // [1] float32 or None (dynamic, per row)
                      const c10::optional<at::Tensor>& bias) {        // [N] float32 / bfloat16 / float16 or None
-  const auto is_float = [](c10::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };
-  TORCH_CHECK(out.device().is_cpu() && input.device().is_cpu() && weight.device().is_cpu() && weight_scale.device().is_cpu(),
-              "int8_linear (CPU kernel): tensors must be on the CPU");
-  TORCH_CHECK(is_float(input.scalar_type()) && input.dim() == 2 && input.stride(1) == 1,
-              "int8_linear: input must be float32, bfloat16 or float16 [M, K] with contiguous rows, got ", input.scalar_type(), " ",
-              input.sizes(), " strides ", input.strides());
-  const int64_t M = input.size(0), K = input.size(1), Q = (K + 1) / 2;
-  TORCH_CHECK(K < kMaxK, "int8_linear: K = ", K, " input features would overflow the int32 sums (at most ", kMaxK - 1, ")");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && (M <= 1 || out.stride(0) >= out.size(1)) &&
-                  out.scalar_type() == input.scalar_type(),
-              "int8_linear: out must be ", input.scalar_type(), " [", M, ", N] with contiguous, non-overlapping rows, got ",
-              out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
-  const int64_t N = out.size(1), P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 4 && weight.size(0) == P && weight.size(1) == Q &&
-                  weight.size(2) == kPanel && weight.size(3) == 2 && weight.is_contiguous(),
-              "int8_linear: weight must be contiguous int8 pairs [", P, ", ", Q, ", 16, 2] for N = ", N, " outputs of K = ", K,
-              " inputs, got ", weight.scalar_type(), " ", weight.sizes());
-  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.dim() == 1 && weight_scale.size(0) == N,
-              "int8_linear: weight_scale must be float32 [", N, "], got ", weight_scale.scalar_type(), " ", weight_scale.sizes());
-  const bool has_static = input_scale.has_value() && input_scale->defined();
-  if (has_static)
-    TORCH_CHECK(input_scale->scalar_type() == at::kFloat && input_scale->numel() == 1 && input_scale->device().is_cpu(),
-                "int8_linear: input_scale must be float32 [1] on the CPU, got ", input_scale->scalar_type(), " ", input_scale->sizes());
-  at::assert_no_overlap(out, input);
-  TORCH_CHECK(weight_scale.is_contiguous() && weight_scale.device().is_cpu(), "int8_linear: weight_scale must be contiguous on the CPU");
-  at::Tensor b;  // the bias as float32 (exact)
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() && is_float(bias->scalar_type()),
-                "int8_linear: bias must be float32, bfloat16 or float16 [", N, "] on the CPU, got ", bias->scalar_type(), " ",
-                bias->sizes());
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const Call c = check("int8_linear", out, input, weight, weight_scale, input_scale, bias);
+  const int64_t M = c.M, K = c.K, N = c.N, Q = c.Q;
+  const at::Tensor& b = c.bias;
+  const bool has_static = c.has_static;
+  const float static_scale = c.static_scale;
   if (M == 0 || N == 0) return;
-  const float static_scale = has_static ? input_scale->to(at::kFloat).item<float>() : 0.0f;
   std::vector<int32_t> q(static_cast<size_t>(M * Q));
   std::vector<float> sx(static_cast<size_t>(M));
   dispatch_float_types(input.scalar_type(), "int8_linear (input)", [&](auto z) {

@@ -46,6 +46,9 @@ std::vector<std::string> cpu_kernel_isa() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   out.emplace_back("amx_bf16");
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  out.emplace_back("amx_int8");
+#endif
   return out;
 }
 

@@ -106,7 +106,7 @@ class LinearBase(Module):
         if self.weight_scale is not None and self.weight.dtype == torch.float8_e4m3fn:  # FP8 W8A16 (layers/quant_fp8.py)
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.matmul, self.weight_block_k)
         if self.weight_scale is not None:
-            return int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.output_size)
+            return int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.output_size, self.matmul)
         return linear(x, self.weight, bias, self.matmul, self.output_size)
 
     def _shard_slice(self, shard_id: ShardId) -> tuple[int, int]:

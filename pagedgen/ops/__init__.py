@@ -280,6 +280,9 @@ def int8_linear(out, input, weight, weight_scale, input_scale=None, bias=None) -
     packed by ``pagedgen.layers.matmul.pack_int8`` ([ceil(N / 16), ceil(K / 2), 16, 2]) with
     per-output-channel ``weight_scale`` [N] float32, + bias [N]. A CPU kernel in builds with AVX2. Integer sums are exact,
     so every row's bits are independent of the batch. See :func:`pagedgen.ops.reference.int8_linear`.
+    ``torch.ops.pagedgen.int8_linear_amx`` (AMX-INT8 tiles; the amx level on a CPU with AMX-INT8) and
+    ``int8_linear_amx_emulated`` (its tile loop on emulated tiles, for the tests) give the same bits;
+    ``pagedgen.layers.matmul.int8_linear`` picks the AMX one by the number of rows.
 
     Raises:
         RuntimeError: (the CPU kernel) shapes that do not fit together, rows that are not contiguous,

@@ -138,6 +138,8 @@ _FAKES = {
     "packed_linear": _packed_linear,
     "packed_linear_bf16": _packed_linear_bf16,
     "int8_linear": _int8_linear,
+    "int8_linear_amx": _int8_linear,  # int8_linear's product on AMX-INT8 tiles, and its emulation
+    "int8_linear_amx_emulated": _int8_linear,
     "add_lora_linear": _add_lora_linear,
     "int4_linear": _int4_linear,
     "fp8_linear": _fp8_linear,

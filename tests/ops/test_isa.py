@@ -77,9 +77,10 @@ def test_the_loaded_level_is_the_best_this_cpu_runs():
         assert {"avx2", "fma", "f16c"} <= feats
         assert ("avx512bf16" in feats) == (ops.cpu_isa() != "avx2")
         assert ("amx_bf16" in feats) == (ops.cpu_isa() == "amx")
+        assert ("amx_int8" in feats) == (ops.cpu_isa() == "amx")  # the AMX-INT8 GEMM's build
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     assert ("avx512_bf16" in supported) <= (" avx512_bf16" in flags)
-    assert ("amx" in supported) <= (" amx_tile" in flags and " amx_bf16" in flags)
+    assert ("amx" in supported) <= (" amx_tile" in flags and " amx_bf16" in flags and " amx_int8" in flags)
 
 
 def _in_a_process(env_value: str, code: str) -> dict:

@@ -11,6 +11,8 @@
 - ``packing``: the weight layouts (``pack_panels``, ``pack_pairs``, ``pack_int8``, oneDNN's ``prepack``) and
   ``prepare_matmuls``, which puts a loaded model's weights in the chosen one.
 - ``amx_check``: ``amx_self_check``, which pagedgen's AMX GEMM (the default for bf16 models on CPUs with AMX) passes before a model uses it.
+- ``int8_amx``: ``int8_amx_min_rows``, from how many rows int8 GEMMs run on AMX-INT8 tiles here (after
+  ``int8_amx_self_check``, bitwise against the AVX2 tiles).
 
 Every public name is imported from here (``pagedgen.layers.matmul.X``). A function or a flag read by
 another function is replaced (in tests) in the module that reads it, e.g. ``matmul.choice.cpu_has_amx``
@@ -24,6 +26,8 @@ from pagedgen.layers.matmul.choice import (MATMUL_BACKENDS, PREPACK_MIN_NUMEL, P
 from pagedgen.layers.matmul.config import (BF16_MAX_ROWS, BF16_MIN_ROWS, FP16_MIN_ROWS, LONG_K, LONG_K_MAX_ROWS,
                                            MAX_ROWS, MIN_ROWS, PACKED_MIN_ROWS, MatmulConfig)
 from pagedgen.layers.matmul.dispatch import fp8_linear, int4_linear, int8_linear, linear
+from pagedgen.layers.matmul.int8_amx import (INT8_AMX_MIN_ROWS, INT8_PATHS, cpu_has_amx_int8, int8_amx_min_rows,
+                                             int8_amx_self_check)
 from pagedgen.layers.matmul.packing import (PACKABLE_DTYPES, PANEL, PREPACK_ROWS, pack_int8, pack_pairs, pack_panels, prepack,
                                             prepare_matmuls)
 
@@ -35,5 +39,6 @@ __all__ = [
     "BF16_MAX_ROWS", "BF16_MIN_ROWS", "FP16_MIN_ROWS", "LONG_K", "LONG_K_MAX_ROWS", "MAX_ROWS", "MIN_ROWS",
     "PACKED_MIN_ROWS", "MatmulConfig",
     "fp8_linear", "int4_linear", "int8_linear", "linear",
+    "INT8_AMX_MIN_ROWS", "INT8_PATHS", "cpu_has_amx_int8", "int8_amx_min_rows", "int8_amx_self_check",
     "PACKABLE_DTYPES", "PANEL", "PREPACK_ROWS", "pack_int8", "pack_pairs", "pack_panels", "prepack", "prepare_matmuls",
 ]

@@ -76,9 +76,14 @@ use (``amx_self_check``: a small GEMM against float32 and batch invariance). By 
 raises or fails the check leaves oneDNN's GEMM (row-blocked in the batch-invariant mode) in its place,
 with a RuntimeWarning that says why; asked for by ``PAGEDGEN_CPU_MATMUL=amx``, a wrong result is a
 RuntimeError and a CPU without AMX a ValueError.
+
+**int8 W8A8 layers** run ``ops.int8_linear`` (AVX2 tiles) on every CPU, and on one with AMX-INT8 and the
+amx level loaded, GEMMs of ``INT8_AMX_MIN_ROWS`` rows or more run ``int8_linear_amx`` (the same bits;
+``int8_amx``: ``MatmulConfig.int8_amx_min_rows``, its self-check, ``PAGEDGEN_CPU_INT8``).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import warnings
@@ -90,6 +95,7 @@ from pagedgen import ops
 from pagedgen.layers.matmul.amx_check import AmxUnavailableError, amx_self_check
 from pagedgen.layers.matmul.config import (BF16_MAX_ROWS, BF16_MIN_ROWS, FP16_MIN_ROWS, LONG_K_MAX_ROWS, MAX_ROWS,
                                            MIN_ROWS, PACKED_MIN_ROWS, MatmulConfig)
+from pagedgen.layers.matmul.int8_amx import int8_amx_min_rows
 
 #: float32 weights of at least this many elements are prepacked for oneDNN (module docstring): from
 #: here oneDNN's faster kernels pay for its fixed call cost (random-135m: q/k/v 553k, down 885k,
@@ -210,14 +216,24 @@ def choose_matmul(dtype: torch.dtype, device: torch.device, batch_invariant: boo
         batch_invariant: pad/split the GEMM rows so that a row's bits do not depend on the other
             rows (CPU only; the packed-panel GEMM has that property without either).
 
+    On the CPU the config also says from how many rows int8 W8A8 GEMMs run on AMX-INT8 tiles
+    (``int8_amx_min_rows``: 0 without AMX-INT8; the same bits as the AVX2 tiles either way).
+
     Raises:
         ValueError: ``batch_invariant`` on a device other than the CPU (no such mode there yet);
-            an unknown ``PAGEDGEN_CPU_MATMUL``; ``PAGEDGEN_CPU_MATMUL=amx`` for a model other than
+            an unknown ``PAGEDGEN_CPU_MATMUL`` or ``PAGEDGEN_CPU_INT8``; ``PAGEDGEN_CPU_MATMUL=amx`` for a model other than
             bfloat16 or on a CPU without AMX.
         RuntimeError: ``PAGEDGEN_CPU_MATMUL=amx`` and the AMX GEMM gave a wrong result at its
             self-check (by default that falls back to oneDNN with a RuntimeWarning instead).
     """
-    device = torch.device(device)
+    config = _choose_float(dtype, torch.device(device), batch_invariant)
+    if torch.device(device).type != "cpu":
+        return config
+    return dataclasses.replace(config, int8_amx_min_rows=int8_amx_min_rows())
+
+
+def _choose_float(dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> MatmulConfig:
+    """``choose_matmul``'s choice for the float weights (its docstring)."""
     if device.type != "cpu":
         if batch_invariant:
             raise ValueError(f"LLM batch_invariant=True is available on the CPU only, not on {device.type!r} (not yet)")

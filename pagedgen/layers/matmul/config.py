@@ -43,6 +43,8 @@ class MatmulConfig:
             AVX512-BF16 GEMM (``ops.packed_linear_bf16``), batch-invariant by itself as well.
         amx: with ``pairs``, ``linear`` runs the pairs with pagedgen's AMX GEMM
             (``packed_linear_bf16_amx``; the default for bf16 on CPUs with AMX, ``choice``).
+        int8_amx_min_rows: int8 W8A8 GEMMs (``int8_linear``) of at least this many rows run on
+            AMX-INT8 tiles (``int8_linear_amx``, the same bits as the AVX2 tiles; ``int8_amx``), 0: never.
     """
 
     weight_dtype: torch.dtype
@@ -56,6 +58,7 @@ class MatmulConfig:
     panels: bool = False
     pairs: bool = False
     amx: bool = False
+    int8_amx_min_rows: int = 0
 
     @property
     def batch_invariant(self) -> bool:

@@ -77,10 +77,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
-                bias: Optional[torch.Tensor] = None, out_features: Optional[int] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, out_features: Optional[int] = None,
+                config: Optional[MatmulConfig] = None) -> torch.Tensor:
     """W8A8: ``y = x @ (weight * weight_scale[:, None]).T + bias`` with x's rows quantized to int8
     (per row, or by the static ``input_scale``), exact int32 sums and one float32 scale per output
-    (``ops.int8_linear``; batch-invariant by construction, no row blocks).
+    (``ops.int8_linear``, the AVX2 tiles; from ``config.int8_amx_min_rows`` rows the AMX-INT8 tiles,
+    ``int8_linear_amx``, with the same bits: batch-invariant by construction, no row blocks).
 
     Args:
         x: [T, K] activations (float32, bfloat16 or float16).
@@ -89,6 +91,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         weight_scale: [N] float32; input_scale: [1] float32 or None (dynamic per-row scales).
         bias: [N] or None (x's dtype or float32).
         out_features: N (default: the weight's rows).
+        config: the model's MatmulConfig (None: the AVX2 tiles at every M).
 
     Returns:
         [T, N] in x's dtype.
@@ -97,7 +100,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if weight.dim() == 2:
         weight = pack_int8(weight)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [T, N]
-    ops.int8_linear(out, x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, input_scale, bias)
+    amx = config is not None and 0 < config.int8_amx_min_rows <= x.shape[0]
+    run = torch.ops.pagedgen.int8_linear_amx if amx else ops.int8_linear
+    run(out, x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, input_scale, bias)
     return out
 
 
