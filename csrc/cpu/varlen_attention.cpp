@@ -11,14 +11,16 @@
 // (attention_math.h): key tiles of kTile tokens aligned to the sequence's first token, one
 // online-softmax step per tile, everything in float32, the output rounded once to the dtype.
 //
-// Work items: (sequence, KV head, block of up to kItemRows query rows), each with the query heads of
-// its KV head's group (GQA). An item reads its sequence's K/V rows once per tile for all its (row,
-// head) pairs. A row's value is one fixed sequence of operations of its query and its sequence's keys
-// and values (the tile boundaries depend on the sequence alone; score_rows and score_transposed_rows
-// give the same bits): it does not depend on the other sequences of the call, their order, the item
-// blocks or the number of threads (tests/ops/test_varlen_attention.py checks it bitwise). Items are
-// shared out to the threads in runs of about equal work (a run per thread), so a step of
-// many short sentences (10-60 tokens) pays one parallel region per call, not one per item.
+// Work items: (sequence, block of up to kItemRows query rows), each with all KV heads (one after the
+// other, each with the query heads of its GQA group), or with one KV head each when there are too few
+// blocks to share out. An item reads its sequence's K/V rows once per tile for all its (row, head)
+// pairs of one KV head. A row's value is one fixed sequence of operations of its query and its
+// sequence's keys and values (the tile boundaries depend on the sequence alone; score_rows and
+// score_transposed_rows give the same bits): it does not depend on the other sequences of the call,
+// their order, the items or the number of threads (tests/ops/test_varlen_attention.py checks it
+// bitwise). Items are shared out to the threads in runs of about equal work (one run a thread), so
+// a step of many short sentences (10-60 tokens) pays one parallel region a call, not one an item.
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -48,9 +50,10 @@ struct Args {
   int64_t k_s0, k_s1, k_s2, v_s0, v_s1, v_s2;
 };
 
-// One work item: rows [row, row + rows) of the sequence whose tokens are [start, start + len), KV head kv.
+// One work item: rows [row, row + rows) of the sequence whose tokens are [start, start + len), KV
+// heads [kv_begin, kv_end).
 struct Item {
-  int64_t start, len, row, kv;
+  int64_t start, len, row, kv_begin, kv_end;
   int rows;
 };
 
@@ -81,9 +84,9 @@ inline void tile_rows(const scalar_t* base, int64_t s0, int64_t s2, int n, int D
   }
 }
 
-// Attention of one item's (row, query head) pairs over its whole sequence.
+// Attention of one item's (row, query head) pairs of KV head kv over its whole sequence.
 template <typename scalar_t, int kHeadSize>
-void attend_item(const Args<scalar_t>& a, const Item& it, float* scratch) {
+void attend_head(const Args<scalar_t>& a, const Item& it, int64_t kv, float* scratch) {
   const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(a.p.head_size);
   const int G = static_cast<int>(a.p.group), P = it.rows * G;  // pairs: row i, head g at i * G + g
   float* q = scratch;            // [P, D] scaled queries
@@ -97,16 +100,18 @@ void attend_item(const Args<scalar_t>& a, const Item& it, float* scratch) {
   float* part = kt + kTile * D;  // [2 * kLanes * kTile] score_transposed_rows' lane chains
   const float* krows[kTile];
   const float* vrows[kTile];
-  const int64_t h0 = it.kv * G;  // the group's first query head
+  const int64_t h0 = kv * G;  // the group's first query head
   for (int i = 0; i < it.rows; ++i) load_query(a.p, it.row + i, h0, G, D, q + i * G * D, m + i * G, l + i * G);
   std::fill(acc, acc + P * D, 0.0f);
   for (int64_t t0 = 0; t0 < it.len; t0 += kTile) {
     const int ub = static_cast<int>(std::min<int64_t>(kTile, it.len - t0));  // every row attends to slots [0, ub)
     const int64_t token = it.start + t0;
-    tile_rows(a.key + token * a.k_s0 + it.kv * a.k_s1, a.k_s0, a.k_s2, ub, D, kbuf, krows);
-    tile_rows(a.value + token * a.v_s0 + it.kv * a.v_s1, a.v_s0, a.v_s2, ub, D, vbuf, vrows);
+    tile_rows(a.key + token * a.k_s0 + kv * a.k_s1, a.k_s0, a.k_s2, ub, D, kbuf, krows);
+    tile_rows(a.value + token * a.v_s0 + kv * a.v_s1, a.v_s0, a.v_s2, ub, D, vbuf, vrows);
     if constexpr (kHeadSize > 0 && kHeadSize % kLanes == 0) {
-      if (P >= kTransposedPairs) {  // many pairs share the tile: scores from its transpose (the same bits)
+      // many pairs share a tile that is more than half full: scores of the whole tile from its
+      // transpose (the same bits as score_rows, which scores only the slots [0, ub))
+      if (P >= kTransposedPairs && 2 * ub > kTile) {
         transpose_full_tile<kHeadSize>(krows, 0, ub, kt);
         score_transposed_rows<kHeadSize>(q, P, kt, sc, part);
       } else {
@@ -130,38 +135,53 @@ void attend_item(const Args<scalar_t>& a, const Item& it, float* scratch) {
   for (int i = 0; i < it.rows; ++i) store_output(a.p, it.row + i, h0, G, D, acc + i * G * D, l + i * G, true);
 }
 
-// The items of the call, sequence after sequence, KV head after KV head, row block after row block,
-// and the work of each (~ multiply-adds: rows x (len + 8) x heads x D).
+// An item's attention, KV head after KV head.
+template <typename scalar_t, int kHeadSize>
+void attend_item(const Args<scalar_t>& a, const Item& it, float* scratch) {
+  for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) attend_head<scalar_t, kHeadSize>(a, it, kv, scratch);
+}
+
+// The items of the call, sequence after sequence, row block after row block (and KV head after KV
+// head when there are few blocks), and the work of each (~ multiply-adds: rows x (len + 8) x heads x D).
 template <typename scalar_t, int kHeadSize>
 void attend_all(const Args<scalar_t>& a, const int32_t* cu, int64_t num_seqs) {
+  const int64_t Hkv = a.p.num_kv_heads, threads = std::max(1, at::get_num_threads());
+  int64_t blocks = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) blocks += (cu[s + 1] - cu[s] + kItemRows - 1) / kItemRows;
+  const int64_t per_item = blocks >= 4 * threads ? Hkv : 1;  // KV heads an item
   std::vector<Item> items;
   std::vector<int64_t> done;  // done[i]: the work of items [0, i]
+  items.reserve(blocks * (Hkv / per_item));
+  done.reserve(blocks * (Hkv / per_item));
   int64_t work = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t start = cu[s], len = cu[s + 1] - cu[s];
-    for (int64_t kv = 0; kv < a.p.num_kv_heads; ++kv) {
-      for (int64_t r = 0; r < len; r += kItemRows) {
-        const int rows = static_cast<int>(std::min(kItemRows, len - r));
-        items.push_back({start, len, start + r, kv, rows});
-        work += rows * (len + 8) * a.p.group * a.p.head_size;
+    for (int64_t r = 0; r < len; r += kItemRows) {
+      const int rows = static_cast<int>(std::min(kItemRows, len - r));
+      for (int64_t kv = 0; kv < Hkv; kv += per_item) {
+        items.push_back({start, len, start + r, kv, kv + per_item, rows});
+        work += rows * (len + 8) * per_item * a.p.group * a.p.head_size;
         done.push_back(work);
       }
     }
   }
   if (items.empty()) return;
   // One run of items of about equal work per thread (fewer for a small call).
-  const int64_t runs = std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, at::get_num_threads()));
+  const int64_t runs = std::clamp<int64_t>(work / kMinWorkPerThread, 1, threads);
   const int64_t max_pairs = std::min<int64_t>(kItemRows, cu[num_seqs]) * a.p.group;
   const int64_t floats = scratch_floats(max_pairs, a.p.head_size);
+  const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> scratch(floats);
     // items [first, last): those whose work ends in (r0 / runs, r1 / runs] of the total
     const auto item_at = [&](int64_t r) {
-      if (r == runs) return static_cast<int64_t>(items.size());
+      if (r == runs) return num_items;
       return static_cast<int64_t>(std::upper_bound(done.begin(), done.end(), work * r / runs) - done.begin());
     };
     const int64_t first = r0 == 0 ? 0 : item_at(r0), last = item_at(r1);
-    for (int64_t i = first; i < last; ++i) attend_item<scalar_t, kHeadSize>(a, items[i], scratch.data());
+    for (int64_t i = first; i < last; ++i) {
+      attend_item<scalar_t, kHeadSize>(a, items[i], scratch.data());
+    }
   });
 }
 
