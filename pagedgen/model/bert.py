@@ -11,11 +11,14 @@
 
 No KV cache: attention is bidirectional within each sequence of the step (``query_start_loc``),
 so a prompt is computed whole in one step (the scheduler never chunks it: ``PoolingSpec.whole_prompt``)
-and never uses the prefix cache. Attention runs batched by length bucket (``_AttentionPlan``): each
-sequence padded to its own length rounded up to ``BUCKET`` rows, its padding keys masked, the
-sequences of one bucket in one ``scaled_dot_product_attention`` call; a sequence's padded length
-depends on its own length only, and each (sequence, head) is computed on its own, so its result does
-not depend on the other sequences of the step (batch-invariant). Token type 0
+and never uses the prefix cache. Where the CPU kernel is built, attention is one
+``ops.varlen_attention`` call a layer over the packed rows (q, k, v read as views of the fused qkv
+output: no padding, no gathers). Elsewhere (a GPU, no extension) it runs batched by length bucket
+(``_AttentionPlan``): each sequence padded to its own length rounded up to ``BUCKET`` rows, its
+padding keys masked, the sequences of one bucket in one ``scaled_dot_product_attention`` call. Either
+way a sequence's result does not depend on the other sequences of the step (batch-invariant: the
+kernel's tiles and a bucket's padded length depend on the sequence's own length only, and each
+(sequence, head) is computed on its own). Token type 0
 everywhere but in a cross-encoder's pair (``LLM.score``: type 1 from the second segment on,
 ``PoolingSpec.token_type_start``). The BERT pooler layer (``pooler.dense``) is used only by
 ``BertForSequenceClassification``'s head (sentence-transformers' embeddings do not use it).
@@ -35,6 +38,7 @@ from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.model.base import CausalLM
+from pagedgen import ops
 from pagedgen.ops import AttentionMetadata
 
 
@@ -59,18 +63,24 @@ BUCKET = 16  # a sequence's attention is padded to its length rounded up to this
 
 
 class _AttentionPlan:
-    """How one step's sequences (``bounds``: their rows' start offsets, [n + 1]) are batched for
-    bidirectional attention: per bucket (padded length P, a multiple of ``BUCKET``), ``index``
-    [B, P] int64 (each padded row's source row in [T], T = a zero row past the end), ``mask``
-    [B, 1, 1, P] bool (True: a real key), ``real`` [n_rows] int64 (the real rows' places in the
-    flattened [B * P]) and ``rows`` [n_rows] int64 (those rows in [T], in the same order)."""
+    """How one step's sequences (``query_start_loc``: their rows' start offsets, [n + 1] int32) are
+    attended. With the kernel (``ops.has_kernel("varlen_attention")`` for the rows' device):
+    ``cu_seqlens`` is ``query_start_loc`` and ``groups`` is empty. Otherwise ``cu_seqlens`` is None
+    and ``groups`` the length buckets: per bucket (padded length P, a multiple of ``BUCKET``),
+    ``index`` [B, P] int64 (each padded row's source row in [T], T = a zero row past the end),
+    ``mask`` [B, 1, 1, P] bool (True: a real key), ``real`` [n_rows] int64 (the real rows' places in
+    the flattened [B * P]) and ``rows`` [n_rows] int64 (those rows in [T], in the same order)."""
 
-    def __init__(self, bounds: list[int]) -> None:
+    def __init__(self, query_start_loc: torch.Tensor) -> None:
+        self.groups = []
+        self.cu_seqlens = query_start_loc if ops.has_kernel("varlen_attention", query_start_loc.device.type) else None
+        if self.cu_seqlens is not None:
+            return
+        bounds = query_start_loc.tolist()  # one copy back a step
         total = bounds[-1]
         buckets: dict[int, list[tuple[int, int]]] = {}
         for a, b in zip(bounds[:-1], bounds[1:]):
             buckets.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append((a, b))
-        self.groups = []
         for padded, spans in sorted(buckets.items()):
             index = torch.full((len(spans), padded), total, dtype=torch.int64)  # [B, P]
             for j, (a, b) in enumerate(spans):
@@ -89,7 +99,13 @@ class _SelfAttention(Module):
     def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, 3 H D]: q, k, v side by side (QKVParallelLinear.split's layout)
         T, HD = qkv.shape[0], qkv.shape[1] // 3
-        H = HD // self.qkv_proj.head_size
+        D = self.qkv_proj.head_size
+        H = HD // D
+        if plan.cu_seqlens is not None:  # the kernel: q, k, v as strided views [T, H, D], no copy
+            q, k, v = qkv.view(T, 3, H, D).unbind(1)
+            out = qkv.new_empty(T, H, D)
+            ops.varlen_attention(out, q, k, v, plan.cu_seqlens, D ** -0.5)  # SDPA's default scale
+            return out.view(T, HD)
         qkv = torch.cat([qkv, qkv.new_zeros(1, 3 * HD)])  # [T + 1, 3 H D]: row T is the padding rows' source
         out = qkv.new_empty(T, HD)  # [T, H D]
         for index, mask, flat, rows in plan.groups:  # one bucket: its sequences' rows attend to their own rows only
@@ -158,7 +174,7 @@ class _BertStack(Module):
         self.encoder = _Encoder(hf_config, config)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, rows: torch.Tensor, token_types=None) -> torch.Tensor:
-        plan = _AttentionPlan(attn.query_start_loc.tolist())  # [n + 1]: the sequences' rows (one copy back a step)
+        plan = _AttentionPlan(attn.query_start_loc)  # [n + 1]: the sequences' rows
         x = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
             x = layer(x, plan)
