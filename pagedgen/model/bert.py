@@ -14,7 +14,7 @@ so a prompt is computed whole in one step (the scheduler never chunks it: ``Pool
 and never uses the prefix cache. Where the CPU kernel is built, attention is one
 ``ops.varlen_attention`` call a layer over the packed rows (q, k, v read as views of the fused qkv
 output: no padding, no gathers). Elsewhere (a GPU, no extension) it runs batched by length bucket
-(``_AttentionPlan``): each sequence padded to its own length rounded up to ``BUCKET`` rows, its
+(``AttentionPlan``): each sequence padded to its own length rounded up to ``BUCKET`` rows, its
 padding keys masked, the sequences of one bucket in one ``scaled_dot_product_attention`` call. Either
 way a sequence's result does not depend on the other sequences of the step (batch-invariant: the
 kernel's tiles and a bucket's padded length depend on the sequence's own length only, and each
@@ -62,19 +62,22 @@ class _Embeddings(Module):
 BUCKET = 16  # a sequence's attention is padded to its length rounded up to this many rows
 
 
-class _AttentionPlan:
+class AttentionPlan:
     """How one step's sequences (``query_start_loc``: their rows' start offsets, [n + 1] int32) are
-    attended. With the kernel (``ops.has_kernel("varlen_attention")`` for the rows' device):
-    ``cu_seqlens`` is ``query_start_loc`` and ``groups`` is empty. Otherwise ``cu_seqlens`` is None
-    and ``groups`` the length buckets: per bucket (padded length P, a multiple of ``BUCKET``),
-    ``index`` [B, P] int64 (each padded row's source row in [T], T = a zero row past the end),
-    ``mask`` [B, 1, 1, P] bool (True: a real key), ``real`` [n_rows] int64 (the real rows' places in
-    the flattened [B * P]) and ``rows`` [n_rows] int64 (those rows in [T], in the same order)."""
+    attended (``attend``). With the kernel (``kernel``: by default where
+    ``ops.has_kernel("varlen_attention")`` for the rows' device): ``cu_seqlens`` is
+    ``query_start_loc`` and ``groups`` is empty. Otherwise ``cu_seqlens`` is None and ``groups`` the
+    length buckets: per bucket (padded length P, a multiple of ``BUCKET``), ``index`` [B, P] int64
+    (each padded row's source row in [T], T = a zero row past the end), ``mask`` [B, 1, 1, P] bool
+    (True: a real key), ``real`` [n_rows] int64 (the real rows' places in the flattened [B * P]) and
+    ``rows`` [n_rows] int64 (those rows in [T], in the same order)."""
 
-    def __init__(self, query_start_loc: torch.Tensor) -> None:
+    def __init__(self, query_start_loc: torch.Tensor, kernel: Optional[bool] = None) -> None:
+        if kernel is None:
+            kernel = ops.has_kernel("varlen_attention", query_start_loc.device.type)
         self.groups = []
-        self.cu_seqlens = query_start_loc if ops.has_kernel("varlen_attention", query_start_loc.device.type) else None
-        if self.cu_seqlens is not None:
+        self.cu_seqlens = query_start_loc if kernel else None
+        if kernel:
             return
         bounds = query_start_loc.tolist()  # one copy back a step
         total = bounds[-1]
@@ -89,6 +92,27 @@ class _AttentionPlan:
             flat = real.view(-1).nonzero().view(-1)  # [n_rows]
             self.groups.append((index.view(-1), real[:, None, None, :], flat, index.view(-1)[flat]))
 
+    def attend(self, qkv: torch.Tensor, head_size: int) -> torch.Tensor:
+        """Each sequence's rows attend to their own rows only: qkv [T, 3 H D] (q, k, v side by side,
+        QKVParallelLinear.split's layout) -> [T, H D], scale 1 / sqrt(head_size) (SDPA's default)."""
+        T, HD = qkv.shape[0], qkv.shape[1] // 3
+        D = head_size
+        H = HD // D
+        if self.cu_seqlens is not None:  # the kernel: q, k, v as strided views [T, H, D], no copy
+            q, k, v = qkv.view(T, 3, H, D).unbind(1)
+            out = qkv.new_empty(T, H, D)
+            ops.varlen_attention(out, q, k, v, self.cu_seqlens, D ** -0.5)
+            return out.view(T, HD)
+        qkv = torch.cat([qkv, qkv.new_zeros(1, 3 * HD)])  # [T + 1, 3 H D]: row T is the padding rows' source
+        out = qkv.new_empty(T, HD)  # [T, H D]
+        for index, mask, flat, rows in self.groups:  # one bucket
+            B, P = mask.shape[0], mask.shape[-1]
+            g = qkv.index_select(0, index).view(B, P, 3, H, -1)  # [B, P, 3, H, D]
+            q, k, v = (g[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, P, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B * P, HD)  # [B P, H D]
+            out.index_copy_(0, rows, o.index_select(0, flat))  # the real rows
+        return out  # [T, H * D]
+
 
 class _SelfAttention(Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -96,25 +120,8 @@ class _SelfAttention(Module):
         H, D = config.num_heads, config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, H, bias=True)
 
-    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, 3 H D]: q, k, v side by side (QKVParallelLinear.split's layout)
-        T, HD = qkv.shape[0], qkv.shape[1] // 3
-        D = self.qkv_proj.head_size
-        H = HD // D
-        if plan.cu_seqlens is not None:  # the kernel: q, k, v as strided views [T, H, D], no copy
-            q, k, v = qkv.view(T, 3, H, D).unbind(1)
-            out = qkv.new_empty(T, H, D)
-            ops.varlen_attention(out, q, k, v, plan.cu_seqlens, D ** -0.5)  # SDPA's default scale
-            return out.view(T, HD)
-        qkv = torch.cat([qkv, qkv.new_zeros(1, 3 * HD)])  # [T + 1, 3 H D]: row T is the padding rows' source
-        out = qkv.new_empty(T, HD)  # [T, H D]
-        for index, mask, flat, rows in plan.groups:  # one bucket: its sequences' rows attend to their own rows only
-            B, P = mask.shape[0], mask.shape[-1]
-            g = qkv.index_select(0, index).view(B, P, 3, H, -1)  # [B, P, 3, H, D]
-            q, k, v = (g[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, P, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B * P, HD)  # [B P, H D]
-            out.index_copy_(0, rows, o.index_select(0, flat))  # the real rows
-        return out  # [T, H * D]
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        return plan.attend(self.qkv_proj(x), self.qkv_proj.head_size)  # [T, H D]
 
 
 class _Output(Module):
@@ -135,7 +142,7 @@ class _Attention(Module):
         setattr(self, "self", _SelfAttention(config))  # the checkpoint's name: attention.self.query...
         self.output = _Output(hf_config, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         return self.output(getattr(self, "self")(x, plan), x)
 
 
@@ -156,7 +163,7 @@ class _Layer(Module):
         self.intermediate = _Intermediate(hf_config)
         self.output = _Output(hf_config, hf_config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         x = self.attention(x, plan)
         return self.output(self.intermediate(x), x)
 
@@ -174,7 +181,7 @@ class _BertStack(Module):
         self.encoder = _Encoder(hf_config, config)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, rows: torch.Tensor, token_types=None) -> torch.Tensor:
-        plan = _AttentionPlan(attn.query_start_loc)  # [n + 1]: the sequences' rows
+        plan = AttentionPlan(attn.query_start_loc)  # [n + 1]: the sequences' rows
         x = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
             x = layer(x, plan)
