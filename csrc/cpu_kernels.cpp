@@ -26,3 +26,4 @@
 #include "cpu/module.cpp"
 #include "cpu/norm.cpp"
 #include "cpu/rotary.cpp"
+#include "cpu/varlen_attention.cpp"

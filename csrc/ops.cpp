@@ -26,6 +26,14 @@ TORCH_LIBRARY(pagedgen, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> ()");
+  // Bidirectional (non-causal) attention over packed sequences, the encoders' (no KV cache): rows
+  // cu_seqlens[s] .. cu_seqlens[s + 1] - 1 of query [num_tokens, num_heads, head_size] and of key, value
+  // [num_tokens, num_kv_heads, head_size] are sequence s; out[t, h] = softmax(scale q[t, h] . k[u, h'])
+  // weighted sum of v[u, h'] over the rows u of t's sequence, h' = h / (num_heads / num_kv_heads)
+  // (GQA). Any strides (views of a fused qkv output); cu_seqlens [num_seqs + 1] int32 from 0 to
+  // num_tokens, non-decreasing; float32 arithmetic, rounded once to out's dtype (= query's). A row's
+  // bits depend on its own sequence only. A CPU kernel only (csrc/cpu/varlen_attention.cpp).
+  m.def("varlen_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, float scale) -> ()");
   // Copy whole blocks inside one layer's cache: block_mapping [num_pairs, 2] int64 (src, dst).
   m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()");
   // Copy whole blocks between two caches of the same shape on different devices (swap out / in):

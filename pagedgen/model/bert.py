@@ -11,11 +11,14 @@
 
 No KV cache: attention is bidirectional within each sequence of the step (``query_start_loc``),
 so a prompt is computed whole in one step (the scheduler never chunks it: ``PoolingSpec.whole_prompt``)
-and never uses the prefix cache. Attention runs batched by length bucket (``_AttentionPlan``): each
-sequence padded to its own length rounded up to ``BUCKET`` rows, its padding keys masked, the
-sequences of one bucket in one ``scaled_dot_product_attention`` call; a sequence's padded length
-depends on its own length only, and each (sequence, head) is computed on its own, so its result does
-not depend on the other sequences of the step (batch-invariant). Token type 0
+and never uses the prefix cache. Where the CPU kernel is built, attention is one
+``ops.varlen_attention`` call a layer over the packed rows (q, k, v read as views of the fused qkv
+output: no padding, no gathers). Elsewhere (a GPU, no extension) it runs batched by length bucket
+(``AttentionPlan``): each sequence padded to its own length rounded up to ``BUCKET`` rows, its
+padding keys masked, the sequences of one bucket in one ``scaled_dot_product_attention`` call. Either
+way a sequence's result does not depend on the other sequences of the step (batch-invariant: the
+kernel's tiles and a bucket's padded length depend on the sequence's own length only, and each
+(sequence, head) is computed on its own). Token type 0
 everywhere but in a cross-encoder's pair (``LLM.score``: type 1 from the second segment on,
 ``PoolingSpec.token_type_start``). The BERT pooler layer (``pooler.dense``) is used only by
 ``BertForSequenceClassification``'s head (sentence-transformers' embeddings do not use it).
@@ -35,6 +38,7 @@ from pagedgen.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedgen.layers.module import Module
 from pagedgen.layers.norm import LayerNorm
 from pagedgen.model.base import CausalLM
+from pagedgen import ops
 from pagedgen.ops import AttentionMetadata
 
 
@@ -58,19 +62,28 @@ class _Embeddings(Module):
 BUCKET = 16  # a sequence's attention is padded to its length rounded up to this many rows
 
 
-class _AttentionPlan:
-    """How one step's sequences (``bounds``: their rows' start offsets, [n + 1]) are batched for
-    bidirectional attention: per bucket (padded length P, a multiple of ``BUCKET``), ``index``
-    [B, P] int64 (each padded row's source row in [T], T = a zero row past the end), ``mask``
-    [B, 1, 1, P] bool (True: a real key), ``real`` [n_rows] int64 (the real rows' places in the
-    flattened [B * P]) and ``rows`` [n_rows] int64 (those rows in [T], in the same order)."""
+class AttentionPlan:
+    """How one step's sequences (``query_start_loc``: their rows' start offsets, [n + 1] int32) are
+    attended (``attend``). With the kernel (``kernel``: by default where
+    ``ops.has_kernel("varlen_attention")`` for the rows' device): ``cu_seqlens`` is
+    ``query_start_loc`` and ``groups`` is empty. Otherwise ``cu_seqlens`` is None and ``groups`` the
+    length buckets: per bucket (padded length P, a multiple of ``BUCKET``), ``index`` [B, P] int64
+    (each padded row's source row in [T], T = a zero row past the end), ``mask`` [B, 1, 1, P] bool
+    (True: a real key), ``real`` [n_rows] int64 (the real rows' places in the flattened [B * P]) and
+    ``rows`` [n_rows] int64 (those rows in [T], in the same order)."""
 
-    def __init__(self, bounds: list[int]) -> None:
+    def __init__(self, query_start_loc: torch.Tensor, kernel: Optional[bool] = None) -> None:
+        if kernel is None:
+            kernel = ops.has_kernel("varlen_attention", query_start_loc.device.type)
+        self.groups = []
+        self.cu_seqlens = query_start_loc if kernel else None
+        if kernel:
+            return
+        bounds = query_start_loc.tolist()  # one copy back a step
         total = bounds[-1]
         buckets: dict[int, list[tuple[int, int]]] = {}
         for a, b in zip(bounds[:-1], bounds[1:]):
             buckets.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append((a, b))
-        self.groups = []
         for padded, spans in sorted(buckets.items()):
             index = torch.full((len(spans), padded), total, dtype=torch.int64)  # [B, P]
             for j, (a, b) in enumerate(spans):
@@ -79,6 +92,27 @@ class _AttentionPlan:
             flat = real.view(-1).nonzero().view(-1)  # [n_rows]
             self.groups.append((index.view(-1), real[:, None, None, :], flat, index.view(-1)[flat]))
 
+    def attend(self, qkv: torch.Tensor, head_size: int) -> torch.Tensor:
+        """Each sequence's rows attend to their own rows only: qkv [T, 3 H D] (q, k, v side by side,
+        QKVParallelLinear.split's layout) -> [T, H D], scale 1 / sqrt(head_size) (SDPA's default)."""
+        T, HD = qkv.shape[0], qkv.shape[1] // 3
+        D = head_size
+        H = HD // D
+        if self.cu_seqlens is not None:  # the kernel: q, k, v as strided views [T, H, D], no copy
+            q, k, v = qkv.view(T, 3, H, D).unbind(1)
+            out = qkv.new_empty(T, H, D)
+            ops.varlen_attention(out, q, k, v, self.cu_seqlens, D ** -0.5)
+            return out.view(T, HD)
+        qkv = torch.cat([qkv, qkv.new_zeros(1, 3 * HD)])  # [T + 1, 3 H D]: row T is the padding rows' source
+        out = qkv.new_empty(T, HD)  # [T, H D]
+        for index, mask, flat, rows in self.groups:  # one bucket
+            B, P = mask.shape[0], mask.shape[-1]
+            g = qkv.index_select(0, index).view(B, P, 3, H, -1)  # [B, P, 3, H, D]
+            q, k, v = (g[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, P, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B * P, HD)  # [B P, H D]
+            out.index_copy_(0, rows, o.index_select(0, flat))  # the real rows
+        return out  # [T, H * D]
+
 
 class _SelfAttention(Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -86,19 +120,8 @@ class _SelfAttention(Module):
         H, D = config.num_heads, config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, D, H, H, bias=True)
 
-    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, 3 H D]: q, k, v side by side (QKVParallelLinear.split's layout)
-        T, HD = qkv.shape[0], qkv.shape[1] // 3
-        H = HD // self.qkv_proj.head_size
-        qkv = torch.cat([qkv, qkv.new_zeros(1, 3 * HD)])  # [T + 1, 3 H D]: row T is the padding rows' source
-        out = qkv.new_empty(T, HD)  # [T, H D]
-        for index, mask, flat, rows in plan.groups:  # one bucket: its sequences' rows attend to their own rows only
-            B, P = mask.shape[0], mask.shape[-1]
-            g = qkv.index_select(0, index).view(B, P, 3, H, -1)  # [B, P, 3, H, D]
-            q, k, v = (g[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, P, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B * P, HD)  # [B P, H D]
-            out.index_copy_(0, rows, o.index_select(0, flat))  # the real rows
-        return out  # [T, H * D]
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        return plan.attend(self.qkv_proj(x), self.qkv_proj.head_size)  # [T, H D]
 
 
 class _Output(Module):
@@ -119,7 +142,7 @@ class _Attention(Module):
         setattr(self, "self", _SelfAttention(config))  # the checkpoint's name: attention.self.query...
         self.output = _Output(hf_config, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         return self.output(getattr(self, "self")(x, plan), x)
 
 
@@ -140,7 +163,7 @@ class _Layer(Module):
         self.intermediate = _Intermediate(hf_config)
         self.output = _Output(hf_config, hf_config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         x = self.attention(x, plan)
         return self.output(self.intermediate(x), x)
 
@@ -158,7 +181,7 @@ class _BertStack(Module):
         self.encoder = _Encoder(hf_config, config)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, rows: torch.Tensor, token_types=None) -> torch.Tensor:
-        plan = _AttentionPlan(attn.query_start_loc.tolist())  # [n + 1]: the sequences' rows (one copy back a step)
+        plan = AttentionPlan(attn.query_start_loc)  # [n + 1]: the sequences' rows
         x = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
             x = layer(x, plan)

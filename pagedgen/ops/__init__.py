@@ -15,6 +15,10 @@ AVX512-BF16, chosen only where ``has_kernel("packed_linear_bf16")``. ``add_lora_
 LoRA delta of one projection, by adapter slot) has a CPU kernel in builds with AVX2 and FMA; its
 reference runs elsewhere (a GPU, no AVX2).
 
+``varlen_attention`` (the encoders' bidirectional attention over packed sequences) has a CPU kernel;
+its reference (one SDPA per sequence) runs elsewhere (pagedgen/model/bert.py batches by length
+bucket where the kernel is absent).
+
 The 1-byte KV cache (``kv_cache_dtype`` int8 / fp8) goes through ``reshape_and_cache_quantized``
 (a CPU kernel, else ``kv_quant.py``'s PyTorch ops) and ``paged_attention_quantized``: a CPU kernel that reads the codes
 and scales as it attends (csrc/cpu/kv_codes.h), else ``kv_quant.py``'s copy path (the step's blocks
@@ -40,7 +44,7 @@ if _IMPORT_ERROR is None:
     fake.register_fakes()  # FakeTensor / torch.compile / opcheck support of the ops just loaded
 
 __all__ = [
-    "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "copy_blocks",
+    "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "varlen_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
     "silu_and_mul", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "quantized_attention_reads_codes", "packed_linear",
     "packed_linear_bf16", "int8_linear", "int4_linear", "fp8_linear", "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
@@ -127,6 +131,21 @@ def paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
     )
 
+
+def varlen_attention(out, query, key, value, cu_seqlens, scale: float) -> None:
+    """out [T, H, D] = bidirectional attention of each packed sequence (the encoders'): rows
+    ``cu_seqlens[s] .. cu_seqlens[s + 1] - 1`` of query [T, H, D] and key, value [T, Hkv, D]
+    (H % Hkv == 0; any strides, e.g. views of a fused qkv output) are sequence s; cu_seqlens
+    [S + 1] int32. float32 / bfloat16 / float16, float32 arithmetic, out rounded once (out has
+    query's dtype). The CPU kernel (csrc/cpu/varlen_attention.cpp: no padding, no copies; a row's
+    bits depend on its own sequence only), else :func:`pagedgen.ops.reference.varlen_attention`
+    (one SDPA per sequence; within float32 rounding of the kernel).
+
+    Raises:
+        RuntimeError: (the CPU kernel) shapes, dtypes or devices that do not fit together, out
+            overlapping an input, cu_seqlens not running from 0 to T or decreasing (before any work).
+    """
+    _fused_impl("varlen_attention", query.device.type)(out, query, key, value, cu_seqlens, scale)
 
 def reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping) -> None:
     """The 1-byte cache's write: the CPU kernel (csrc/cpu/kv_quantize.cpp, one pass), else

@@ -41,6 +41,16 @@ def _paged_attention_quantized(out, query, key_cache, value_cache, key_scales, v
                  f"first three dimensions {key_cache.shape[:3]}")
 
 
+def _varlen_attention(out, query, key, value, cu_seqlens, scale) -> None:
+    # out, query: [num_tokens, num_heads, head_size]; key, value: [num_tokens, num_kv_heads, head_size]
+    torch._check(out.shape == query.shape, lambda: f"out {out.shape} and query {query.shape} differ")
+    torch._check(key.shape == value.shape, lambda: f"key {key.shape} and value {value.shape} differ")
+    torch._check(
+        key.shape[0] == query.shape[0] and key.shape[2] == query.shape[2] and query.shape[1] % key.shape[1] == 0,
+        lambda: f"key {key.shape} does not fit query {query.shape}",
+    )
+
+
 def _reshape_and_cache_quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping) -> None:
     _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
@@ -124,6 +134,7 @@ def _fp8_linear(out, input, weight, weight_scale, block_k, bias) -> None:
 _FAKES = {
     "reshape_and_cache": _reshape_and_cache,
     "paged_attention": _paged_attention,
+    "varlen_attention": _varlen_attention,
     "copy_blocks": _copy_blocks,
     "swap_blocks": _swap_blocks,
     "rms_norm": _rms_norm,

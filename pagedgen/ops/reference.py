@@ -79,6 +79,29 @@ def paged_attention(
         out[rows] = torch.einsum("rht,thd->rhd", probs, v).to(out.dtype)
 
 
+def varlen_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32: 0, then the cumulative sequence lengths
+    scale: float,
+) -> None:
+    """Bidirectional attention over packed sequences (the encoders', no KV cache): the rows
+    ``cu_seqlens[s] .. cu_seqlens[s + 1] - 1`` are sequence s, and each attends to all of them
+    (no mask). One ``scaled_dot_product_attention`` per sequence in float32, rounded once to out's
+    dtype. GQA: query head h reads KV head h // (num_heads // num_kv_heads)."""
+    group = query.shape[1] // key.shape[1]
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b == a:
+            continue
+        q = query[a:b].float().transpose(0, 1)  # [num_heads, L, head_size]
+        k = key[a:b].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = value[a:b].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)  # [num_heads, L, head_size]
+        out[a:b] = o.transpose(0, 1).to(out.dtype)
+
 def kv_dequantize_blocks(
     out: torch.Tensor,  # [num_out, block_size, num_kv_heads, head_size] float, written in place
     codes: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size] int8 / float8

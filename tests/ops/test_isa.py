@@ -195,6 +195,11 @@ if o.has_kernel("fp8_linear"):
     a, b = torch.empty(5, 40), torch.empty(5, 40)
     o.fp8_linear(a, inp, pack_fp8(codes), sc, 16, None); ref.fp8_linear(b, inp, pack_fp8(codes), sc, 16, None)
     res["fp8_linear"] = float((a - b).abs().max())
+if o.has_kernel("varlen_attention"):
+    qkv, cu = torch.randn(50, 3, 4, 32), torch.tensor([0, 7, 40, 50], dtype=torch.int32)
+    a, b = torch.empty(50, 4, 32), torch.empty(50, 4, 32)
+    o.varlen_attention(a, *qkv.unbind(1), cu, 0.2); ref.varlen_attention(b, *qkv.unbind(1), cu, 0.2)
+    res["varlen_attention"] = float((a - b).abs().max())
 print(json.dumps(res))
 """
 

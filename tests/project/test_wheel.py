@@ -152,7 +152,8 @@ OP_TESTS = ["tests/ops/test_ops.py", "tests/ops/test_ops_checks.py", "tests/ops/
             "tests/ops/test_layer_ops.py", "tests/ops/test_ops_argmax.py", "tests/ops/test_ops_logprob_topk.py",
             "tests/ops/test_packed_linear.py",
             "tests/ops/test_packed_linear_amx.py", "tests/ops/test_ops_batch_invariance.py", "tests/ops/test_kv_quant.py",
-            "tests/ops/test_add_lora_linear.py", "tests/ops/test_int4_linear.py", "tests/ops/test_fp8_linear.py"]
+            "tests/ops/test_add_lora_linear.py", "tests/ops/test_int4_linear.py", "tests/ops/test_fp8_linear.py",
+            "tests/ops/test_varlen_attention.py"]
 
 
 @pytest.mark.parametrize("level", isa.LEVELS)
