@@ -15,8 +15,8 @@ greedy completions of the two agree.
     python benchmarks/quantized.py --scheme int4 --int4-sym --int4-group 64 --models random-135m --vllm-venv benchmarks/.vllm-venv
     python benchmarks/quantized.py --quick [--scheme fp8]              # stories260K, tiny sizes: a smoke test
     python benchmarks/quantized.py --int8-path auto,avx2               # the Xeon with AMX: W8A8 on the AMX-INT8 tiles and on
-                                                                       # the AVX2 tiles, beside bf16 (PAGEDGEN_CPU_MATMUL=amx for
-                                                                       # pagedgen's AMX bf16 GEMM as the baseline)
+                                                                       # the AVX2 tiles, beside bf16 (on pagedgen's AMX bf16 GEMM,
+                                                                       # the default there)
 
 Targets (issue 46): W8A8 >= 1.7x bf16 on the Xeon with AMX, >= 1.4x on AVX-512 VNNI and AVX2 kinds;
 resident weights <= 55% of bf16. The int8 GEMM is the AVX2 kernel on every level, and on the amx level

@@ -160,10 +160,9 @@ def test_backend_amx_is_an_error_without_amx(monkeypatch):
         lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)
 
 
-def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
-    """With AMX reported, PAGEDGEN_CPU_MATMUL=amx packs pairs and linear runs the AMX op (here swapped
-    for the emulation, so the dispatch is exercised on this CPU); a kernel that raises falls back."""
-    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "amx")
+def fake_amx(monkeypatch) -> list:
+    """AMX reported here, the self-check not yet run, and torch.ops.pagedgen swapped for an object whose
+    packed_linear_bf16_amx runs the emulation; returns the list of the output shapes it was called with."""
     monkeypatch.setattr(lin.choice, "cpu_has_amx", lambda: True)
     monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
     calls = []
@@ -174,6 +173,14 @@ def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
             emulated(*a)
 
     monkeypatch.setattr(torch.ops, "pagedgen", FakeOps(), raising=False)
+    return calls
+
+
+def test_backend_amx_dispatch_with_the_emulation(monkeypatch):
+    """With AMX reported, PAGEDGEN_CPU_MATMUL=amx packs pairs and linear runs the AMX op (here swapped
+    for the emulation, so the dispatch is exercised on this CPU); a kernel that raises falls back."""
+    monkeypatch.setenv("PAGEDGEN_CPU_MATMUL", "amx")
+    calls = fake_amx(monkeypatch)
     cfg = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)
     assert cfg.amx and cfg.pairs and cfg.batch_invariant
     w = torch.randn(40, 64).bfloat16()
@@ -201,17 +208,8 @@ def test_auto_takes_the_amx_gemm_where_the_cpu_has_amx(monkeypatch):
     raising kernel or a wrong result, falls back to oneDNN with a RuntimeWarning by default, while
     PAGEDGEN_CPU_MATMUL=amx raises on a wrong result; PAGEDGEN_CPU_MATMUL=onednn opts out."""
     monkeypatch.delenv("PAGEDGEN_CPU_MATMUL", raising=False)
-    monkeypatch.setattr(lin.choice, "cpu_has_amx", lambda: True)
-    monkeypatch.setattr(lin.amx_check, "_AMX_CHECKED", [])
-    calls = []
-
-    class FakeOps:
-        def packed_linear_bf16_amx(self, *a):
-            calls.append(a[0].shape)
-            emulated(*a)
-
     real_ops = torch.ops.pagedgen
-    monkeypatch.setattr(torch.ops, "pagedgen", FakeOps(), raising=False)
+    calls = fake_amx(monkeypatch)
     assert lin.cpu_matmul_backend(torch.bfloat16) == "amx"
     for invariant in (True, False):  # batch-invariant by construction either way
         cfg = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=invariant)
