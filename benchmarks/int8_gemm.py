@@ -1,6 +1,8 @@
 """The W8A8 int8 GEMM per path and M (issue 46/47): int8_linear (AVX2 tiles) against int8_linear_amx
 (AMX-INT8 tiles) on the random-135m and random-1b weight shapes, to set INT8_AMX_MIN_ROWS
-(pagedgen/layers/matmul/int8_amx.py): the smallest M from which the AMX path is faster at every shape.
+(pagedgen/layers/matmul/int8_amx.py): the smallest M from which the AMX path is faster at every shape;
+and both against the GEMM a bf16 model runs on this CPU (``choose_matmul``'s path, weights prepared as
+the engine prepares them): the kernel-level bound of issue 46's W8A8 / bf16 speed target.
 
     python benchmarks/int8_gemm.py                                   # both models, M = 1 .. 512, all threads
     python benchmarks/int8_gemm.py --models random-135m --rows 1,8,16,32 --threads 1
@@ -51,6 +53,8 @@ def main() -> None:
     paths = {"avx2": torch.ops.pagedgen.int8_linear}
     if amx:
         paths["amx"] = torch.ops.pagedgen.int8_linear_amx
+    bf16 = lin.choose_matmul(torch.bfloat16, torch.device("cpu"), batch_invariant=True)  # the bf16 model's GEMM here
+    print(f"bf16 baseline: {bf16.reason}")
     results, g = [], torch.Generator().manual_seed(0)
     for model in args.models.split(","):
         src = _workload.ensure_random_model(model, "bfloat16")[0]
@@ -58,19 +62,28 @@ def main() -> None:
         for n, k in sorted({(s["n"], s["k"]) for s in shapes if not s["lm_head"]}):  # the lm_head stays bf16 in int8 models
             ws = torch.rand(n, generator=g) * 0.01
             weights = [lin.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)) for _ in range(args.cold)]
+            floats = []  # the bf16 weights, prepared as the engine prepares a bf16 model's
+            for _ in range(args.cold):
+                layer = torch.nn.Module()
+                layer.weight, layer.bias, layer.matmul = torch.nn.Parameter(torch.randn(n, k, generator=g).bfloat16(), requires_grad=False), None, None
+                lin.prepare_matmuls(layer, bf16)
+                floats.append(layer.weight)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, generator=g).bfloat16()
                 outs = {p: torch.empty(m, n, dtype=torch.bfloat16) for p in paths}
-                turn = {p: 0 for p in paths}
+                turn = {p: 0 for p in [*paths, "bf16"]}
 
                 def call(p):
                     turn[p] = (turn[p] + 1) % len(weights)
-                    paths[p](outs[p], x, weights[turn[p]], ws, None, None)
+                    if p == "bf16":
+                        lin.linear(x, floats[turn[p]], None, bf16, n)
+                    else:
+                        paths[p](outs[p], x, weights[turn[p]], ws, None, None)
 
-                times = {p: [] for p in paths}
+                times = {p: [] for p in [*paths, "bf16"]}
                 reps = max(1, int(2e8 // (2 * m * n * k)))
                 for _ in range(args.rounds):
-                    for p in paths:
+                    for p in times:
                         times[p].append(timed(lambda: call(p), reps))
                 for p in paths:  # the same weight: the same bits
                     paths[p](outs[p], x, weights[0], ws, None, None)
@@ -79,8 +92,9 @@ def main() -> None:
                        **{f"{p}_gflops": 2 * m * n * k / statistics.median(t) / 1e9 for p, t in times.items()}}
                 results.append(row)
                 ratio = f", amx / avx2 {row['amx_gflops'] / row['avx2_gflops']:.2f}x" if amx else ""
-                print(f"{model} N={n} K={k} M={m}: " + ", ".join(f"{p} {row[f'{p}_gflops']:.1f} GFLOP/s" for p in paths)
-                      + ratio + ("" if same else "  BITS DIFFER"), flush=True)
+                best = max(row[f"{p}_gflops"] for p in paths)
+                print(f"{model} N={n} K={k} M={m}: " + ", ".join(f"{p} {row[f'{p}_gflops']:.1f} GFLOP/s" for p in times)
+                      + ratio + f", int8 / bf16 {best / row['bf16_gflops']:.2f}x" + ("" if same else "  BITS DIFFER"), flush=True)
     if amx:
         faster = {m for m in {r["m"] for r in results} if all(r["amx_gflops"] > r["avx2_gflops"] for r in results if r["m"] == m)}
         slower = [m for m in {r["m"] for r in results} if m not in faster]
