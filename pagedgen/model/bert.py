@@ -153,7 +153,7 @@ class _Intermediate(Module):
     def __init__(self, hf_config) -> None:
         super().__init__()
         self.dense = ColumnParallelLinear(hf_config.hidden_size, hf_config.intermediate_size, bias=True)
-        self.act = get_act_fn(hf_config.hidden_act, inplace=True)  # on dense's fresh output
+        self.act = get_act_fn(hf_config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
