@@ -14,6 +14,7 @@
 #include "cpu/cache.cpp"
 #include "cpu/kv_dequantize.cpp"
 #include "cpu/kv_quantize.cpp"
+#include "cpu/layer_norm.cpp"
 #include "cpu/linear.cpp"
 #include "cpu/linear_amx.cpp"
 #include "cpu/linear_amx_emulated.cpp"

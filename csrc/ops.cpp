@@ -51,6 +51,12 @@ TORCH_LIBRARY(pagedgen, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   // out [num_tokens, d] = silu(input[:, :d]) * input[:, d:].
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  // residual = input + residual (in the model dtype), then input = LayerNorm(residual) with float32
+  // statistics (torch.nn.LayerNorm's); weight and bias [hidden], both or neither (OPT's
+  // elementwise_affine=False).
+  m.def("fused_add_layer_norm(Tensor(a!) input, Tensor(b!) residual, Tensor? weight, Tensor? bias, float epsilon) -> ()");
+  // out = gelu(input), the exact erf form (F.gelu), any shape, contiguous; out may be input (in place).
+  m.def("gelu(Tensor(a!) out, Tensor input) -> ()");
 
   // out [M, N] = input [M, K] @ W^T (+ bias [N]), W [N, K] given as panels of 16 output features:
   // weight [ceil(N / 16), K, 16] with weight[p, k, j] = W[16 p + j, k] (zeros past N). Each output is

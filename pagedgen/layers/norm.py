@@ -3,7 +3,9 @@
 Each takes an optional residual, as in nano-vllm and vLLM: ``norm(x)`` returns the normalised rows;
 ``norm(x, residual)`` first adds ``x`` to the residual stream and returns ``(norm(residual + x),
 residual + x)``. Llama's form runs as the fused ops (``ops.rms_norm``, ``ops.fused_add_rms_norm``:
-one pass over the rows, in place); Gemma's form and LayerNorm are transformers' own PyTorch ops.
+one pass over the rows, in place), LayerNorm with a residual as ``ops.fused_add_layer_norm`` where
+its CPU kernel runs (in place too); Gemma's form and LayerNorm without a residual are transformers'
+own PyTorch ops.
 """
 from __future__ import annotations
 
@@ -66,7 +68,12 @@ class LayerNorm(Module):
         eps: added to the variance.
         elementwise_affine: has weight and bias (OPT's ``layer_norm_elementwise_affine=False``: none).
 
-    ``forward(x, residual)``: with a residual, returns ``(norm(residual + x), residual + x)``.
+    ``forward(x [T, hidden], residual [T, hidden] | None)``: with a residual, returns
+    ``(norm(x + residual), x + residual)``, the sum rounded to the model dtype as torch's add. Where
+    the CPU kernel runs (``ops.fused_add_layer_norm``: float32/bf16/fp16 rows with contiguous
+    elements, weight and bias in the rows' dtype) both tensors are updated in place and returned (``residual
+    = x + residual``, ``x = norm(residual)``, one pass over the rows); elsewhere new tensors are
+    returned. Either way the caller uses the returned tensors and not its own ``x`` and ``residual``.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True) -> None:
@@ -77,6 +84,22 @@ class LayerNorm(Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
         if residual is not None:
-            residual = residual + x
+            if self._fused(x, residual):
+                ops.fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps)  # residual += x; x = norm
+                return x, residual
+            residual = x + residual
             return F.layer_norm(residual, (self.hidden_size,), self.weight, self.bias, self.eps), residual
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether ``ops.fused_add_layer_norm``'s kernel takes these rows (else torch's ops run)."""
+        return (
+            ops.has_kernel("fused_add_layer_norm", x.device.type)
+            and x.dim() == 2
+            and x.shape == residual.shape
+            and x.stride(-1) == 1
+            and residual.stride(-1) == 1
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and residual.dtype == x.dtype
+            and (self.weight is None or self.weight.dtype == x.dtype)
+        )

@@ -133,7 +133,10 @@ class _Output(Module):
         self.LayerNorm = LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(h) + residual)
+        # post-LN: LayerNorm(dense(h) + residual), the add fused into the norm where its kernel runs
+        # (x + y == y + x in float, so the sum is transformers' bits); the sum lands in `residual`
+        # (the layer's input, not read again) and the norm in dense's output
+        return self.LayerNorm(self.dense(h), residual)[0]
 
 
 class _Attention(Module):

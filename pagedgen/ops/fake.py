@@ -79,6 +79,14 @@ def _silu_and_mul(out, input) -> None:
     torch._check(input.shape[-1] == 2 * out.shape[-1], lambda: f"input {input.shape} does not fit out {out.shape}")
 
 
+def _fused_add_layer_norm(input, residual, weight, bias, epsilon) -> None:
+    torch._check(residual.shape == input.shape, lambda: f"residual {residual.shape} and input {input.shape} differ")
+
+
+def _gelu(out, input) -> None:
+    torch._check(out.shape == input.shape, lambda: f"out {out.shape} and input {input.shape} differ")
+
+
 def _argmax(out, logits) -> None:
     torch._check(out.shape == logits.shape[:1], lambda: f"out {out.shape} does not fit logits {logits.shape}")
 
@@ -141,6 +149,8 @@ _FAKES = {
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
+    "fused_add_layer_norm": _fused_add_layer_norm,
+    "gelu": _gelu,
     "argmax": _argmax,
     "logprob_topk": _logprob_topk,
     "kv_dequantize_blocks": _kv_dequantize_blocks,

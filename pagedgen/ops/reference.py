@@ -193,6 +193,28 @@ def silu_and_mul(
     torch.mul(torch.nn.functional.silu(gate), up, out=out)
 
 
+def fused_add_layer_norm(
+    input: torch.Tensor,  # [num_tokens, hidden], overwritten with the norm
+    residual: torch.Tensor,  # [num_tokens, hidden], overwritten with input + residual
+    weight: Optional[torch.Tensor],  # [hidden] or None (with bias None: no affine)
+    bias: Optional[torch.Tensor],  # [hidden] or None
+    epsilon: float,
+) -> None:
+    """residual = input + residual (in the model dtype), then input = LayerNorm(residual) as
+    torch.nn.LayerNorm computes it (float32 statistics, the biased variance; Ba et al. 2016)."""
+    residual.copy_(input + residual)
+    input.copy_(torch.nn.functional.layer_norm(residual, (residual.shape[-1],), weight, bias, epsilon))
+
+
+def gelu(
+    out: torch.Tensor,  # any shape, written in place; may be input itself
+    input: torch.Tensor,  # out's shape and dtype
+) -> None:
+    """out = gelu(input), the exact form x * 0.5 * (1 + erf(x / sqrt(2))) (Hendrycks & Gimpel 2016):
+    transformers' ``"gelu"`` activation, F.gelu."""
+    out.copy_(torch.nn.functional.gelu(input))
+
+
 def argmax(
     out: torch.Tensor,  # [num_rows] int64, written in place
     logits: torch.Tensor,  # [num_rows, vocab] float32, bfloat16 or float16

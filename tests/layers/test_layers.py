@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedgen import ops
 from pagedgen.layers.activation import ACTIVATIONS, ActAndMul, get_act_fn
 from pagedgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedgen.layers.loading import WeightShapeError
@@ -65,6 +66,25 @@ def test_layer_norm_is_torch(affine):
         mine.weight.data, mine.bias.data = ref.weight.data.clone(), ref.bias.data.clone()
     x = _rand(6, 40, seed=3)
     assert torch.equal(mine(x), ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_with_residual_is_torch(affine, dtype):
+    """norm(x, residual) = (LayerNorm(x + residual), x + residual): the sum bitwise, the norm within
+    a few float32 ulps (ops.fused_add_layer_norm's two-pass statistics) or one ulp of bf16/fp16."""
+    ref = torch.nn.LayerNorm(40, eps=1e-5, elementwise_affine=affine).to(dtype)
+    mine = LayerNorm(40, 1e-5, elementwise_affine=affine).to(dtype)
+    if affine:
+        ref.weight.data, ref.bias.data = _rand(40, dtype=dtype, seed=1), _rand(40, dtype=dtype, seed=2)
+        mine.weight.data, mine.bias.data = ref.weight.data.clone(), ref.bias.data.clone()
+    x, residual = _rand(6, 40, dtype=dtype, seed=3), _rand(6, 40, dtype=dtype, seed=4) * 2
+    expected_sum = x + residual
+    expected = ref(expected_sum)
+    normed, summed = mine(x.clone(), residual.clone())
+    assert torch.equal(summed, expected_sum)
+    tol = dict(atol=2e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=8e-3)
+    torch.testing.assert_close(normed, expected, **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

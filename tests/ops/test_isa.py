@@ -200,6 +200,16 @@ if o.has_kernel("varlen_attention"):
     a, b = torch.empty(50, 4, 32), torch.empty(50, 4, 32)
     o.varlen_attention(a, *qkv.unbind(1), cu, 0.2); ref.varlen_attention(b, *qkv.unbind(1), cu, 0.2)
     res["varlen_attention"] = float((a - b).abs().max())
+if o.has_kernel("fused_add_layer_norm"):
+    x, r, w, bias = torch.randn(9, 70), torch.randn(9, 70), torch.randn(70), torch.randn(70)
+    xa, ra, xb, rb = x.clone(), r.clone(), x.clone(), r.clone()
+    o.fused_add_layer_norm(xa, ra, w, bias, 1e-5); ref.fused_add_layer_norm(xb, rb, w, bias, 1e-5)
+    res["fused_add_layer_norm"] = max(float((xa - xb).abs().max()), float((ra - rb).abs().max()))
+if o.has_kernel("gelu"):
+    x = torch.randn(9, 70) * 3
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    o.gelu(a, x); ref.gelu(b, x)
+    res["gelu"] = float((a - b).abs().max())
 print(json.dumps(res))
 """
 
