@@ -55,8 +55,6 @@ TORCH_LIBRARY(pagedgen, m) {
   // statistics (torch.nn.LayerNorm's); weight and bias [hidden], both or neither (OPT's
   // elementwise_affine=False).
   m.def("fused_add_layer_norm(Tensor(a!) input, Tensor(b!) residual, Tensor? weight, Tensor? bias, float epsilon) -> ()");
-  // out = gelu(input), the exact erf form (F.gelu), any shape, contiguous; out may be input (in place).
-  m.def("gelu(Tensor(a!) out, Tensor input) -> ()");
 
   // out [M, N] = input [M, K] @ W^T (+ bias [N]), W [N, K] given as panels of 16 output features:
   // weight [ceil(N / 16), K, 16] with weight[p, k, j] = W[16 p + j, k] (zeros past N). Each output is

@@ -5,7 +5,7 @@ several builds, one per instruction-set level, chosen at import (``isa.py``: ``c
 ``PAGEDGEN_CPU_ISA`` caps it).
 
 The model's fused small layers (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
-``silu_and_mul``, ``fused_add_layer_norm``, ``gelu``), the sampler's greedy ``argmax`` and its logprobs ``logprob_topk`` (up to
+``silu_and_mul``, ``fused_add_layer_norm``), the sampler's greedy ``argmax`` and its logprobs ``logprob_topk`` (up to
 ``LOGPROB_TOPK_MAX`` top logprobs) have CPU kernels only; elsewhere their reference,
 which is transformers' (or torch's) own sequence of PyTorch ops, is the implementation (no warning).
 ``packed_linear`` (the GEMM on panel-packed weights) has a CPU kernel in builds with AVX2 and FMA;
@@ -46,15 +46,13 @@ if _IMPORT_ERROR is None:
 __all__ = [
     "AttentionMetadata", "extension_available", "extension_error", "reshape_and_cache", "paged_attention", "varlen_attention", "copy_blocks",
     "swap_blocks", "reshape_and_cache_quantized", "paged_attention_quantized", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-    "silu_and_mul", "fused_add_layer_norm", "gelu", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "quantized_attention_reads_codes", "packed_linear",
+    "silu_and_mul", "fused_add_layer_norm", "argmax", "logprob_topk", "LOGPROB_TOPK_MAX", "kv_dequantize_blocks", "quantized_attention_reads_codes", "packed_linear",
     "packed_linear_bf16", "int8_linear", "int4_linear", "fp8_linear", "add_lora_linear", "has_kernel", "cpu_isa", "cpu_isa_features",
 ]
 
 #: the most top logprobs per row ``logprob_topk``'s kernel keeps (csrc/op_checks.h, vLLM's default
 #: max_logprobs); a larger k_max runs the reference
 LOGPROB_TOPK_MAX = 20
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes of the fused layer ops' kernels
 
 _OPS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")  # the paged KV-cache ops
 
@@ -245,13 +243,6 @@ def silu_and_mul(out, input) -> None:
 def fused_add_layer_norm(input, residual, weight, bias, epsilon: float) -> None:
     """See :func:`pagedgen.ops.reference.fused_add_layer_norm`."""
     _fused_impl("fused_add_layer_norm", input.device.type)(input, residual, weight, bias, epsilon)
-
-
-def gelu(out, input) -> None:
-    """See :func:`pagedgen.ops.reference.gelu`. The kernel takes contiguous float32 / bfloat16 /
-    float16 tensors; other inputs run the reference."""
-    kernel = input.is_contiguous() and out.is_contiguous() and input.dtype in _FLOAT_DTYPES
-    (_fused_impl("gelu", input.device.type) if kernel else reference.gelu)(out, input)
 
 
 def argmax(out, logits) -> None:

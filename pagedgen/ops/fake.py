@@ -83,10 +83,6 @@ def _fused_add_layer_norm(input, residual, weight, bias, epsilon) -> None:
     torch._check(residual.shape == input.shape, lambda: f"residual {residual.shape} and input {input.shape} differ")
 
 
-def _gelu(out, input) -> None:
-    torch._check(out.shape == input.shape, lambda: f"out {out.shape} and input {input.shape} differ")
-
-
 def _argmax(out, logits) -> None:
     torch._check(out.shape == logits.shape[:1], lambda: f"out {out.shape} does not fit logits {logits.shape}")
 
@@ -150,7 +146,6 @@ _FAKES = {
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "fused_add_layer_norm": _fused_add_layer_norm,
-    "gelu": _gelu,
     "argmax": _argmax,
     "logprob_topk": _logprob_topk,
     "kv_dequantize_blocks": _kv_dequantize_blocks,

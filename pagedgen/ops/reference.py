@@ -206,15 +206,6 @@ def fused_add_layer_norm(
     input.copy_(torch.nn.functional.layer_norm(residual, (residual.shape[-1],), weight, bias, epsilon))
 
 
-def gelu(
-    out: torch.Tensor,  # any shape, written in place; may be input itself
-    input: torch.Tensor,  # out's shape and dtype
-) -> None:
-    """out = gelu(input), the exact form x * 0.5 * (1 + erf(x / sqrt(2))) (Hendrycks & Gimpel 2016):
-    transformers' ``"gelu"`` activation, F.gelu."""
-    out.copy_(torch.nn.functional.gelu(input))
-
-
 def argmax(
     out: torch.Tensor,  # [num_rows] int64, written in place
     logits: torch.Tensor,  # [num_rows, vocab] float32, bfloat16 or float16

@@ -153,7 +153,7 @@ OP_TESTS = ["tests/ops/test_ops.py", "tests/ops/test_ops_checks.py", "tests/ops/
             "tests/ops/test_packed_linear.py",
             "tests/ops/test_packed_linear_amx.py", "tests/ops/test_ops_batch_invariance.py", "tests/ops/test_kv_quant.py",
             "tests/ops/test_add_lora_linear.py", "tests/ops/test_int4_linear.py", "tests/ops/test_fp8_linear.py",
-            "tests/ops/test_varlen_attention.py", "tests/ops/test_layer_norm_gelu.py"]
+            "tests/ops/test_varlen_attention.py", "tests/ops/test_layer_norm.py"]
 
 
 @pytest.mark.parametrize("level", isa.LEVELS)
