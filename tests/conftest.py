@@ -1,6 +1,8 @@
 """Shared fixtures: paths of ../shared (models, data) and a session-wide stories260K LLM."""
 import json
 import os
+import signal
+import threading
 
 import pytest
 
@@ -24,6 +26,26 @@ def story_openings(n: int, seed: int = 0) -> list[str]:
             if len(out) == n:
                 break
     return out
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored():
+    """Whatever a test does to SIGINT's handler is undone after it: a pytest-xdist worker runs many
+    test files in one process, and a Ctrl-C test needs Python's own handler (a CI run had three fail
+    with "DID NOT RAISE KeyboardInterrupt" after other files had run in their workers)."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if main else None
+    yield
+    if main and signal.getsignal(signal.SIGINT) is not before and before is not None:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt in the main thread) for this test, the one restored after."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture(scope="session")

@@ -230,7 +230,7 @@ def test_bad_sizes_are_refused_before_any_process(stories_path, monkeypatch):
 
 
 # functions run in the workers through collective_rpc (module level: pickled by name)
-def test_ctrl_c_in_the_driver_then_the_next_call_equals_a_fresh_llm(pp2, prompts, expected):
+def test_ctrl_c_in_the_driver_then_the_next_call_equals_a_fresh_llm(pp2, prompts, expected, default_sigint):
     executor = pp2.llm_engine.executor
     executor.collective_rpc(slow_steps, (0.2,))
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))

@@ -140,7 +140,7 @@ def test_exception_in_one_rank_then_fresh_group(tp1, tp2, prompts):
     assert _tokens(tp2.generate(prompts[:8], GREEDY, use_tqdm=False)) == expected  # fresh workers
 
 
-def test_ctrl_c_in_the_driver_at_tp2_then_the_next_call_equals_a_fresh_llm(tp1, tp2, prompts):
+def test_ctrl_c_in_the_driver_at_tp2_then_the_next_call_equals_a_fresh_llm(tp1, tp2, prompts, default_sigint):
     """SIGINT reaches the driver while both ranks run a step (they ignore it); the next call's
     outputs equal a fresh LLM's (the late replies are dropped, or the workers replaced if the
     interrupt cut a pipe read)."""

@@ -74,7 +74,7 @@ def test_exception_in_the_worker_names_the_rank_and_rolls_back(mp_llm, prompts, 
     assert _run(mp_llm, prompts) == expected  # the worker stays up; the next call is a fresh engine's
 
 
-def test_ctrl_c_in_the_driver_stops_the_step(mp_llm, prompts, expected):
+def test_ctrl_c_in_the_driver_stops_the_step(mp_llm, prompts, expected, default_sigint):
     executor = mp_llm.llm_engine.executor
     executor.collective_rpc(slow_steps, (0.3,))
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
